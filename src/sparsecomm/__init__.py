@@ -1,0 +1,35 @@
+"""sparsecomm: communication-efficient data-parallel training.
+
+A pipeline is sparsify → feedback → encode (index codec + value codec) → transport → decode,
+named by one spec string such as ``"topk(ratio=0.01)+residual+rice+fp16"``.
+"""
+
+from sparsecomm import components as _components  # noqa: F401  (fills the registries)
+from sparsecomm.errors import PayloadError, SparseCommError, SpecError
+from sparsecomm.payload import PayloadInfo, as_tensor, decode, encode, read_info
+from sparsecomm.pipeline import Pipeline
+from sparsecomm.registry import FEEDBACKS, INDEX_CODECS, SPARSIFIERS, VALUE_CODECS
+from sparsecomm.sparse_gradient import SparseGradient
+from sparsecomm.spec import PipelineSpec, format_spec, parse_spec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FEEDBACKS",
+    "INDEX_CODECS",
+    "SPARSIFIERS",
+    "VALUE_CODECS",
+    "PayloadError",
+    "PayloadInfo",
+    "Pipeline",
+    "PipelineSpec",
+    "SparseCommError",
+    "SparseGradient",
+    "SpecError",
+    "as_tensor",
+    "decode",
+    "encode",
+    "format_spec",
+    "parse_spec",
+    "read_info",
+]

@@ -1,0 +1,73 @@
+"""``rice``: Golomb-Rice code of the gaps between sorted indices — our near-entropy index codec.
+
+Gap g (zeros before an index) splits into a quotient ``g >> b`` in unary and ``b`` low bits. The
+two parts go in separate streams, so both encode and decode are whole-array operations. ``b`` is
+chosen per tensor to minimise the exact size. For uniformly spread indices this is within about
+1.5% of the information bound log2 C(N, k) at densities 1e-4..1e-1.
+Layout: ``b`` (1 byte), unary length (4 bytes LE), unary stream, ``nnz*b`` bits of low parts.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from sparsecomm.encode.base import IndexCodec
+from sparsecomm.encode.bits import pack_fixed, pack_unary, unpack_fixed, unpack_unary
+from sparsecomm.errors import PayloadError, SparseCommError
+from sparsecomm.registry import INDEX_CODECS
+
+_HEAD = struct.Struct("<BI")
+MAX_PARAMETER = 48
+
+
+def rice_size_bits(gaps: np.ndarray, b: int) -> int:
+    return int((gaps >> b).sum()) + gaps.size * (b + 1)
+
+
+def best_rice_parameter(gaps: np.ndarray) -> int:
+    """The ``b`` minimising the coded size: a start from the mean gap, then a local search."""
+    if gaps.size == 0:
+        return 0
+    mean = float(gaps.mean())
+    b = max(0, int(math.log2(mean * math.log(2))) if mean > 1 else 0)
+    size = rice_size_bits(gaps, b)
+    for step in (-1, 1):
+        while 0 <= b + step <= MAX_PARAMETER and (trial := rice_size_bits(gaps, b + step)) < size:
+            b, size = b + step, trial
+    return b
+
+
+@INDEX_CODECS.register("rice")
+@dataclass(frozen=True)
+class RiceIndices(IndexCodec):
+    parameter: int = -1
+    """Fixed ``b``; -1 chooses it per tensor."""
+
+    def __post_init__(self) -> None:
+        if not -1 <= self.parameter <= MAX_PARAMETER:
+            raise SparseCommError(f"rice parameter must be -1 (auto) or 0..{MAX_PARAMETER}")
+
+    def encode(self, indices: np.ndarray, numel: int) -> bytes:
+        gaps = (np.diff(indices, prepend=-1) - 1).astype(np.int64)
+        b = best_rice_parameter(gaps) if self.parameter < 0 else self.parameter
+        unary = pack_unary(gaps >> b)
+        low = pack_fixed((gaps & ((1 << b) - 1)).astype(np.uint64), b)
+        return _HEAD.pack(b, len(unary)) + unary + low
+
+    def decode(self, data: memoryview, numel: int, nnz: int) -> np.ndarray:
+        if len(data) < _HEAD.size:
+            raise PayloadError("rice stream shorter than its header")
+        b, unary_len = _HEAD.unpack_from(data)
+        if b > MAX_PARAMETER or _HEAD.size + unary_len > len(data):
+            raise PayloadError(f"rice header out of range (b={b}, unary bytes={unary_len})")
+        body = data[_HEAD.size :]
+        quotients = unpack_unary(body[:unary_len], nnz)
+        low = unpack_fixed(body[unary_len:], b, nnz).astype(np.int64)
+        if nnz and int(quotients.max()) > (numel >> b):
+            raise PayloadError("rice gap exceeds the tensor size")
+        gaps = (quotients << b) | low
+        return np.cumsum(gaps + 1) - 1

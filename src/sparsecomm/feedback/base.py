@@ -1,0 +1,21 @@
+"""The feedback interface: turn this step's gradient into the tensor to sparsify, then learn what
+was sent."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sparsecomm.registry import Component
+from sparsecomm.sparse_gradient import SparseGradient
+
+
+class Feedback(Component):
+    def accumulate(self, grad: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+        """The tensor to sparsify this step. Never modifies ``grad``."""
+        raise NotImplementedError
+
+    def update(self, accumulated: torch.Tensor, sent: SparseGradient, state: dict[str, Any]) -> None:
+        """Record that ``sent`` (indices and the values the receivers will decode) left."""
+        raise NotImplementedError

@@ -1,0 +1,36 @@
+"""``residual``: error feedback (SparCML Algorithm 1; DGC's local accumulation without momentum).
+
+    acc ← residual + grad;  send Q(sparsify(acc));  residual ← acc − Q(sparsify(acc))
+
+The residual keeps everything not yet delivered, including quantization error when the value
+codec is lossy, so over any number of steps  sum(sent) + residual = sum(grad).
+The residual is one buffer per tensor, updated in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sparsecomm.feedback.base import Feedback
+from sparsecomm.registry import FEEDBACKS
+from sparsecomm.sparse_gradient import SparseGradient
+
+
+@FEEDBACKS.register("residual")
+@dataclass(frozen=True)
+class Residual(Feedback):
+    def accumulate(self, grad: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+        residual = state.get("residual")
+        if residual is None or residual.shape != grad.shape or residual.dtype != grad.dtype:
+            residual = torch.zeros_like(grad)
+            state["residual"] = residual
+        residual.add_(grad)
+        return residual
+
+    def update(self, accumulated: torch.Tensor, sent: SparseGradient, state: dict[str, Any]) -> None:
+        flat = accumulated.view(-1)
+        indices = sent.indices.to(flat.device)
+        flat.index_put_((indices,), -sent.values.to(flat.device, flat.dtype), accumulate=True)

@@ -1,0 +1,238 @@
+"""The self-describing payload: one sparse gradient, encoded, in bytes that need nothing else to decode.
+
+Wire format, version 1 (all integers little-endian)::
+
+    offset  size  field
+    0       4     magic b"SPCM"
+    4       1     format version (1)
+    5       1     flags: bit 0 lossy indices, bit 1 lossy values
+    6       1     dtype code (1 float32, 2 float16, 3 bfloat16, 4 float64)
+    7       1     ndim (0..8)
+    8       8     numel
+    16      8     nnz
+    24      1     length of the index codec's spec text (1..255)
+    25      1     length of the value codec's spec text (1..255)
+    26      8     index section length
+    34      8     value section length
+    42      8*ndim  shape
+    ...           index codec spec text (ASCII, e.g. "rice"), value codec spec text (e.g. "qsgd(bits=4)")
+    ...           index section, value section
+    end-4   4     CRC32 of everything before it
+
+Bounds on decode: the CRC and every length are checked before any section is read; numel ≤
+2**48; nnz ≤ numel and nnz ≤ each codec's ``max_count`` for its section's size. So decoding a
+payload of B bytes allocates O(B) memory: at most about 400·B bytes for the bit-level index
+codecs and 1032·4·B for Deflate-coded values, whatever its header claims.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sparsecomm.encode.base import IndexCodec, ValueCodec
+from sparsecomm.encode.value.dtypes import DTYPE_BY_CODE, FLOAT_DTYPES
+from sparsecomm.errors import PayloadError, SparseCommError, SpecError
+from sparsecomm.registry import INDEX_CODECS, VALUE_CODECS
+from sparsecomm.sparse_gradient import SparseGradient
+from sparsecomm.spec import parse_component
+
+MAGIC = b"SPCM"
+FORMAT_VERSION = 1
+MAX_NDIM = 8
+MAX_NUMEL = 1 << 48
+FLAG_LOSSY_INDICES = 1
+FLAG_LOSSY_VALUES = 2
+_HEADER = struct.Struct("<4sBBBBQQBBQQ")
+_CRC = struct.Struct("<I")
+MIN_PAYLOAD = _HEADER.size + 2 + _CRC.size
+
+PayloadLike = bytes | bytearray | memoryview | torch.Tensor
+
+
+@dataclass(frozen=True)
+class PayloadInfo:
+    """What a payload's header says, without decoding the sections."""
+
+    version: int
+    flags: int
+    dtype: torch.dtype
+    shape: torch.Size
+    numel: int
+    nnz: int
+    index_codec: str
+    value_codec: str
+    index_bytes: int
+    value_bytes: int
+    total_bytes: int
+
+    @property
+    def lossless(self) -> bool:
+        return self.flags & (FLAG_LOSSY_INDICES | FLAG_LOSSY_VALUES) == 0
+
+
+def encode(
+    grad: SparseGradient,
+    index_codec: IndexCodec | str = "raw",
+    value_codec: ValueCodec | str = "fp32",
+    rng: np.random.Generator | None = None,
+) -> bytes:
+    """Encode a sparse gradient into a payload. Indices are sorted (values follow); duplicate or
+    out-of-range indices and non-finite values raise `SparseCommError`. ``rng`` feeds stochastic
+    value codecs (QSGD); by default a generator seeded with 0, so equal inputs give equal bytes."""
+    index_codec = _as_codec(INDEX_CODECS, index_codec)
+    value_codec = _as_codec(VALUE_CODECS, value_codec)
+    if grad.dtype not in FLOAT_DTYPES:
+        raise SparseCommError(f"values must be a float type ({', '.join(map(str, FLOAT_DTYPES))}), got {grad.dtype}")
+    if len(grad.shape) > MAX_NDIM or grad.numel > MAX_NUMEL:
+        raise SparseCommError(f"tensors up to {MAX_NDIM} dims and {MAX_NUMEL} elements are supported")
+    indices, values = _sorted_unique(grad)
+    if values.numel() and not bool(torch.isfinite(values).all()):
+        bad = int(torch.nonzero(~torch.isfinite(values))[0])
+        raise SparseCommError(f"non-finite value {values[bad].item()} at index {int(indices[bad])}")
+    index_section = index_codec.encode(indices, grad.numel)
+    value_section = value_codec.encode(values, rng if rng is not None else np.random.default_rng(0))
+    index_spec = index_codec.to_spec().encode("ascii")
+    value_spec = value_codec.to_spec().encode("ascii")
+    flags = (0 if index_codec.lossless else FLAG_LOSSY_INDICES) | (
+        0 if value_codec.lossless else FLAG_LOSSY_VALUES
+    )
+    header = _HEADER.pack(
+        MAGIC, FORMAT_VERSION, flags, FLOAT_DTYPES[grad.dtype], len(grad.shape), grad.numel, grad.nnz,
+        len(index_spec), len(value_spec), len(index_section), len(value_section),
+    )
+    body = b"".join(
+        [header, struct.pack(f"<{len(grad.shape)}Q", *grad.shape), index_spec, value_spec,
+         index_section, value_section]
+    )
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def decode(payload: PayloadLike, device: torch.device | str | None = None) -> SparseGradient:
+    """Decode a payload into a `SparseGradient` (indices ascending). Anything wrong with the bytes
+    raises `PayloadError` saying what."""
+    data = as_bytes(payload)
+    info, offsets = _read_header(data)
+    index_codec = _codec_from_wire(INDEX_CODECS, info.index_codec)
+    value_codec = _codec_from_wire(VALUE_CODECS, info.value_codec)
+    if info.nnz > index_codec.max_count(info.index_bytes, info.numel):
+        raise PayloadError(f"nnz {info.nnz} cannot fit in {info.index_bytes} bytes of {info.index_codec}")
+    if info.nnz > value_codec.max_count(info.value_bytes):
+        raise PayloadError(f"nnz {info.nnz} cannot fit in {info.value_bytes} bytes of {info.value_codec}")
+    view = memoryview(data)
+    index_start, value_start = offsets
+    try:
+        indices = index_codec.decode(view[index_start:value_start], info.numel, info.nnz)
+        values = value_codec.decode(view[value_start : value_start + info.value_bytes], info.nnz, info.dtype)
+    except PayloadError:
+        raise
+    except (ValueError, IndexError, OverflowError, TypeError, MemoryError) as err:
+        raise PayloadError(f"{info.index_codec}/{info.value_codec} section is malformed: {err}") from None
+    _check_indices(indices, info.nnz, info.numel)
+    grad = SparseGradient(torch.from_numpy(np.ascontiguousarray(indices)), values, info.shape)
+    return grad.to(device) if device is not None else grad
+
+
+def read_info(payload: PayloadLike) -> PayloadInfo:
+    """The header of a payload (CRC and lengths verified), without decoding its sections."""
+    return _read_header(as_bytes(payload))[0]
+
+
+def as_bytes(payload: PayloadLike) -> bytes:
+    if isinstance(payload, torch.Tensor):
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise PayloadError("a payload tensor must be 1-D uint8")
+        return payload.cpu().numpy().tobytes()
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return bytes(payload)
+    raise PayloadError(f"a payload is bytes or a uint8 tensor, got {type(payload).__name__}")
+
+
+def as_tensor(payload: bytes) -> torch.Tensor:
+    """A payload as a 1-D uint8 tensor, for collectives."""
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+
+
+# -- internals ----------------------------------------------------------------------------------
+def _as_codec(registry, codec):
+    if isinstance(codec, str):
+        return parse_component(registry, codec)
+    if codec.kind != registry.kind:
+        raise SparseCommError(f"{codec.name!r} is a {codec.kind} codec, not a {registry.kind} codec")
+    return codec
+
+
+def _codec_from_wire(registry, text: str):
+    try:
+        return parse_component(registry, text)
+    except SpecError as err:
+        raise PayloadError(f"payload names an unusable {registry.kind} codec: {err}") from None
+
+
+def _sorted_unique(grad: SparseGradient) -> tuple[np.ndarray, torch.Tensor]:
+    indices = grad.indices.detach().cpu().numpy().astype(np.int64, copy=False)
+    values = grad.values.detach().cpu()
+    if indices.size and not (np.diff(indices) > 0).all():
+        order = np.argsort(indices, kind="stable")
+        indices = indices[order]
+        values = values[torch.from_numpy(order)]
+    if indices.size:
+        if (np.diff(indices) == 0).any():
+            dup = int(indices[1:][np.diff(indices) == 0][0])
+            raise SparseCommError(f"duplicate index {dup}: a sparse gradient holds each index once")
+        if indices[0] < 0 or indices[-1] >= grad.numel:
+            raise SparseCommError(f"index out of range [0, {grad.numel})")
+    return indices, values
+
+
+def _read_header(data: bytes) -> tuple[PayloadInfo, tuple[int, int]]:
+    if len(data) < MIN_PAYLOAD:
+        raise PayloadError(f"payload of {len(data)} bytes is shorter than the {MIN_PAYLOAD}-byte minimum")
+    (magic, version, flags, dtype_code, ndim, numel, nnz, index_spec_len, value_spec_len,
+     index_bytes, value_bytes) = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise PayloadError(f"not a sparsecomm payload (magic {magic!r})")
+    if version != FORMAT_VERSION:
+        raise PayloadError(f"payload format version {version}; this sparsecomm reads version {FORMAT_VERSION}")
+    if ndim > MAX_NDIM:
+        raise PayloadError(f"payload claims {ndim} dimensions (max {MAX_NDIM})")
+    expected = _HEADER.size + 8 * ndim + index_spec_len + value_spec_len + index_bytes + value_bytes + _CRC.size
+    if expected != len(data):
+        raise PayloadError(f"payload is {len(data)} bytes but its header describes {expected} (truncated?)")
+    (crc,) = _CRC.unpack_from(data, len(data) - _CRC.size)
+    if zlib.crc32(memoryview(data)[: -_CRC.size]) != crc:
+        raise PayloadError("payload checksum mismatch (corrupted in transit?)")
+    if dtype_code not in DTYPE_BY_CODE:
+        raise PayloadError(f"unknown dtype code {dtype_code}")
+    if flags & ~(FLAG_LOSSY_INDICES | FLAG_LOSSY_VALUES):
+        raise PayloadError(f"unknown flags {flags:#x}")
+    offset = _HEADER.size
+    shape = torch.Size(struct.unpack_from(f"<{ndim}Q", data, offset))
+    offset += 8 * ndim
+    if numel > MAX_NUMEL or math.prod(shape) != numel:
+        raise PayloadError(f"shape {tuple(shape)} does not match numel {numel} (max {MAX_NUMEL})")
+    if nnz > numel:
+        raise PayloadError(f"nnz {nnz} exceeds numel {numel}")
+    try:
+        index_spec = data[offset : offset + index_spec_len].decode("ascii")
+        value_spec = data[offset + index_spec_len : offset + index_spec_len + value_spec_len].decode("ascii")
+    except UnicodeDecodeError:
+        raise PayloadError("codec names are not ASCII") from None
+    offset += index_spec_len + value_spec_len
+    info = PayloadInfo(
+        version, flags, DTYPE_BY_CODE[dtype_code], shape, numel, nnz, index_spec, value_spec,
+        index_bytes, value_bytes, len(data),
+    )
+    return info, (offset, offset + index_bytes)
+
+
+def _check_indices(indices: np.ndarray, nnz: int, numel: int) -> None:
+    if indices.shape != (nnz,):
+        raise PayloadError(f"index section decoded to {indices.size} indices, header says {nnz}")
+    if nnz and (indices[0] < 0 or indices[-1] >= numel or not (np.diff(indices) > 0).all()):
+        raise PayloadError("decoded indices are not strictly increasing inside the tensor")

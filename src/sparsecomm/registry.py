@@ -1,0 +1,131 @@
+"""Registries of pipeline components by name, and the base class that makes a component's
+parameters readable from and printable to a spec string."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Generic, TypeVar
+
+from sparsecomm.errors import SpecError
+
+ParamValue = int | float | bool | str
+
+
+class Component:
+    """Base of every registered component: a frozen dataclass whose fields are its parameters."""
+
+    name: ClassVar[str] = ""
+    kind: ClassVar[str] = ""
+
+    def params(self) -> dict[str, ParamValue]:
+        """Parameters that differ from their defaults, in declaration order."""
+        out: dict[str, ParamValue] = {}
+        for field in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, field.name)
+            if field.default is not dataclasses.MISSING and value == field.default:
+                continue
+            out[field.name] = value
+        return out
+
+    def to_spec(self) -> str:
+        from sparsecomm.spec import format_stage
+
+        return format_stage(self.name, self.params())
+
+
+C = TypeVar("C", bound=Component)
+
+_ALL_NAMES: dict[str, str] = {}  # name -> kind, so a bare name in a spec resolves unambiguously
+
+
+class Registry(Generic[C]):
+    """Components of one kind by name; ``@REGISTRY.register("name")`` adds a class."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._classes: dict[str, type[C]] = {}
+
+    def register(self, name: str) -> Callable[[type[C]], type[C]]:
+        def add(cls: type[C]) -> type[C]:
+            if name in _ALL_NAMES:
+                raise RuntimeError(f"component name {name!r} is already a {_ALL_NAMES[name]}")
+            if not dataclasses.is_dataclass(cls):
+                raise TypeError(f"{cls.__name__} must be a dataclass")
+            cls.name = name
+            cls.kind = self.kind
+            self._classes[name] = cls
+            _ALL_NAMES[name] = self.kind
+            return cls
+
+        return add
+
+    def names(self) -> list[str]:
+        return sorted(self._classes)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._classes
+
+    def get(self, name: str) -> type[C]:
+        try:
+            return self._classes[name]
+        except KeyError:
+            raise SpecError(
+                f"unknown {self.kind} {name!r}; valid names: {', '.join(self.names())}"
+            ) from None
+
+    def create(self, name: str, params: Mapping[str, ParamValue] | None = None) -> C:
+        """An instance of ``name`` with ``params`` converted to the declared field types."""
+        cls = self.get(name)
+        hints = typing.get_type_hints(cls)
+        fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        kwargs: dict[str, Any] = {}
+        for key, value in (params or {}).items():
+            if key not in fields:
+                valid = ", ".join(fields) or "none"
+                raise SpecError(f"{self.kind} {name!r} has no parameter {key!r}; parameters: {valid}")
+            kwargs[key] = _coerce(value, hints[key], f"{name}.{key}")
+        try:
+            return cls(**kwargs)
+        except SpecError:
+            raise
+        except (TypeError, ValueError) as err:
+            raise SpecError(f"{self.kind} {name!r}: {err}") from None
+
+
+def kind_of(name: str) -> str | None:
+    """The registry kind a component name belongs to, or None."""
+    return _ALL_NAMES.get(name)
+
+
+def _coerce(value: ParamValue, annotation: Any, where: str) -> ParamValue:
+    """Convert a parsed literal to a field's annotated type (``int``, ``float``, ``bool``, ``str``,
+    optionally ``| None``)."""
+    allowed = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    allowed = tuple(t for t in allowed if t is not type(None))
+    for target in allowed:
+        if target is bool and isinstance(value, bool):
+            return value
+        if target is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if target is int and isinstance(value, float) and value.is_integer():
+            return int(value)
+        if target is float and isinstance(value, int | float) and not isinstance(value, bool):
+            if not math.isfinite(float(value)):
+                raise SpecError(f"{where} must be finite, got {value!r}")
+            return float(value)
+        if target is str and isinstance(value, str):
+            return value
+    names = " or ".join(getattr(t, "__name__", str(t)) for t in allowed)
+    raise SpecError(f"{where} must be {names}, got {value!r}")
+
+
+# The four kinds of pipeline stage. Component modules add themselves with ``@X.register(name)``;
+# ``sparsecomm.components`` imports them all.
+SPARSIFIERS: Registry = Registry("sparsifier")
+FEEDBACKS: Registry = Registry("feedback")
+INDEX_CODECS: Registry = Registry("index")
+VALUE_CODECS: Registry = Registry("value")

@@ -1,0 +1,118 @@
+"""`SparseGradient`: the one value passed between sparsify, feedback, encode and decode."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from sparsecomm.errors import SparseCommError
+
+
+@dataclass(frozen=True)
+class SparseGradient:
+    """Nonzero entries of a tensor of ``shape``: flat int64 ``indices`` into the row-major layout and
+    their ``values``. Indices need not be sorted; they must be unique and inside ``[0, numel)``."""
+
+    indices: torch.Tensor
+    values: torch.Tensor
+    shape: torch.Size
+
+    def __post_init__(self) -> None:
+        if self.indices.dim() != 1 or self.values.dim() != 1:
+            raise SparseCommError("indices and values must be 1-D tensors")
+        if self.indices.numel() != self.values.numel():
+            raise SparseCommError(
+                f"{self.indices.numel()} indices but {self.values.numel()} values"
+            )
+        if self.indices.dtype != torch.int64:
+            object.__setattr__(self, "indices", self.indices.to(torch.int64))
+        if not isinstance(self.shape, torch.Size):
+            object.__setattr__(self, "shape", torch.Size(self.shape))
+
+    # -- properties ---------------------------------------------------------------------------
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nnz(self) -> int:
+        return self.indices.numel()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    @property
+    def density(self) -> float:
+        return self.nnz / self.numel if self.numel else 0.0
+
+    # -- conversions --------------------------------------------------------------------------
+    @classmethod
+    def from_dense(cls, tensor: torch.Tensor) -> SparseGradient:
+        """All nonzero entries of ``tensor``."""
+        flat = tensor.reshape(-1)
+        indices = torch.nonzero(flat).squeeze(1)
+        return cls(indices, flat[indices], tensor.shape)
+
+    @classmethod
+    def from_sparse_coo(cls, tensor: torch.Tensor) -> SparseGradient:
+        """From a torch sparse COO tensor (coalesced first, so duplicates are summed); values of a
+        hybrid tensor (dense trailing dims, as from ``nn.Embedding(sparse=True)``) are flattened."""
+        if not tensor.is_sparse:
+            raise SparseCommError("expected a sparse COO tensor")
+        coo = tensor.coalesce()
+        sparse_dims = coo.sparse_dim()
+        shape = coo.shape
+        strides = torch.tensor(
+            [math.prod(shape[d + 1 : sparse_dims]) for d in range(sparse_dims)], dtype=torch.int64
+        ).to(coo.device)
+        row_offsets = (coo.indices() * strides[:, None]).sum(0)
+        dense_block = math.prod(shape[sparse_dims:])
+        flat = row_offsets[:, None] * dense_block + torch.arange(dense_block, device=coo.device)
+        return cls(flat.reshape(-1), coo.values().reshape(-1), shape)
+
+    def to_dense(self) -> torch.Tensor:
+        out = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        out[self.indices] = self.values
+        return out.reshape(self.shape)
+
+    def to_sparse_coo(self) -> torch.Tensor:
+        """A coalesced sparse COO tensor with one sparse dimension per dimension of ``shape``."""
+        if len(self.shape) == 0:
+            coords = self.indices.reshape(0, -1)
+        else:
+            coords = torch.stack(torch.unravel_index(self.indices, self.shape))
+        return torch.sparse_coo_tensor(coords, self.values, self.shape).coalesce()
+
+    def sorted(self) -> SparseGradient:
+        """The same entries with indices in ascending order."""
+        order = torch.argsort(self.indices)
+        return SparseGradient(self.indices[order], self.values[order], self.shape)
+
+    def to(self, device: torch.device | str) -> SparseGradient:
+        return SparseGradient(self.indices.to(device), self.values.to(device), self.shape)
+
+    def validate(self) -> None:
+        """Raise `SparseCommError` unless indices are in range and unique."""
+        if self.nnz == 0:
+            return
+        lo, hi = int(self.indices.min()), int(self.indices.max())
+        if lo < 0 or hi >= self.numel:
+            raise SparseCommError(f"index out of range [0, {self.numel}): saw {lo}..{hi}")
+        ordered = torch.sort(self.indices).values
+        duplicate = ordered[1:] == ordered[:-1]
+        if bool(duplicate.any()):
+            first = int(ordered[1:][duplicate][0])
+            raise SparseCommError(f"duplicate index {first}: a sparse gradient holds each index once")
+
+    def __repr__(self) -> str:
+        return (
+            f"SparseGradient(shape={tuple(self.shape)}, nnz={self.nnz}, dtype={self.dtype}, "
+            f"device={self.device})"
+        )

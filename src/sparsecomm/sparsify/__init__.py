@@ -1,0 +1,13 @@
+"""Sparsifiers: each turns a dense tensor into a `SparseGradient` of the entries to send."""
+
+from sparsecomm.sparsify import (
+    block_topk,
+    bucketed_topk,
+    dgc_threshold,
+    nonzero,
+    randomk,
+    threshold,
+    topk,
+)
+
+__all__ = ["block_topk", "bucketed_topk", "dgc_threshold", "nonzero", "randomk", "threshold", "topk"]

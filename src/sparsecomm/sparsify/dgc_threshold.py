@@ -1,0 +1,105 @@
+"""``dgc``: Deep Gradient Compression's sampled threshold (§5 and its public code).
+
+1. Sample about ``sample`` of the magnitudes (strided, random start from the generator).
+2. Threshold = the smallest of the top ceil(samples·ratio) sampled magnitudes.
+3. Select |g| ≥ threshold in one pass. If far more than k are selected (> ``upper``·k), keep the
+   exact top-k of the selected; if too few (< ``lower``·k), lower the threshold by ``decay`` and
+   select again, at most ``retries`` times.
+The result reports itself through ``selected`` vs `target_count`; it is near k, not exactly k.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sparsecomm.errors import SparseCommError
+from sparsecomm.registry import SPARSIFIERS
+from sparsecomm.sparse_gradient import SparseGradient
+from sparsecomm.sparsify.base import Sparsifier, check_ratio_or_count, count_from, gather
+
+_CHUNK = 1 << 20  # elements per cache-sized block in the CPU pass
+
+
+class _MaskBuffers:
+    """Scratch buffers reused across calls of the CPU pass (one per process)."""
+
+    def __init__(self) -> None:
+        self.magnitudes = np.empty(_CHUNK, dtype=np.float32)
+        self.mask = np.empty(_CHUNK, dtype=bool)
+
+
+_BUFFERS = _MaskBuffers()
+
+
+def indices_at_or_above(flat: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Flat indices with |x| ≥ threshold. On the CPU: one cache-blocked numpy pass that never
+    materialises |x| for the whole tensor (about 3× faster than abs → ge → nonzero in torch)."""
+    if flat.device.type != "cpu" or flat.dtype != torch.float32:
+        return torch.nonzero(flat.abs() >= threshold).squeeze(1)
+    values = flat.detach().numpy()
+    found = []
+    magnitudes, mask = _BUFFERS.magnitudes, _BUFFERS.mask
+    for start in range(0, values.size, _CHUNK):
+        block = values[start : start + _CHUNK]
+        n = block.size
+        np.abs(block, out=magnitudes[:n])
+        np.greater_equal(magnitudes[:n], threshold, out=mask[:n])
+        hits = np.flatnonzero(mask[:n])
+        if hits.size:
+            found.append(hits + start)
+    merged = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+    return torch.from_numpy(merged.astype(np.int64, copy=False))
+
+
+@SPARSIFIERS.register("dgc")
+@dataclass(frozen=True)
+class DGCThreshold(Sparsifier):
+    ratio: float | None = None
+    k: int | None = None
+    sample: float = 0.01
+    upper: float = 1.3
+    lower: float = 0.8
+    decay: float = 0.8
+    retries: int = 4
+
+    def __post_init__(self) -> None:
+        check_ratio_or_count("dgc", self.ratio, self.k)
+        if not 0.0 < self.sample <= 1.0:
+            raise SparseCommError("dgc sample must be in (0, 1]")
+        if not (0.0 < self.lower <= 1.0 <= self.upper and 0.0 < self.decay < 1.0 and self.retries >= 0):
+            raise SparseCommError("dgc needs 0 < lower <= 1 <= upper, 0 < decay < 1, retries >= 0")
+
+    def target_count(self, numel: int) -> int:
+        return count_from(numel, self.ratio, self.k)
+
+    def sampled_threshold(self, flat: torch.Tensor, k: int, generator: torch.Generator | None) -> float:
+        numel = flat.numel()
+        stride = max(1, round(1.0 / self.sample))
+        if generator is not None and stride > 1:
+            start = int(torch.randint(stride, (1,), generator=generator, device=generator.device))
+        else:
+            start = 0
+        samples = flat[start::stride].abs()
+        top = min(samples.numel(), max(1, math.ceil(samples.numel() * k / numel)))
+        return float(torch.topk(samples, top, sorted=False).values.min())
+
+    def sparsify(self, tensor: torch.Tensor, generator: torch.Generator | None = None) -> SparseGradient:
+        flat = tensor.reshape(-1)
+        k = self.target_count(flat.numel())
+        if k == 0:
+            return gather(tensor, torch.zeros(0, dtype=torch.int64, device=flat.device))
+        threshold = self.sampled_threshold(flat, k, generator)
+        indices = indices_at_or_above(flat, threshold).to(flat.device)
+        for _ in range(self.retries):
+            if indices.numel() >= self.lower * k or threshold == 0.0:
+                break
+            threshold *= self.decay
+            indices = indices_at_or_above(flat, threshold).to(flat.device)
+        if indices.numel() > self.upper * k:
+            _, best = torch.topk(flat[indices].abs(), k, sorted=False)
+            indices = indices[best]
+        return gather(tensor, indices)

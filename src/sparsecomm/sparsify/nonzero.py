@@ -1,0 +1,18 @@
+"""``nonzero``: send every nonzero entry — for gradients that are sparse already (embeddings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparsecomm.registry import SPARSIFIERS
+from sparsecomm.sparse_gradient import SparseGradient
+from sparsecomm.sparsify.base import Sparsifier
+
+
+@SPARSIFIERS.register("nonzero")
+@dataclass(frozen=True)
+class Nonzero(Sparsifier):
+    def sparsify(self, tensor: torch.Tensor, generator: torch.Generator | None = None) -> SparseGradient:
+        return SparseGradient.from_dense(tensor)
