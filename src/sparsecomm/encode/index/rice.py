@@ -4,23 +4,22 @@ Gap g (zeros before an index) splits into a quotient ``g >> b`` in unary and ``b
 two parts go in separate streams, so both encode and decode are whole-array operations. ``b`` is
 chosen per tensor to minimise the exact size. For uniformly spread indices this is within about
 1.5% of the information bound log2 C(N, k) at densities 1e-4..1e-1.
-Layout: ``b`` (1 byte), unary length (4 bytes LE), unary stream, ``nnz*b`` bits of low parts.
+Layout: ``b`` (1 byte), unary stream, then ``nnz*b`` bits of low parts (their size is known, so
+the unary stream's length is implied).
 """
 
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass
 
 import numpy as np
 
 from sparsecomm.encode.base import IndexCodec
-from sparsecomm.encode.bits import pack_fixed, pack_unary, unpack_fixed, unpack_unary
+from sparsecomm.encode.bits import nbytes_for_bits, pack_fixed, pack_unary, unpack_fixed, unpack_unary
 from sparsecomm.errors import PayloadError, SparseCommError
 from sparsecomm.registry import INDEX_CODECS
 
-_HEAD = struct.Struct("<BI")
 MAX_PARAMETER = 48
 
 
@@ -56,17 +55,18 @@ class RiceIndices(IndexCodec):
         b = best_rice_parameter(gaps) if self.parameter < 0 else self.parameter
         unary = pack_unary(gaps >> b)
         low = pack_fixed((gaps & ((1 << b) - 1)).astype(np.uint64), b)
-        return _HEAD.pack(b, len(unary)) + unary + low
+        return bytes([b]) + unary + low
 
     def decode(self, data: memoryview, numel: int, nnz: int) -> np.ndarray:
-        if len(data) < _HEAD.size:
-            raise PayloadError("rice stream shorter than its header")
-        b, unary_len = _HEAD.unpack_from(data)
-        if b > MAX_PARAMETER or _HEAD.size + unary_len > len(data):
-            raise PayloadError(f"rice header out of range (b={b}, unary bytes={unary_len})")
-        body = data[_HEAD.size :]
-        quotients = unpack_unary(body[:unary_len], nnz)
-        low = unpack_fixed(body[unary_len:], b, nnz).astype(np.int64)
+        if len(data) < 1:
+            raise PayloadError("rice stream is empty")
+        b = data[0]
+        low_bytes = nbytes_for_bits(nnz * b)
+        if b > MAX_PARAMETER or 1 + low_bytes > len(data):
+            raise PayloadError(f"rice stream of {len(data)} bytes cannot hold {nnz} indices with b={b}")
+        unary_end = len(data) - low_bytes
+        quotients = unpack_unary(data[1:unary_end], nnz)
+        low = unpack_fixed(data[unary_end:], b, nnz).astype(np.int64)
         if nnz and int(quotients.max()) > (numel >> b):
             raise PayloadError("rice gap exceeds the tensor size")
         gaps = (quotients << b) | low

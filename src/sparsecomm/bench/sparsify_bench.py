@@ -1,0 +1,55 @@
+"""``sparsecomm bench sparsify``: every sparsifier next to torch.topk and one memory pass."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from sparsecomm.bench.sources import make_gradient
+from sparsecomm.bench.timing import time_ms
+from sparsecomm.registry import SPARSIFIERS
+from sparsecomm.sparsify.base import count_from
+
+
+def default_sparsifiers(density: float, threshold: float) -> list[str]:
+    return [
+        f"topk(ratio={density!r})",
+        f"dgc(ratio={density!r})",
+        f"randomk(ratio={density!r})",
+        f"threshold(value={threshold!r})",
+        f"block_topk(ratio={density!r})",
+        f"bucketed_topk(ratio={density!r})",
+    ]
+
+
+def run(numel: int, density: float, source: str = "normal", repeat: int = 5, seed: int = 0,
+        sparsifiers: list[str] | None = None) -> dict[str, Any]:
+    from sparsecomm.spec import parse_component
+
+    grad = make_gradient(source, numel, seed)
+    numel = grad.numel()
+    k = count_from(numel, density, None)
+    topk_ms, (top_values, _) = time_ms(lambda: torch.topk(grad.abs(), k, sorted=False), repeat)
+    pass_ms, _ = time_ms(lambda: grad.sum(), repeat)
+    threshold = float(top_values.min())  # the absolute threshold that selects exactly k here
+    rows = []
+    for text in tqdm(sparsifiers or default_sparsifiers(density, threshold), desc="sparsifiers", disable=None):
+        sparsifier = parse_component(SPARSIFIERS, text)
+        generator = torch.Generator().manual_seed(seed)
+        ms, selection = time_ms(lambda s=sparsifier, g=generator: s.sparsify(grad, g), repeat)  # type: ignore[misc]
+        target = sparsifier.target_count(numel)  # type: ignore[attr-defined]
+        rows.append({
+            "sparsifier": sparsifier.to_spec(),
+            "ms": ms,
+            "speedup_vs_topk": topk_ms / ms if ms > 0 else float("inf"),
+            "selected": selection.nnz,
+            "target": target if target is not None else k,
+            "selected_over_target": selection.nnz / (target or k) if (target or k) else 0.0,
+        })
+    return {
+        "benchmark": "sparsify", "numel": numel, "density": density, "source": source, "k": k,
+        "repeat": repeat, "topk_ms": topk_ms, "pass_ms": pass_ms, "threads": torch.get_num_threads(),
+        "rows": rows,
+    }

@@ -1,0 +1,110 @@
+"""The ``sparsecomm`` command line: ``sparsecomm bench sparsify|codecs ...``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from sparsecomm.cli.table import format_table, write_json
+from sparsecomm.errors import SparseCommError
+
+
+def _densities(text: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"densities are numbers separated by commas, got {text!r}") from None
+    if not values or any(not 0 < d <= 1 for d in values):
+        raise argparse.ArgumentTypeError("each density must be in (0, 1]")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    value = int(float(text))
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sparsecomm", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    bench = commands.add_parser("bench", help="benchmarks: a table on stdout, --json for machines")
+    benches = bench.add_subparsers(dest="bench", required=True)
+
+    def common(sub: argparse.ArgumentParser, numel: int, density: str) -> None:
+        sub.add_argument("--numel", type=_positive_int, default=numel, help="gradient size (default %(default)s)")
+        sub.add_argument("--density", type=_densities, default=_densities(density),
+                         help="fraction kept; comma-separated for several (default %(default)s)")
+        sub.add_argument("--source", default="mlp",
+                         help="normal, laplace, mlp (a real MLP gradient; default) or a .npy dense gradient")
+        sub.add_argument("--repeat", type=_positive_int, default=5, help="timed repeats, median kept")
+        sub.add_argument("--seed", type=int, default=0)
+        sub.add_argument("--json", metavar="PATH", help="write the results as JSON")
+
+    sparsify = benches.add_parser("sparsify", help="each sparsifier next to torch.topk and one memory pass")
+    common(sparsify, 25_557_032, "0.001")
+    sparsify.add_argument("--sparsifier", action="append", metavar="SPEC",
+                          help="a sparsifier spec to run (repeatable; default: all)")
+
+    codecs = benches.add_parser("codecs", help="bits, speed and error of every index and value codec")
+    common(codecs, 1_000_000, "0.0001,0.001,0.01,0.1")
+    codecs.add_argument("--pair", action="append", metavar="INDEX/VALUE",
+                        help="an index/value codec pair such as 'rice/qsgd(bits=4)' (repeatable; default: all)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.bench == "sparsify":
+            return _bench_sparsify(args)
+        return _bench_codecs(args)
+    except SparseCommError as err:
+        print(f"sparsecomm: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _bench_sparsify(args: argparse.Namespace) -> int:
+    from sparsecomm.bench import sparsify_bench
+
+    results = []
+    for density in args.density:
+        result = sparsify_bench.run(args.numel, density, args.source, args.repeat, args.seed, args.sparsifier)
+        results.append(result)
+        print(f"\nsparsify: numel={result['numel']:,} density={density} k={result['k']:,} "
+              f"source={args.source} threads={result['threads']}")
+        print(f"torch.topk: {result['topk_ms']:.2f} ms   one pass (sum): {result['pass_ms']:.2f} ms\n")
+        print(format_table(result["rows"], ["sparsifier", "ms", "speedup_vs_topk", "selected", "target",
+                                            "selected_over_target"]))
+    if args.json:
+        write_json(args.json, results[0] if len(results) == 1 else {"benchmark": "sparsify", "runs": results})
+    return 0
+
+
+def _bench_codecs(args: argparse.Namespace) -> int:
+    from sparsecomm.bench import codecs_bench
+
+    pairs = None
+    if args.pair:
+        pairs = []
+        for text in args.pair:
+            index_text, sep, value_text = text.partition("/")
+            if not sep:
+                raise SparseCommError(f"--pair takes INDEX/VALUE, got {text!r}")
+            pairs.append((index_text.strip(), value_text.strip()))
+    result = codecs_bench.run(args.numel, args.density, args.source, args.repeat, args.seed, pairs)
+    print(f"\ncodecs: numel={result['numel']:,} source={args.source} repeat={args.repeat} "
+          f"threads={result['threads']}  (bits per nonzero; bound = log2 C(N,k)/k)\n")
+    print(format_table(result["rows"], [
+        "density", "index_codec", "value_codec", "index_bits_per_nnz", "bound_bits_per_nnz",
+        "index_over_bound_pct", "value_bits_per_nnz", "encode_ms", "decode_ms", "rel_l2_error", "lossless",
+    ]))
+    if args.json:
+        write_json(args.json, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
