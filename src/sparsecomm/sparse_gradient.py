@@ -88,7 +88,7 @@ class SparseGradient:
             coords = self.indices.reshape(0, -1)
         else:
             coords = torch.stack(torch.unravel_index(self.indices, self.shape))
-        return torch.sparse_coo_tensor(coords, self.values, self.shape).coalesce()
+        return torch.sparse_coo_tensor(coords, self.values, self.shape, check_invariants=True).coalesce()
 
     def sorted(self) -> SparseGradient:
         """The same entries with indices in ascending order."""

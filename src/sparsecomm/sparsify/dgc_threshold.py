@@ -13,47 +13,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from sparsecomm.errors import SparseCommError
 from sparsecomm.registry import SPARSIFIERS
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.sparsify.base import Sparsifier, check_ratio_or_count, count_from, gather
-
-_CHUNK = 1 << 20  # elements per cache-sized block in the CPU pass
-
-
-class _MaskBuffers:
-    """Scratch buffers reused across calls of the CPU pass (one per process)."""
-
-    def __init__(self) -> None:
-        self.magnitudes = np.empty(_CHUNK, dtype=np.float32)
-        self.mask = np.empty(_CHUNK, dtype=bool)
-
-
-_BUFFERS = _MaskBuffers()
-
-
-def indices_at_or_above(flat: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Flat indices with |x| ≥ threshold. On the CPU: one cache-blocked numpy pass that never
-    materialises |x| for the whole tensor (about 3× faster than abs → ge → nonzero in torch)."""
-    if flat.device.type != "cpu" or flat.dtype != torch.float32:
-        return torch.nonzero(flat.abs() >= threshold).squeeze(1)
-    values = flat.detach().numpy()
-    found = []
-    magnitudes, mask = _BUFFERS.magnitudes, _BUFFERS.mask
-    for start in range(0, values.size, _CHUNK):
-        block = values[start : start + _CHUNK]
-        n = block.size
-        np.abs(block, out=magnitudes[:n])
-        np.greater_equal(magnitudes[:n], threshold, out=mask[:n])
-        hits = np.flatnonzero(mask[:n])
-        if hits.size:
-            found.append(hits + start)
-    merged = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
-    return torch.from_numpy(merged.astype(np.int64, copy=False))
-
+from sparsecomm.sparsify.threshold import indices_at_or_above
 
 @SPARSIFIERS.register("dgc")
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ DTYPE_BY_CODE = {code: dtype for dtype, code in FLOAT_DTYPES.items()}
 def tensor_bytes(values: torch.Tensor) -> np.ndarray:
     """The raw bytes of a CPU tensor as a (n, itemsize) uint8 array."""
     flat = values.detach().reshape(-1).contiguous().cpu()
+    if flat.numel() == 0:
+        return np.zeros((0, flat.element_size()), dtype=np.uint8)
     return flat.view(torch.uint8).numpy().reshape(flat.numel(), flat.element_size())
 
 
@@ -28,4 +30,6 @@ def tensor_from_bytes(data: bytes | memoryview | np.ndarray, dtype: torch.dtype,
     raw = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1)
     if raw.size != count * itemsize:
         raise PayloadError(f"{count} values of {dtype} need {count * itemsize} bytes, got {raw.size}")
+    if count == 0:
+        return torch.zeros(0, dtype=dtype)
     return torch.from_numpy(raw.copy()).view(dtype)

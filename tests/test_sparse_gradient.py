@@ -1,0 +1,50 @@
+"""The one data type between stages: conversions and validation."""
+
+import pytest
+import torch
+
+import sparsecomm as sc
+from sparsecomm import SparseGradient
+
+
+def test_dense_round_trip_keeps_shape_and_values():
+    dense = torch.tensor([[0.0, 1.5, 0.0], [-2.0, 0.0, 0.25]])
+    grad = SparseGradient.from_dense(dense)
+    assert grad.nnz == 3 and grad.numel == 6 and grad.shape == dense.shape
+    assert grad.indices.tolist() == [1, 3, 5]
+    assert torch.equal(grad.to_dense(), dense)
+
+
+def test_sparse_coo_round_trip():
+    dense = torch.zeros(4, 5)
+    dense[1, 2], dense[3, 0] = 7.0, -1.0
+    grad = SparseGradient.from_sparse_coo(dense.to_sparse())
+    assert torch.equal(grad.to_dense(), dense)
+    assert torch.equal(grad.to_sparse_coo().to_dense(), dense)
+
+
+def test_hybrid_coo_from_sparse_embedding_is_flattened_row_major():
+    embedding = torch.nn.Embedding(10, 3, sparse=True)
+    embedding(torch.tensor([2, 7, 2])).sum().backward()
+    grad = SparseGradient.from_sparse_coo(embedding.weight.grad)
+    assert grad.shape == (10, 3)
+    assert sorted(grad.indices.tolist()) == [6, 7, 8, 21, 22, 23]
+    assert torch.equal(grad.to_dense(), embedding.weight.grad.to_dense())  # duplicates summed
+
+
+def test_validate_rejects_duplicates_and_out_of_range():
+    with pytest.raises(sc.SparseCommError, match="duplicate index 3"):
+        SparseGradient(torch.tensor([3, 1, 3]), torch.ones(3), torch.Size([5])).validate()
+    with pytest.raises(sc.SparseCommError, match="out of range"):
+        SparseGradient(torch.tensor([5]), torch.ones(1), torch.Size([5])).validate()
+
+
+def test_mismatched_lengths_are_rejected_at_construction():
+    with pytest.raises(sc.SparseCommError, match="2 indices but 1 values"):
+        SparseGradient(torch.tensor([0, 1]), torch.ones(1), torch.Size([4]))
+
+
+def test_empty_gradient():
+    grad = SparseGradient.from_dense(torch.zeros(0))
+    assert grad.nnz == 0 and grad.numel == 0 and grad.density == 0.0
+    assert grad.to_dense().shape == (0,)
