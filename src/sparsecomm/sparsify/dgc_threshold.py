@@ -5,6 +5,7 @@
 3. Select |g| ≥ threshold in one pass. If far more than k are selected (> ``upper``·k), keep the
    exact top-k of the selected; if too few (< ``lower``·k), lower the threshold by ``decay`` and
    select again, at most ``retries`` times.
+Tensors whose sample would hold fewer than ``MIN_SAMPLES`` entries use an exact top-k instead.
 The result reports itself through ``selected`` vs `target_count`; it is near k, not exactly k.
 """
 
@@ -20,6 +21,9 @@ from sparsecomm.registry import SPARSIFIERS
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.sparsify.base import Sparsifier, check_ratio_or_count, count_from, gather
 from sparsecomm.sparsify.threshold import indices_at_or_above
+
+MIN_SAMPLES = 100
+
 
 @SPARSIFIERS.register("dgc")
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ class DGCThreshold(Sparsifier):
         numel = flat.numel()
         stride = max(1, round(1.0 / self.sample))
         if generator is not None and stride > 1:
-            start = int(torch.randint(stride, (1,), generator=generator, device=generator.device))
+            start = int(torch.randint(min(stride, numel), (1,), generator=generator, device=generator.device))
         else:
             start = 0
         samples = flat[start::stride].abs()
@@ -58,6 +62,8 @@ class DGCThreshold(Sparsifier):
         k = self.target_count(flat.numel())
         if k == 0:
             return gather(tensor, torch.zeros(0, dtype=torch.int64, device=flat.device))
+        if flat.numel() * self.sample < MIN_SAMPLES:  # too small to sample well; exact is cheap here
+            return gather(tensor, torch.topk(flat.abs(), k, sorted=False).indices)
         threshold = self.sampled_threshold(flat, k, generator)
         indices = indices_at_or_above(flat, threshold).to(flat.device)
         for _ in range(self.retries):

@@ -1,0 +1,56 @@
+"""Golden bytes: each codec's wire format, frozen. A failure here means the format changed; if that
+was deliberate, bump `FORMAT_VERSION` (when old payloads can no longer be read) and regenerate with
+``python tests/test_golden_bytes.py --update``."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import sparsecomm as sc
+
+GOLDEN = Path(__file__).parent / "golden" / "payloads.json"
+
+# values exact in fp16 and bf16, gaps that exercise every codec's branches
+GRAD = sc.SparseGradient(
+    torch.tensor([38, 0, 3, 4, 17, 300]),
+    torch.tensor([2.0, 0.5, -1.25, 3.0, -0.0625, 96.0]),
+    torch.Size([20, 16]),
+)
+CASES = {
+    **{f"{name}+fp32": (name, "fp32") for name in
+       ["raw", "raw(bits=64)", "bitmap", "rle", "delta_binary", "huffman", "rice", "rice(parameter=2)"]},
+    **{f"raw+{name}": ("raw", name) for name in
+       ["fp16", "bf16", "qsgd", "qsgd(bits=2,bucket=4)", "deflate", "deflate(shuffle=false)", "zstd"]},
+}
+
+
+def encode_case(index_codec: str, value_codec: str) -> bytes:
+    return sc.encode(GRAD, index_codec, value_codec, rng=np.random.default_rng(1234))
+
+
+# Deflate and Zstandard output depends on the compression library's build, not on our format:
+# for those, the golden payloads must still decode, but fresh bytes may differ.
+LIBRARY_COMPRESSED = {"raw+deflate", "raw+deflate(shuffle=false)", "raw+zstd"}
+
+
+@pytest.mark.parametrize("case", sorted(set(CASES) - LIBRARY_COMPRESSED))
+def test_wire_bytes_are_unchanged(case):
+    golden = json.loads(GOLDEN.read_text())
+    assert encode_case(*CASES[case]).hex() == golden[case], f"wire format of {case} changed"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_golden_payloads_still_decode(case):
+    decoded = sc.decode(bytes.fromhex(json.loads(GOLDEN.read_text())[case]))
+    assert decoded.indices.tolist() == [0, 3, 4, 17, 38, 300]
+    if not case.startswith("raw+qsgd"):
+        assert decoded.values.tolist() == [0.5, -1.25, 3.0, -0.0625, 2.0, 96.0]
+
+
+if __name__ == "__main__" and "--update" in sys.argv:
+    GOLDEN.write_text(json.dumps({k: encode_case(*v).hex() for k, v in sorted(CASES.items())}, indent=1) + "\n")
+    print(f"wrote {GOLDEN}")
