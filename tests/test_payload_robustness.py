@@ -8,9 +8,9 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from helpers import random_sparse
 
 import sparsecomm as sc
+from helpers import random_sparse
 from sparsecomm.payload import _HEADER, FORMAT_VERSION
 
 PAIRS = [(i, v) for i in ["raw", "bitmap", "rle", "delta_binary", "huffman", "rice"]

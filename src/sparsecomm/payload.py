@@ -31,6 +31,7 @@ import math
 import struct
 import zlib
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -38,7 +39,7 @@ import torch
 from sparsecomm.encode.base import IndexCodec, ValueCodec
 from sparsecomm.encode.value.dtypes import DTYPE_BY_CODE, FLOAT_DTYPES
 from sparsecomm.errors import PayloadError, SparseCommError, SpecError
-from sparsecomm.registry import INDEX_CODECS, VALUE_CODECS
+from sparsecomm.registry import INDEX_CODECS, VALUE_CODECS, Component, Registry
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.spec import parse_component
 
@@ -52,6 +53,7 @@ _HEADER = struct.Struct("<4sBBBBQQBBQQ")
 _CRC = struct.Struct("<I")
 MIN_PAYLOAD = _HEADER.size + 2 + _CRC.size
 
+CodecT = TypeVar("CodecT", IndexCodec, ValueCodec)
 PayloadLike = bytes | bytearray | memoryview | torch.Tensor
 
 
@@ -85,8 +87,8 @@ def encode(
     """Encode a sparse gradient into a payload. Indices are sorted (values follow); duplicate or
     out-of-range indices and non-finite values raise `SparseCommError`. ``rng`` feeds stochastic
     value codecs (QSGD); by default a generator seeded with 0, so equal inputs give equal bytes."""
-    index_codec = _as_codec(INDEX_CODECS, index_codec)
-    value_codec = _as_codec(VALUE_CODECS, value_codec)
+    index = _as_codec(INDEX_CODECS, index_codec, IndexCodec)
+    value = _as_codec(VALUE_CODECS, value_codec, ValueCodec)
     if grad.dtype not in FLOAT_DTYPES:
         raise SparseCommError(f"values must be a float type ({', '.join(map(str, FLOAT_DTYPES))}), got {grad.dtype}")
     if len(grad.shape) > MAX_NDIM or grad.numel > MAX_NUMEL:
@@ -95,13 +97,11 @@ def encode(
     if values.numel() and not bool(torch.isfinite(values).all()):
         bad = int(torch.nonzero(~torch.isfinite(values))[0])
         raise SparseCommError(f"non-finite value {values[bad].item()} at index {int(indices[bad])}")
-    index_section = index_codec.encode(indices, grad.numel)
-    value_section = value_codec.encode(values, rng if rng is not None else np.random.default_rng(0))
-    index_spec = index_codec.to_spec().encode("ascii")
-    value_spec = value_codec.to_spec().encode("ascii")
-    flags = (0 if index_codec.lossless else FLAG_LOSSY_INDICES) | (
-        0 if value_codec.lossless else FLAG_LOSSY_VALUES
-    )
+    index_section = index.encode(indices, grad.numel)
+    value_section = value.encode(values, rng if rng is not None else np.random.default_rng(0))
+    index_spec = index.to_spec().encode("ascii")
+    value_spec = value.to_spec().encode("ascii")
+    flags = (0 if index.lossless else FLAG_LOSSY_INDICES) | (0 if value.lossless else FLAG_LOSSY_VALUES)
     header = _HEADER.pack(
         MAGIC, FORMAT_VERSION, flags, FLOAT_DTYPES[grad.dtype], len(grad.shape), grad.numel, grad.nnz,
         len(index_spec), len(value_spec), len(index_section), len(value_section),
@@ -118,8 +118,8 @@ def decode(payload: PayloadLike, device: torch.device | str | None = None) -> Sp
     raises `PayloadError` saying what."""
     data = as_bytes(payload)
     info, offsets = _read_header(data)
-    index_codec = _codec_from_wire(INDEX_CODECS, info.index_codec)
-    value_codec = _codec_from_wire(VALUE_CODECS, info.value_codec)
+    index_codec = _codec_from_wire(INDEX_CODECS, info.index_codec, IndexCodec)
+    value_codec = _codec_from_wire(VALUE_CODECS, info.value_codec, ValueCodec)
     if info.nnz > index_codec.max_count(info.index_bytes, info.numel):
         raise PayloadError(f"nnz {info.nnz} cannot fit in {info.index_bytes} bytes of {info.index_codec}")
     if info.nnz > value_codec.max_count(info.value_bytes):
@@ -159,17 +159,16 @@ def as_tensor(payload: bytes) -> torch.Tensor:
 
 
 # -- internals ----------------------------------------------------------------------------------
-def _as_codec(registry, codec):
-    if isinstance(codec, str):
-        return parse_component(registry, codec)
-    if codec.kind != registry.kind:
-        raise SparseCommError(f"{codec.name!r} is a {codec.kind} codec, not a {registry.kind} codec")
-    return codec
+def _as_codec(registry: Registry, codec: Component | str, kind: type[CodecT]) -> CodecT:
+    component = parse_component(registry, codec) if isinstance(codec, str) else codec
+    if not isinstance(component, kind):
+        raise SparseCommError(f"{component.name!r} is a {component.kind}, not a {registry.kind} codec")
+    return component
 
 
-def _codec_from_wire(registry, text: str):
+def _codec_from_wire(registry: Registry, text: str, kind: type[CodecT]) -> CodecT:
     try:
-        return parse_component(registry, text)
+        return _as_codec(registry, text, kind)
     except SpecError as err:
         raise PayloadError(f"payload names an unusable {registry.kind} codec: {err}") from None
 

@@ -61,20 +61,16 @@ class Pipeline:
             state.generator = torch.Generator(device=grad.device).manual_seed(
                 (self.seed << 32) ^ key_hash
             )
-        accumulated = self.spec.feedback.accumulate(grad.detach(), state.feedback)  # type: ignore[attr-defined]
-        selection: SparseGradient = self.spec.sparsifier.sparsify(accumulated, state.generator)  # type: ignore[attr-defined]
+        spec = self.spec
+        accumulated = spec.feedback.accumulate(grad.detach(), state.feedback)
+        selection: SparseGradient = spec.sparsifier.sparsify(accumulated, state.generator)
         rng = np.random.default_rng([self.seed, key_hash, state.step])
-        payload = encode(selection, self.spec.index_codec, self.spec.value_codec, rng=rng)  # type: ignore[arg-type]
-        if not self.spec.value_codec.lossless:  # type: ignore[attr-defined]
+        payload = encode(selection, spec.index_codec, spec.value_codec, rng=rng)
+        if not spec.value_codec.lossless:
             selection = decode(payload, device=grad.device)  # error feedback sees what receivers see
-        self.spec.feedback.update(accumulated, selection, state.feedback)  # type: ignore[attr-defined]
+        spec.feedback.update(accumulated, selection, state.feedback)
         state.step += 1
-        state.last = StepReport(
-            selection.nnz,
-            self.spec.sparsifier.target_count(grad.numel()),  # type: ignore[attr-defined]
-            grad.numel(),
-            len(payload),
-        )
+        state.last = StepReport(selection.nnz, spec.sparsifier.target_count(grad.numel()), grad.numel(), len(payload))
         return payload
 
     def state_dict(self) -> dict[str, Any]:

@@ -16,9 +16,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 from sparsecomm.errors import SpecError
 from sparsecomm.registry import Component, ParamValue, Registry, kind_of
+
+if TYPE_CHECKING:
+    from sparsecomm.encode.base import IndexCodec, ValueCodec
+    from sparsecomm.feedback.base import Feedback
+    from sparsecomm.sparsify.base import Sparsifier
 
 _STAGE = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:\((.*?)\))?\s*$", re.DOTALL)
 _PARAM = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*([^,=()\s]+)\s*$")
@@ -115,10 +121,10 @@ def parse_component(registry: Registry, text: str) -> Component:
 class PipelineSpec:
     """The four stages of a pipeline, as component instances."""
 
-    sparsifier: Component
-    feedback: Component
-    index_codec: Component
-    value_codec: Component
+    sparsifier: Sparsifier
+    feedback: Feedback
+    index_codec: IndexCodec
+    value_codec: ValueCodec
 
     def __str__(self) -> str:
         return format_spec(self)
@@ -147,7 +153,12 @@ def parse_spec(spec: str | PipelineSpec) -> PipelineSpec:
     for kind in _STAGE_ORDER:
         if kind not in chosen:
             chosen[kind] = registries[kind].create(_DEFAULTS[kind])
-    return PipelineSpec(chosen["sparsifier"], chosen["feedback"], chosen["index"], chosen["value"])
+    return PipelineSpec(
+        cast("Sparsifier", chosen["sparsifier"]),
+        cast("Feedback", chosen["feedback"]),
+        cast("IndexCodec", chosen["index"]),
+        cast("ValueCodec", chosen["value"]),
+    )
 
 
 def format_spec(spec: PipelineSpec) -> str:

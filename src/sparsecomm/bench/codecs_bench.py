@@ -3,7 +3,7 @@ gradient per density, side by side, next to the information bound."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -12,6 +12,7 @@ from tqdm import tqdm
 from sparsecomm.bench.bounds import subset_bits_per_index
 from sparsecomm.bench.sources import make_gradient
 from sparsecomm.bench.timing import time_ms
+from sparsecomm.encode.base import IndexCodec, ValueCodec
 from sparsecomm.payload import decode, encode, read_info
 from sparsecomm.registry import INDEX_CODECS, VALUE_CODECS
 from sparsecomm.sparse_gradient import SparseGradient
@@ -32,10 +33,10 @@ def default_pairs() -> list[tuple[str, str]]:
 
 def measure(selection: SparseGradient, index_text: str, value_text: str, repeat: int) -> dict[str, Any]:
     """One (index codec, value codec) pair on one sparse gradient."""
-    index_codec = parse_component(INDEX_CODECS, index_text)
-    value_codec = parse_component(VALUE_CODECS, value_text)
+    index_codec = cast(IndexCodec, parse_component(INDEX_CODECS, index_text))
+    value_codec = cast(ValueCodec, parse_component(VALUE_CODECS, value_text))
     encode_ms, payload = time_ms(
-        lambda: encode(selection, index_codec, value_codec, rng=np.random.default_rng(0)), repeat  # type: ignore[arg-type]
+        lambda: encode(selection, index_codec, value_codec, rng=np.random.default_rng(0)), repeat
     )
     decode_ms, decoded = time_ms(lambda: decode(payload), repeat)
     info = read_info(payload)

@@ -1,0 +1,70 @@
+"""The command line: tables on stdout, JSON with the documented fields, clear errors."""
+
+import json
+
+import numpy as np
+import pytest
+
+from sparsecomm.cli.main import main
+
+CODEC_FIELDS = {"index_codec", "value_codec", "numel", "nnz", "index_bits_per_nnz", "value_bits_per_nnz",
+                "bound_bits_per_nnz", "encode_ms", "decode_ms", "max_abs_error", "lossless"}
+
+
+def test_bench_codecs_writes_a_table_and_json(tmp_path, capsys):
+    out = tmp_path / "codecs.json"
+    assert main(["bench", "codecs", "--numel", "20000", "--density", "0.01,0.1", "--source", "normal",
+                 "--repeat", "1", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "index_bits_per_nnz" in table and "rice" in table
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert all(row.keys() >= CODEC_FIELDS for row in rows)
+    assert {r["index_codec"] for r in rows} >= {"raw", "bitmap", "rle", "delta_binary", "huffman", "rice"}
+    assert {r["value_codec"] for r in rows} >= {"fp32", "fp16", "bf16", "qsgd", "deflate"}
+    by_pair = {(r["density"], r["index_codec"], r["value_codec"]): r for r in rows}
+    rice = by_pair[(0.01, "rice", "fp32")]
+    assert rice["lossless"] and rice["max_abs_error"] == 0.0 and rice["nnz"] == 200
+    assert rice["bound_bits_per_nnz"] <= rice["index_bits_per_nnz"] < 1.1 * rice["bound_bits_per_nnz"]
+    assert by_pair[(0.01, "raw", "fp16")]["index_bits_per_nnz"] == pytest.approx(32.0)
+    assert by_pair[(0.1, "bitmap", "fp16")]["index_bits_per_nnz"] == pytest.approx(10.0)
+    assert not by_pair[(0.01, "rice", "qsgd")]["lossless"]
+    assert result["machine"]["torch"]
+
+
+def test_bench_codecs_reads_a_saved_gradient(tmp_path, capsys):
+    path = tmp_path / "grad.npy"
+    np.save(path, np.linspace(-1, 1, 5000, dtype=np.float32).reshape(50, 100))
+    out = tmp_path / "r.json"
+    assert main(["bench", "codecs", "--source", str(path), "--density", "0.02", "--repeat", "1",
+                 "--pair", "rice/fp32", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["numel"] == 5000 and rows[0]["nnz"] == 100 and rows[0]["lossless"]
+
+
+def test_bench_sparsify_json_has_run_and_row_fields(tmp_path):
+    out = tmp_path / "s.json"
+    assert main(["bench", "sparsify", "--numel", "200000", "--density", "0.01", "--source", "laplace",
+                 "--repeat", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["topk_ms"] > 0 and result["pass_ms"] > 0
+    names = [row["sparsifier"].split("(")[0] for row in result["rows"]]
+    assert names == ["topk", "dgc", "randomk", "threshold", "block_topk", "bucketed_topk"]
+    for row in result["rows"]:
+        assert {"sparsifier", "ms", "selected", "target"} <= row.keys()
+    topk_row = result["rows"][0]
+    assert topk_row["selected"] == topk_row["target"] == 2000
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "codecs", "--pair", "rice", "--numel", "100"], "INDEX/VALUE"),
+        (["bench", "codecs", "--pair", "rice/nope", "--numel", "100"], "unknown value 'nope'"),
+        (["bench", "codecs", "--source", "missing.npy"], "no such gradient file"),
+        (["bench", "sparsify", "--sparsifier", "topk(ratio=2)", "--numel", "100"], "ratio must be in"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
