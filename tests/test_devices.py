@@ -1,0 +1,25 @@
+"""Pipelines run where the gradient lives: sparsify and feedback on its device, codecs on the host,
+decode back onto any device. CUDA cases run wherever a GPU is present."""
+
+import pytest
+import torch
+
+import sparsecomm as sc
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+SPECS = ["topk(ratio=0.01)+residual+rice+fp16", "dgc(ratio=0.01)+residual+huffman+qsgd(bits=4)",
+         "randomk(ratio=0.01)+residual+bitmap+fp32", "bucketed_topk(k=1)+none+rle+bf16",
+         "block_topk(ratio=0.05,block=64)+residual+delta_binary+deflate"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("spec", SPECS)
+def test_pipeline_keeps_state_on_the_gradient_device(device, spec):
+    generator = torch.Generator(device=device).manual_seed(0)
+    pipe = sc.Pipeline(spec)
+    for _ in range(3):
+        grad = torch.randn(256, 128, generator=generator, device=device)
+        received = sc.decode(pipe.compress(grad, "w"), device=device)
+        assert received.values.device.type == device and received.shape == grad.shape
+    residual = pipe.states["w"].feedback.get("residual")
+    assert residual is None or residual.device.type == device
