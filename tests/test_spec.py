@@ -12,12 +12,14 @@ def test_example_spec_reads_as_four_stages():
     spec = parse_spec("topk(ratio=0.01)+residual+rice+fp16")
     assert spec.sparsifier.name == "topk" and spec.sparsifier.ratio == 0.01
     assert (spec.feedback.name, spec.index_codec.name, spec.value_codec.name) == ("residual", "rice", "fp16")
-    assert format_spec(spec) == "topk(ratio=0.01)+residual+rice+fp16"
+    assert format_spec(spec) == "topk(ratio=0.01)+residual+rice+fp16+allgather"
 
 
 def test_missing_stages_take_defaults_and_order_is_free():
-    assert format_spec(parse_spec("fp16 + topk( k = 5 )")) == "topk(k=5)+none+raw+fp16"
-    assert format_spec(parse_spec("rice")) == "nonzero+none+rice+fp32"
+    assert format_spec(parse_spec("fp16 + topk( k = 5 )")) == "topk(k=5)+none+raw+fp16+allgather"
+    assert format_spec(parse_spec("rice")) == "nonzero+none+rice+fp32+allgather"
+    spec = parse_spec("sparse_allreduce(algorithm=dsar_sa,qsgd_bits=4)+bucketed_topk(k=4)+residual")
+    assert spec.transport.algorithm == "dsar_sa" and spec.transport.qsgd_bits == 4
 
 
 def test_parameters_are_converted_to_declared_types():
@@ -66,13 +68,15 @@ _SPARSIFIERS = st.sampled_from(
 _FEEDBACK = st.sampled_from(["none", "residual"])
 _INDEX = st.sampled_from(["raw", "raw(bits=64)", "bitmap", "rle", "delta_binary", "huffman", "rice",
                           "rice(parameter=5)"])
+_TRANSPORT = st.sampled_from(["allgather", "dense(dtype=bf16)", "sparse_allreduce(algorithm=ssar_rd)", "auto",
+                              "sketch_allreduce(ratio=2.0,rows=3)"])
 _VALUE = st.sampled_from(["fp32", "fp16", "bf16", "qsgd", "qsgd(bits=2,bucket=128)", "deflate(level=9)",
                           "zstd(level=5,shuffle=false)"])
 
 
-@given(st.permutations([0, 1, 2, 3]), _SPARSIFIERS, _FEEDBACK, _INDEX, _VALUE)
-def test_format_of_parse_is_equivalent_in_any_order(order, sparsifier, feedback, index, value):
-    stages = [sparsifier, feedback, index, value]
+@given(st.permutations([0, 1, 2, 3, 4]), _SPARSIFIERS, _FEEDBACK, _INDEX, _VALUE, _TRANSPORT)
+def test_format_of_parse_is_equivalent_in_any_order(order, sparsifier, feedback, index, value, transport):
+    stages = [sparsifier, feedback, index, value, transport]
     text = "+".join(stages[i] for i in order)
     parsed = parse_spec(text)
     assert parse_spec(format_spec(parsed)) == parsed

@@ -8,9 +8,11 @@ from sparsecomm import components as _components  # noqa: F401  (fills the regis
 from sparsecomm.errors import PayloadError, SparseCommError, SpecError
 from sparsecomm.payload import PayloadInfo, as_tensor, decode, encode, read_info
 from sparsecomm.pipeline import Pipeline
-from sparsecomm.registry import FEEDBACKS, INDEX_CODECS, SPARSIFIERS, VALUE_CODECS
+from sparsecomm.registry import FEEDBACKS, INDEX_CODECS, SPARSIFIERS, TRANSPORTS, VALUE_CODECS
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.spec import PipelineSpec, format_spec, parse_spec
+from sparsecomm.transport.base import ReduceContext, Transport
+from sparsecomm.transport.cost_model import CostModel, load_cost_model
 
 __version__ = "0.1.0"
 
@@ -18,18 +20,23 @@ __all__ = [
     "FEEDBACKS",
     "INDEX_CODECS",
     "SPARSIFIERS",
+    "TRANSPORTS",
     "VALUE_CODECS",
+    "CostModel",
     "PayloadError",
     "PayloadInfo",
     "Pipeline",
     "PipelineSpec",
     "SparseCommError",
     "SparseGradient",
+    "ReduceContext",
     "SpecError",
+    "Transport",
     "as_tensor",
     "decode",
     "encode",
     "format_spec",
+    "load_cost_model",
     "parse_spec",
     "read_info",
 ]

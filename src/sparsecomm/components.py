@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from sparsecomm import feedback, sparsify  # noqa: F401  (registration side effects)
+from sparsecomm import feedback, sparsify, transport  # noqa: F401  (registration side effects)
 from sparsecomm.encode import index, value  # noqa: F401
-from sparsecomm.registry import FEEDBACKS, INDEX_CODECS, SPARSIFIERS, VALUE_CODECS, Registry
+from sparsecomm.registry import FEEDBACKS, INDEX_CODECS, SPARSIFIERS, TRANSPORTS, VALUE_CODECS, Registry
 
 
 def registries() -> dict[str, Registry]:
@@ -13,4 +13,5 @@ def registries() -> dict[str, Registry]:
         "feedback": FEEDBACKS,
         "index": INDEX_CODECS,
         "value": VALUE_CODECS,
+        "transport": TRANSPORTS,
     }

@@ -123,9 +123,10 @@ def _coerce(value: ParamValue, annotation: Any, where: str) -> ParamValue:
     raise SpecError(f"{where} must be {names}, got {value!r}")
 
 
-# The four kinds of pipeline stage. Component modules add themselves with ``@X.register(name)``;
+# The five kinds of pipeline stage. Component modules add themselves with ``@X.register(name)``;
 # ``sparsecomm.components`` imports them all.
 SPARSIFIERS: Registry = Registry("sparsifier")
 FEEDBACKS: Registry = Registry("feedback")
 INDEX_CODECS: Registry = Registry("index")
 VALUE_CODECS: Registry = Registry("value")
+TRANSPORTS: Registry = Registry("transport")

@@ -6,10 +6,11 @@ Grammar (whitespace around tokens is ignored)::
     stage    := NAME ["(" [param ("," param)*] ")"]
     param    := NAME "=" VALUE            VALUE: integer, float, true, false or a bare word
 
-Each stage names a registered sparsifier, feedback, index codec or value codec, at most one of
-each, in any order. Missing stages take defaults: ``nonzero`` (keep the input's nonzeros), ``none``
-feedback, ``raw`` indices, ``fp32`` values. Example: ``topk(ratio=0.01)+residual+rice+fp16``.
-``format_spec(parse_spec(s))`` always lists all four stages in that order.
+Each stage names a registered sparsifier, feedback, index codec, value codec or transport, at most
+one of each, in any order. Missing stages take defaults: ``nonzero`` (keep the input's nonzeros),
+``none`` feedback, ``raw`` indices, ``fp32`` values, ``allgather`` transport.
+Example: ``topk(ratio=0.01)+residual+rice+fp16+sparse_allreduce(algorithm=ssar_sa)``.
+``format_spec(parse_spec(s))`` always lists all five stages in that order.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from sparsecomm.encode.base import IndexCodec, ValueCodec
     from sparsecomm.feedback.base import Feedback
     from sparsecomm.sparsify.base import Sparsifier
+    from sparsecomm.transport.base import Transport
 
 _STAGE = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:\((.*?)\))?\s*$", re.DOTALL)
 _PARAM = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*([^,=()\s]+)\s*$")
@@ -119,19 +121,20 @@ def parse_component(registry: Registry, text: str) -> Component:
 
 @dataclass(frozen=True)
 class PipelineSpec:
-    """The four stages of a pipeline, as component instances."""
+    """The five stages of a pipeline, as component instances."""
 
     sparsifier: Sparsifier
     feedback: Feedback
     index_codec: IndexCodec
     value_codec: ValueCodec
+    transport: Transport
 
     def __str__(self) -> str:
         return format_spec(self)
 
 
-_STAGE_ORDER = ("sparsifier", "feedback", "index", "value")
-_DEFAULTS = {"sparsifier": "nonzero", "feedback": "none", "index": "raw", "value": "fp32"}
+_STAGE_ORDER = ("sparsifier", "feedback", "index", "value", "transport")
+_DEFAULTS = {"sparsifier": "nonzero", "feedback": "none", "index": "raw", "value": "fp32", "transport": "allgather"}
 
 
 def parse_spec(spec: str | PipelineSpec) -> PipelineSpec:
@@ -158,10 +161,11 @@ def parse_spec(spec: str | PipelineSpec) -> PipelineSpec:
         cast("Feedback", chosen["feedback"]),
         cast("IndexCodec", chosen["index"]),
         cast("ValueCodec", chosen["value"]),
+        cast("Transport", chosen["transport"]),
     )
 
 
 def format_spec(spec: PipelineSpec) -> str:
     return "+".join(
-        c.to_spec() for c in (spec.sparsifier, spec.feedback, spec.index_codec, spec.value_codec)
+        c.to_spec() for c in (spec.sparsifier, spec.feedback, spec.index_codec, spec.value_codec, spec.transport)
     )

@@ -1,0 +1,86 @@
+"""Start P local worker processes on one torch.distributed group and collect what each returns.
+
+    results = run_local(4, my_function, arg1, arg2)   # my_function(rank, world_size, arg1, arg2)
+
+Workers are spawned (not forked), join a gloo group through a file store in a private temporary
+directory, and send back their return value or their traceback. A worker that raises makes
+`run_local` raise `WorkerError` naming the rank; one that hangs past ``timeout`` is killed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue as queue_module
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed; the message holds its rank and traceback."""
+
+
+def run_local(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0,
+              threads_per_worker: int | None = None, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return results by rank."""
+    context = mp.get_context("spawn")
+    results: Any = context.Queue()
+    threads = threads_per_worker or max(1, (os.cpu_count() or 1) // world_size)
+    with tempfile.TemporaryDirectory(prefix="sparsecomm-") as tmp:
+        init = f"file://{os.path.join(tmp, 'store')}"
+        processes = [
+            context.Process(target=_worker, args=(rank, world_size, init, backend, threads, timeout, fn, args, results),
+                            daemon=True)
+            for rank in range(world_size)
+        ]
+        for process in processes:
+            process.start()
+        collected: dict[int, Any] = {}
+        failures: list[str] = []
+        deadline = time.monotonic() + timeout
+        try:
+            while len(collected) + len(failures) < world_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise WorkerError(f"workers timed out after {timeout:.0f} s; finished: {sorted(collected)}")
+                try:
+                    rank, ok, value = results.get(timeout=min(remaining, 1.0))
+                except queue_module.Empty:
+                    dead = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in collected]
+                    if dead and not failures:
+                        failures.append(f"rank {dead[0]} exited with code {processes[dead[0]].exitcode}")
+                    continue
+                if ok:
+                    collected[rank] = value
+                else:
+                    failures.append(f"rank {rank}:\n{value}")
+        finally:
+            for process in processes:
+                process.join(timeout=5 if not failures else 1)
+                if process.is_alive():
+                    process.kill()
+        if failures:
+            raise WorkerError("\n".join(failures))
+        return [collected[rank] for rank in range(world_size)]
+
+
+def _worker(rank: int, world_size: int, init: str, backend: str, threads: int, timeout: float,
+            fn: Callable[..., Any], args: tuple, results: Any) -> None:
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout))
+        value = fn(rank, world_size, *args)
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,42 @@
+"""``allgather``: every rank encodes its sparse gradient with the pipeline's codecs, the payloads
+are gathered by a variable-length allgather, and every rank decodes and sums them in rank order
+(so the sums are bit-identical everywhere). An empty selection is still a valid payload."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparsecomm.encode.index.rice import RiceIndices
+from sparsecomm.encode.value.floats import Float32Values
+from sparsecomm.errors import SparseCommError
+from sparsecomm.payload import as_tensor, decode, encode
+from sparsecomm.registry import TRANSPORTS
+from sparsecomm.sparse_gradient import SparseGradient
+from sparsecomm.transport.base import ReduceContext, Transport, as_sparse
+from sparsecomm.transport.collectives import Group, agree, allgather_bytes, fingerprint, world
+
+
+@TRANSPORTS.register("allgather")
+@dataclass(frozen=True)
+class AllgatherTransport(Transport):
+    def allreduce(self, grad: SparseGradient | torch.Tensor, group: Group = None,
+                  context: ReduceContext | None = None) -> torch.Tensor:
+        sparse = as_sparse(grad)
+        context = context or ReduceContext()
+        index_codec = context.index_codec or RiceIndices()
+        value_codec = context.value_codec or Float32Values()
+        rank, _ = world(group)
+        agree(group, sparse.numel, fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype,
+                                               index_codec.to_spec(), value_codec.to_spec()))
+        payload = as_tensor(encode(sparse, index_codec, value_codec, rng=context.rng(rank)))
+        context.bytes_sent += payload.numel()
+        context.chosen = self.to_spec()
+        total = torch.zeros(sparse.numel, dtype=sparse.dtype)
+        for buffer in allgather_bytes(payload, group):
+            received = decode(buffer)
+            if received.shape != sparse.shape:
+                raise SparseCommError(f"a rank sent shape {tuple(received.shape)}, expected {tuple(sparse.shape)}")
+            total.index_add_(0, received.indices, received.values.to(sparse.dtype))
+        return total.reshape(sparse.shape).to(sparse.device)

@@ -1,0 +1,89 @@
+"""The transport interface: sum one tensor over the ranks of a process group.
+
+``allreduce`` takes this rank's contribution (a `SparseGradient`, or a dense tensor) and returns
+the dense sum over all ranks, identical on every rank. ``allreduce_async`` does the same on a
+worker thread and returns a ``torch.futures.Future`` (for DDP communication hooks). Calls on one
+group are run in submission order, so ranks that submit in the same order stay in step; do not
+use that group from another thread at the same time.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from sparsecomm.encode.base import IndexCodec, ValueCodec
+from sparsecomm.registry import Component
+from sparsecomm.sparse_gradient import SparseGradient
+from sparsecomm.transport.collectives import Group
+
+
+@dataclass
+class ReduceContext:
+    """What a transport may use besides the tensor: the pipeline's codecs (``allgather`` encodes
+    with them), the shared seed and step (stochastic parts derive their generators from them and
+    the rank), and a place to count what was sent."""
+
+    index_codec: IndexCodec | None = None
+    value_codec: ValueCodec | None = None
+    seed: int = 0
+    step: int = 0
+    bytes_sent: int = 0
+    chosen: str = ""
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def rng(self, rank: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, rank, self.step])
+
+
+class Transport(Component):
+    """Sums a sparse or dense contribution over a process group."""
+
+    exact: ClassVar[bool] = True
+
+    def allreduce(self, grad: SparseGradient | torch.Tensor, group: Group = None,
+                  context: ReduceContext | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def allreduce_async(self, grad: SparseGradient | torch.Tensor, group: Group = None,
+                        context: ReduceContext | None = None) -> torch.futures.Future:
+        future: torch.futures.Future = torch.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(self.allreduce(grad, group, context))
+            except BaseException as err:  # noqa: BLE001 - handed to the waiter
+                future.set_exception(err)
+
+        _executor(group).submit(run)
+        return future
+
+
+def as_sparse(grad: SparseGradient | torch.Tensor) -> SparseGradient:
+    return grad if isinstance(grad, SparseGradient) else SparseGradient.from_dense(grad)
+
+
+def as_dense(grad: SparseGradient | torch.Tensor) -> torch.Tensor:
+    return grad.to_dense() if isinstance(grad, SparseGradient) else grad
+
+
+def shape_of(grad: SparseGradient | torch.Tensor) -> torch.Size:
+    return grad.shape
+
+
+_EXECUTORS: dict[int, ThreadPoolExecutor] = {}
+_EXECUTORS_LOCK = threading.Lock()
+
+
+def _executor(group: Group) -> ThreadPoolExecutor:
+    """One worker thread per process group: its collectives run in submission order."""
+    key = id(group)
+    with _EXECUTORS_LOCK:
+        if key not in _EXECUTORS:
+            _EXECUTORS[key] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparsecomm-transport")
+        return _EXECUTORS[key]

@@ -1,0 +1,107 @@
+"""Collective building blocks on any torch.distributed backend (gloo's gaps filled in)."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from sparsecomm.errors import SparseCommError
+
+Group = dist.ProcessGroup | None
+
+
+def world(group: Group) -> tuple[int, int]:
+    """(rank, world size) in ``group``."""
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def fingerprint(*parts: object) -> int:
+    """A stable 31-bit hash of a configuration, equal on every rank for equal inputs."""
+    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
+
+
+def agree(group: Group, grad_numel: int, config: int, nnz: int = 0) -> int:
+    """The first collective of every transport call: one fixed-size all_reduce that checks every
+    rank passes the same tensor size and configuration fingerprint (raising `SparseCommError` on
+    all ranks otherwise, so none is left hanging in a later collective) and returns the largest
+    ``nnz`` of any rank."""
+    local = torch.tensor([grad_numel, config, -grad_numel, -config, nnz], dtype=torch.int64)
+    dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+    highest, lowest = local[:2].tolist(), [-v for v in local[2:4].tolist()]
+    if highest != lowest:
+        raise SparseCommError(
+            "ranks disagree on tensor size or transport configuration "
+            f"(this rank: numel {grad_numel}, config {config:#x}; across ranks numel {lowest[0]}..{highest[0]})"
+        )
+    return int(local[4])
+
+
+def allgather_bytes(buffer: torch.Tensor, group: Group) -> list[torch.Tensor]:
+    """Variable-length allgather of a 1-D uint8 tensor: every rank gets every rank's buffer.
+    gloo has no allgatherv, so sizes go first and the data by an uneven all_to_all_single."""
+    _, size = world(group)
+    if size == 1:
+        return [buffer]
+    sizes = torch.zeros(size, dtype=torch.int64)
+    _all_gather_single(sizes, torch.tensor([buffer.numel()], dtype=torch.int64), group=group)
+    counts = sizes.tolist()
+    received = torch.empty(sum(counts), dtype=torch.uint8)
+    dist.all_to_all_single(received, buffer.repeat(size), counts, [buffer.numel()] * size, group=group)
+    return list(torch.split(received, counts))
+
+
+def alltoall_bytes(chunks: list[torch.Tensor], group: Group) -> list[torch.Tensor]:
+    """Uneven all-to-all: ``chunks[r]`` goes to rank r; returns what each rank sent here."""
+    _, size = world(group)
+    send_counts = torch.tensor([c.numel() for c in chunks], dtype=torch.int64)
+    recv_counts = torch.empty(size, dtype=torch.int64)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    received = torch.empty(int(recv_counts.sum()), dtype=torch.uint8)
+    dist.all_to_all_single(received, torch.cat(chunks), recv_counts.tolist(), send_counts.tolist(), group=group)
+    return list(torch.split(received, recv_counts.tolist()))
+
+
+def exchange_bytes(buffer: torch.Tensor, peer: int, group: Group) -> torch.Tensor:
+    """Swap a uint8 buffer with one peer (sizes first, then data)."""
+    my_size = torch.tensor([buffer.numel()], dtype=torch.int64)
+    peer_size = torch.empty(1, dtype=torch.int64)
+    _sendrecv(my_size, peer_size, peer, group)
+    received = torch.empty(int(peer_size), dtype=torch.uint8)
+    _sendrecv(buffer, received, peer, group)
+    return received
+
+
+def send_bytes(buffer: torch.Tensor, peer: int, group: Group) -> None:
+    dist.send(torch.tensor([buffer.numel()], dtype=torch.int64), _global(peer, group), group=group)
+    if buffer.numel():
+        dist.send(buffer, _global(peer, group), group=group)
+
+
+def recv_bytes(peer: int, group: Group) -> torch.Tensor:
+    size = torch.empty(1, dtype=torch.int64)
+    dist.recv(size, _global(peer, group), group=group)
+    buffer = torch.empty(int(size), dtype=torch.uint8)
+    if buffer.numel():
+        dist.recv(buffer, _global(peer, group), group=group)
+    return buffer
+
+
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _global(peer: int, group: Group) -> int:
+    return peer if group is None else dist.get_global_rank(group, peer)
+
+
+def _sendrecv(send: torch.Tensor, recv: torch.Tensor, peer: int, group: Group) -> None:
+    ops = []
+    if send.numel():
+        ops.append(dist.P2POp(dist.isend, send, _global(peer, group), group))
+    if recv.numel():
+        ops.append(dist.P2POp(dist.irecv, recv, _global(peer, group), group))
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()

@@ -1,0 +1,116 @@
+"""SparCML's sparse streams: a vector held as sorted (index, value) pairs while that is smaller,
+and as a dense array once nnz·(c + isize) ≥ N·isize, i.e. beyond δ = N·isize / (c + isize) (§5.1).
+Streams are summed on the way through a reduction and serialised to bytes for the wire."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from sparsecomm.encode.value.dtypes import DTYPE_BY_CODE, FLOAT_DTYPES
+from sparsecomm.errors import PayloadError
+
+_HEAD = struct.Struct("<BBQQQ")  # dense flag, dtype code, numel (range length), offset, count
+_DENSE, _SPARSE = 1, 0
+
+
+@dataclass
+class Stream:
+    """A vector of ``length`` entries starting at global position ``offset``; sparse (sorted
+    ``indices`` relative to ``offset``) or dense (``indices is None``)."""
+
+    length: int
+    values: torch.Tensor
+    indices: torch.Tensor | None = None
+    offset: int = 0
+
+    @property
+    def is_dense(self) -> bool:
+        return self.indices is None
+
+    @property
+    def nnz(self) -> int:
+        return self.length if self.indices is None else self.indices.numel()
+
+    @staticmethod
+    def sparse(indices: torch.Tensor, values: torch.Tensor, length: int, offset: int = 0) -> Stream:
+        return Stream(length, values, indices, offset).maybe_densify()
+
+    def index_bytes(self) -> int:
+        return 4 if self.offset + self.length <= 2**31 else 8
+
+    def switch_point(self) -> float:
+        """δ: the nnz at which the dense form becomes no larger than the sparse one."""
+        isize = self.values.element_size()
+        return self.length * isize / (self.index_bytes() + isize)
+
+    def maybe_densify(self) -> Stream:
+        if self.indices is not None and self.nnz >= self.switch_point():
+            return Stream(self.length, self.to_dense(), None, self.offset)
+        return self
+
+    def to_dense(self) -> torch.Tensor:
+        if self.indices is None:
+            return self.values
+        out = torch.zeros(self.length, dtype=self.values.dtype, device=self.values.device)
+        out[self.indices] = self.values
+        return out
+
+    def wire_bytes(self) -> int:
+        isize = self.values.element_size()
+        return _HEAD.size + (self.length * isize if self.is_dense else self.nnz * (self.index_bytes() + isize))
+
+    def __add__(self, other: Stream) -> Stream:
+        """Element-wise sum; the result is sparse or dense by the δ rule."""
+        if (self.length, self.offset) != (other.length, other.offset):
+            raise PayloadError("streams of different ranges cannot be summed")
+        if self.is_dense or other.is_dense:
+            dense, rest = (self, other) if self.is_dense else (other, self)
+            total = dense.values.clone()
+            if rest.indices is None:
+                total += rest.values
+            else:
+                total.index_add_(0, rest.indices, rest.values)
+            return Stream(self.length, total, None, self.offset)
+        assert self.indices is not None and other.indices is not None
+        indices = torch.cat([self.indices, other.indices])
+        values = torch.cat([self.values, other.values])
+        unique, inverse = torch.unique(indices, sorted=True, return_inverse=True)
+        summed = torch.zeros(unique.numel(), dtype=values.dtype, device=values.device).index_add_(0, inverse, values)
+        return Stream.sparse(unique, summed, self.length, self.offset)
+
+    # -- wire ---------------------------------------------------------------------------------
+    def to_bytes(self) -> torch.Tensor:
+        head = _HEAD.pack(self.is_dense, FLOAT_DTYPES[self.values.dtype], self.length, self.offset, self.nnz)
+        parts = [torch.frombuffer(bytearray(head), dtype=torch.uint8)]
+        if self.indices is not None:
+            dtype = torch.int32 if self.index_bytes() == 4 else torch.int64
+            parts.append(self.indices.to(dtype).cpu().view(torch.uint8))
+        parts.append(self.values.detach().cpu().contiguous().view(torch.uint8))
+        return torch.cat(parts)
+
+    @staticmethod
+    def from_bytes(buffer: torch.Tensor) -> Stream:
+        if buffer.numel() < _HEAD.size:
+            raise PayloadError("stream shorter than its header")
+        raw = buffer.numpy().tobytes()
+        dense, dtype_code, length, offset, count = _HEAD.unpack_from(raw)
+        if dtype_code not in DTYPE_BY_CODE or dense not in (0, 1) or (dense and count != length) or count > length:
+            raise PayloadError("stream header is corrupt")
+        dtype = DTYPE_BY_CODE[dtype_code]
+        isize = torch.empty(0, dtype=dtype).element_size()
+        index_bytes = 0 if dense else (4 if offset + length <= 2**31 else 8)
+        if len(raw) != _HEAD.size + count * (index_bytes + isize):
+            raise PayloadError(f"stream of {len(raw)} bytes does not hold {count} entries")
+        body = buffer[_HEAD.size :]
+        values = body[count * index_bytes :].clone().view(dtype) if count else torch.zeros(0, dtype=dtype)
+        if dense:
+            return Stream(length, values, None, offset)
+        index_dtype = torch.int32 if index_bytes == 4 else torch.int64
+        indices = body[: count * index_bytes].clone().view(index_dtype).to(torch.int64) if count else (
+            torch.zeros(0, dtype=torch.int64))
+        if count and (int(indices.min()) < 0 or int(indices.max()) >= length):
+            raise PayloadError("stream index outside its range")
+        return Stream(length, values, indices, offset)

@@ -1,0 +1,181 @@
+"""Transports on real multi-process gloo groups (started by the tests): lossless transports equal a
+dense all_reduce of the same inputs, every rank gets the same bits, empty selections never hang,
+mismatched ranks fail clearly, and the sketch transport is unbiased."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import sparsecomm as sc
+from sparsecomm.launch import WorkerError, run_local
+from sparsecomm.transport.streams import Stream
+
+EXACT = ["allgather", "dense", "auto", "sparse_allreduce(algorithm=ssar_rd)", "sparse_allreduce(algorithm=ssar_sa)",
+         "sparse_allreduce(algorithm=dsar_sa)", "sparse_allreduce"]
+OVERLAPS = ["random", "none", "full", "rank0_empty", "all_empty", "dense_result"]
+
+
+def contribution(rank: int, world: int, overlap: str, numel: int = 20_000, nnz: int = 150) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 + rank)
+    grad = torch.zeros(numel)
+    if overlap == "random":
+        indices = torch.randperm(numel, generator=generator)[:nnz]
+    elif overlap == "none":
+        indices = torch.arange(rank, nnz * world, world)
+    elif overlap == "full":
+        indices = torch.randperm(numel, generator=torch.Generator().manual_seed(7))[:nnz]
+    elif overlap == "rank0_empty":
+        indices = torch.randperm(numel, generator=generator)[: (0 if rank == 0 else nnz)]
+    elif overlap == "all_empty":
+        indices = torch.zeros(0, dtype=torch.int64)
+    else:  # dense_result: enough nonzeros that the reduced streams switch to dense
+        indices = torch.randperm(numel, generator=generator)[: numel // 3]
+    grad[indices] = torch.randn(indices.numel(), generator=generator)
+    return grad
+
+
+def exact_scenarios(rank: int, world: int) -> dict:
+    errors, digests = {}, {}
+    for overlap in OVERLAPS:
+        grad = contribution(rank, world, overlap)
+        reference = grad.clone()
+        dist.all_reduce(reference)
+        for text in EXACT:
+            transport = sc.parse_spec(text).transport
+            context = sc.ReduceContext(index_codec=sc.INDEX_CODECS.create("rice"))
+            result = transport.allreduce(sc.SparseGradient.from_dense(grad), context=context)
+            asynchronous = transport.allreduce_async(sc.SparseGradient.from_dense(grad)).wait()
+            errors[(overlap, text)] = float((result - reference).abs().max())
+            assert torch.equal(asynchronous, result), (overlap, text)
+            digests[(overlap, text)] = result.numpy().tobytes()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, digests)
+    identical = all(g == gathered[0] for g in gathered)
+    return {"errors": errors, "identical": identical}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_lossless_transports_equal_a_dense_allreduce_on_every_rank(world):
+    results = run_local(world, exact_scenarios, timeout=240)
+    for rank_result in results:
+        assert rank_result["identical"], "ranks got different bits"
+        for (overlap, text), error in rank_result["errors"].items():
+            assert error <= 1e-5, f"{text} with {overlap} overlap is off by {error}"
+
+
+def lossy_scenarios(rank: int, world: int) -> dict:
+    grad = contribution(rank, world, "random")
+    reference = grad.clone()
+    dist.all_reduce(reference)
+    out = {}
+    for bits in (8, 4):
+        transport = sc.parse_spec(f"sparse_allreduce(algorithm=dsar_sa,qsgd_bits={bits},bucket=1024)").transport
+        result = transport.allreduce(grad, context=sc.ReduceContext(seed=1))
+        out[bits] = float((result - reference).norm() / reference.norm())
+    return out
+
+
+def test_dsar_with_qsgd_dense_phase_is_close_and_coarser_with_fewer_bits():
+    errors = run_local(2, lossy_scenarios)[0]
+    assert 0 < errors[8] < errors[4] < 0.5
+
+
+def mismatched(rank: int, world: int, kind: str) -> str:
+    if kind == "size":
+        grad, transport = torch.ones(100 + rank), sc.parse_spec("sparse_allreduce(algorithm=ssar_rd)").transport
+    else:
+        grad = torch.ones(100)
+        transport = sc.parse_spec("sparse_allreduce(algorithm=ssar_rd)" if rank else "allgather").transport
+    try:
+        transport.allreduce(grad)
+    except sc.SparseCommError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("kind", ["size", "spec"])
+def test_ranks_that_disagree_fail_clearly_instead_of_hanging(kind):
+    messages = run_local(3, mismatched, kind, timeout=60)
+    assert all("ranks disagree" in message for message in messages)
+
+
+def sketch_trials(rank: int, world: int, ratio: float, rows: int, trials: int) -> dict:
+    grad = contribution(rank, world, "random", numel=5000, nnz=50)
+    reference = grad.clone()
+    dist.all_reduce(reference)
+    transport = sc.parse_spec(f"sketch_allreduce(ratio={ratio},rows={rows})").transport
+    outputs = torch.stack([transport.allreduce(grad, context=sc.ReduceContext(step=t)) for t in range(trials)])
+    return {"outputs": outputs, "reference": reference}
+
+
+def test_sketch_allreduce_is_unbiased_over_hash_seeds():
+    result = run_local(2, sketch_trials, 0.5, 1, 300)[0]
+    outputs, reference = result["outputs"], result["reference"]
+    support = reference != 0
+    mean_error = (outputs.mean(0) - reference)[support]
+    std_of_mean = outputs.std(0)[support] / outputs.shape[0] ** 0.5
+    z = mean_error / std_of_mean.clamp_min(1e-6)
+    assert abs(float(z.mean())) < 0.25  # 100 supported entries: mean of z has std 0.1 when unbiased
+    assert float(z.abs().mean()) < 1.0
+    assert float((outputs[0] - reference).abs().max()) > 0.01  # λ = 0.5 really is lossy
+
+
+def test_sketch_allreduce_is_exact_when_wide_enough():
+    result = run_local(3, sketch_trials, 20_000.0, 3, 1)[0]
+    torch.testing.assert_close(result["outputs"][0], result["reference"], rtol=0, atol=1e-6)
+
+
+def test_a_failing_worker_reports_its_rank_and_traceback():
+    with pytest.raises(WorkerError, match="rank 1"):
+        run_local(2, _fail_on_rank_one)
+
+
+def _fail_on_rank_one(rank: int, world: int) -> None:
+    if rank == 1:
+        raise RuntimeError("boom")
+
+
+def test_streams_switch_to_dense_exactly_at_delta():
+    """δ = N·isize/(c + isize): fp32 values with int32 indices switch at N/2 nonzeros."""
+    numel = 1000
+    below = Stream.sparse(torch.arange(499), torch.ones(499), numel)
+    at = Stream.sparse(torch.arange(500), torch.ones(500), numel)
+    assert not below.is_dense and at.is_dense
+    assert below.switch_point() == 500.0
+    half = Stream.sparse(torch.arange(0, 1000, 2), torch.ones(500), numel)
+    assert half.is_dense and torch.equal(half.to_dense()[:4], torch.tensor([1.0, 0.0, 1.0, 0.0]))
+    fp16 = Stream.sparse(torch.arange(333), torch.ones(333, dtype=torch.float16), numel)
+    assert not fp16.is_dense and Stream.sparse(torch.arange(334), torch.ones(334, dtype=torch.float16), numel).is_dense
+
+
+def test_stream_sums_switch_when_the_union_grows():
+    numel = 100
+    a = Stream.sparse(torch.arange(0, 30), torch.ones(30), numel)
+    b = Stream.sparse(torch.arange(30, 60), torch.ones(30), numel)
+    assert not a.is_dense and (a + b).is_dense
+    c = Stream.sparse(torch.arange(0, 30), torch.ones(30), numel)
+    assert not (a + c).is_dense and torch.equal((a + c).to_dense()[:30], torch.full((30,), 2.0))
+
+
+def test_stream_bytes_round_trip_and_reject_corruption():
+    stream = Stream.sparse(torch.tensor([3, 9]), torch.tensor([1.5, -2.0]), 50, offset=100)
+    again = Stream.from_bytes(stream.to_bytes())
+    assert again.offset == 100 and torch.equal(again.to_dense(), stream.to_dense())
+    broken = stream.to_bytes().clone()
+    broken[-12] = 200  # an index beyond the range
+    with pytest.raises(sc.PayloadError):
+        Stream.from_bytes(broken)
+    with pytest.raises(sc.PayloadError):
+        Stream.from_bytes(stream.to_bytes()[:-1])
+
+
+def test_cost_model_switches_algorithms_where_the_formulas_say():
+    model = sc.CostModel(alpha=50e-6, beta=1 / 125e6)  # 1 Gbit/s
+    numel = 16_000_000
+    assert model.best_sparse_algorithm(8, numel, 1_000) == "ssar_rd"  # small result: latency decides
+    assert model.best_sparse_algorithm(8, numel, 1_000_000) in ("ssar_sa", "dsar_sa")  # result 40% dense
+    assert model.best_sparse_algorithm(8, numel, 1_000_000, qsgd_bits=4) == "dsar_sa"  # quantized dense phase
+    assert model.dense(4, numel) > 3 * model.ssar_rd(4, numel, 160_000)  # 1% density: sparse wins big
+    for nnz in (1_000, 160_000, 4_000_000):
+        assert model.lower_bound(4, numel, nnz) < min(model.sparse_algorithms(4, numel, nnz).values())
+    assert model.expected_union(1000, 10, 2) == pytest.approx(1000 * (1 - 0.99**2))
