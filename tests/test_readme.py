@@ -1,4 +1,5 @@
-"""The README's Python examples run as written."""
+"""The README's Python examples run as written (```python blocks; ```py marks fragments that need a
+running torch.distributed job)."""
 
 import re
 from pathlib import Path

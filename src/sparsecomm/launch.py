@@ -28,16 +28,19 @@ class WorkerError(RuntimeError):
 
 
 def run_local(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0,
-              threads_per_worker: int | None = None, backend: str = "gloo") -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return results by rank."""
+              threads_per_worker: int | None = None, backend: str = "gloo",
+              namespaces: list[str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return results by rank.
+    With ``namespaces`` (see `sparsecomm.netns.ShapedNetwork`), rank r runs in namespaces[r]."""
     context = mp.get_context("spawn")
     results: Any = context.Queue()
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory(prefix="sparsecomm-") as tmp:
         init = f"file://{os.path.join(tmp, 'store')}"
         processes = [
-            context.Process(target=_worker, args=(rank, world_size, init, backend, threads, timeout, fn, args, results),
-                            daemon=True)
+            context.Process(target=_worker, daemon=True,
+                            args=(rank, world_size, init, backend, threads, timeout, fn, args, results,
+                                  namespaces[rank] if namespaces else None))
             for rank in range(world_size)
         ]
         for process in processes:
@@ -72,9 +75,13 @@ def run_local(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
 
 
 def _worker(rank: int, world_size: int, init: str, backend: str, threads: int, timeout: float,
-            fn: Callable[..., Any], args: tuple, results: Any) -> None:
+            fn: Callable[..., Any], args: tuple, results: Any, namespace: str | None) -> None:
     torch.set_num_threads(threads)
     try:
+        if namespace:
+            from sparsecomm.netns import enter_namespace
+
+            enter_namespace(namespace)
         dist.init_process_group(backend, init_method=init, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
         value = fn(rank, world_size, *args)

@@ -1,4 +1,5 @@
-"""The ``sparsecomm`` command line: ``sparsecomm bench sparsify|codecs ...``."""
+"""The ``sparsecomm`` command line: ``sparsecomm bench sparsify|codecs|collectives ...`` and
+``sparsecomm calibrate``."""
 
 from __future__ import annotations
 
@@ -17,6 +18,16 @@ def _densities(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"densities are numbers separated by commas, got {text!r}") from None
     if not values or any(not 0 < d <= 1 for d in values):
         raise argparse.ArgumentTypeError("each density must be in (0, 1]")
+    return values
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("each value must be >= 1")
     return values
 
 
@@ -52,14 +63,39 @@ def build_parser() -> argparse.ArgumentParser:
     common(codecs, 1_000_000, "0.0001,0.001,0.01,0.1")
     codecs.add_argument("--pair", action="append", metavar="INDEX/VALUE",
                         help="an index/value codec pair such as 'rice/qsgd(bits=4)' (repeatable; default: all)")
+
+    collectives = benches.add_parser("collectives", help="every transport next to dense all_reduce and allgather")
+    collectives.add_argument("--workers", type=_int_list, default=[2, 4], help="worker counts (default 2,4)")
+    collectives.add_argument("--numel", type=_positive_int, default=4_000_000,
+                             help="gradient size (default %(default)s)")
+    collectives.add_argument("--density", type=_densities, default=_densities("0.0001,0.001,0.01,0.1"),
+                             help="fractions kept per rank, comma-separated (default %(default)s)")
+    collectives.add_argument("--shaped", metavar="RATE",
+                             help="also run on a link shaped to RATE (e.g. 1gbit): needs root and network namespaces")
+    collectives.add_argument("--transport", action="append", metavar="SPEC", help="a transport spec (repeatable)")
+    collectives.add_argument("--codecs", default="rice/fp32",
+                             help="index/value codecs for allgather (default %(default)s)")
+    collectives.add_argument("--repeat", type=_positive_int, default=3)
+    collectives.add_argument("--seed", type=int, default=0)
+    collectives.add_argument("--json", metavar="PATH", help="write the results as JSON")
+
+    calibrate = commands.add_parser("calibrate", help="measure the cost model (alpha, beta, codec speed) and save it")
+    calibrate.add_argument("--workers", type=_positive_int, default=2)
+    calibrate.add_argument("--shaped", metavar="RATE", help="measure on a link shaped to RATE")
+    calibrate.add_argument("--output", metavar="PATH", help="where to save (default: $SPARSECOMM_COST_MODEL or "
+                                                            "~/.cache/sparsecomm/cost_model.json)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "calibrate":
+            return _calibrate(args)
         if args.bench == "sparsify":
             return _bench_sparsify(args)
+        if args.bench == "collectives":
+            return _bench_collectives(args)
         return _bench_codecs(args)
     except SparseCommError as err:
         print(f"sparsecomm: error: {err}", file=sys.stderr)
@@ -103,6 +139,61 @@ def _bench_codecs(args: argparse.Namespace) -> int:
     ]))
     if args.json:
         write_json(args.json, result)
+    return 0
+
+
+def _bench_collectives(args: argparse.Namespace) -> int:
+    from sparsecomm.bench import collectives_bench
+    from sparsecomm.netns import ShapedNetwork
+
+    index_codec, sep, value_codec = args.codecs.partition("/")
+    if not sep:
+        raise SparseCommError(f"--codecs takes INDEX/VALUE, got {args.codecs!r}")
+    runs = [None]
+    if args.shaped:
+        ok, why = ShapedNetwork.available()
+        if ok:
+            runs.append(args.shaped)
+        else:
+            print(f"sparsecomm: shaped-link run skipped ({why}); measuring on loopback only", file=sys.stderr)
+    results = []
+    for shaped in runs:
+        result = collectives_bench.run(args.workers, args.numel, args.density, args.transport, args.repeat, shaped,
+                                       index_codec, value_codec, args.seed)
+        results.append(result)
+        print(f"\ncollectives on {result['shaped']}: numel={args.numel:,} workers={args.workers} "
+              f"codecs={args.codecs} repeat={args.repeat} (ms: slowest rank, median)")
+        for world, model in result["cost_models"].items():
+            print(f"  P={world}: alpha={model['alpha'] * 1e6:.0f} us, beta={1 / model['beta'] / 1e6:.0f} MB/s")
+        print()
+        print(format_table(result["rows"], [
+            "workers", "density", "transport", "algorithm", "ms", "dense_ms", "speedup_vs_dense", "predicted_ms",
+            "bound_ms", "ratio_to_bound", "bytes_sent_per_rank", "exact",
+        ]))
+    if args.json:
+        write_json(args.json, results[0] if len(results) == 1 else {"benchmark": "collectives", "runs": results})
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from sparsecomm.bench.calibration import calibrate_group
+    from sparsecomm.launch import run_local
+    from sparsecomm.transport.cost_model import DEFAULT_PATH
+
+    if args.shaped:
+        from sparsecomm.netns import ShapedNetwork
+
+        with ShapedNetwork(args.workers, args.shaped) as network:
+            model = run_local(args.workers, calibrate_group, namespaces=network.namespaces)[0]
+    else:
+        model = run_local(args.workers, calibrate_group)[0]
+    import os
+
+    path = args.output or os.environ.get("SPARSECOMM_COST_MODEL") or str(DEFAULT_PATH)
+    model.save(path)
+    print(f"alpha = {model.alpha * 1e6:.1f} us, beta = {1 / model.beta / 1e6:.0f} MB/s, "
+          f"codec = {model.codec_per_nnz * 1e9:.0f} ns/nnz, sum = {1 / model.reduce_per_byte / 1e9:.2f} GB/s")
+    print(f"saved to {path}")
     return 0
 
 

@@ -1,0 +1,138 @@
+"""``sparsecomm bench collectives``: time per operation of every transport next to dense all_reduce
+and plain allgather, on loopback or a shaped link, with each measurement's ratio to the α-β lower
+bound and the model's prediction (α, β measured in the same run)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sparsecomm.bench.calibration import calibrate_group
+from sparsecomm.errors import SparseCommError
+from sparsecomm.launch import run_local
+from sparsecomm.registry import INDEX_CODECS, VALUE_CODECS
+from sparsecomm.sparse_gradient import SparseGradient
+from sparsecomm.spec import parse_spec
+from sparsecomm.transport.auto import choose, estimated_payload_bytes_per_nnz
+from sparsecomm.transport.base import ReduceContext, Transport
+from sparsecomm.transport.cost_model import CostModel, set_cost_model
+
+DEFAULT_TRANSPORTS = [
+    "dense", "allgather", "sparse_allreduce(algorithm=ssar_rd)", "sparse_allreduce(algorithm=ssar_sa)",
+    "sparse_allreduce(algorithm=dsar_sa)", "sparse_allreduce(algorithm=dsar_sa,qsgd_bits=4)", "sketch_allreduce",
+    "auto",
+]
+
+
+def contribution(rank: int, numel: int, density: float, seed: int) -> SparseGradient:
+    """This rank's sparse gradient: uniform random positions, normal values."""
+    generator = torch.Generator().manual_seed(seed * 1000 + rank)
+    nnz = max(1, round(numel * density))
+    indices = torch.randperm(numel, generator=generator)[:nnz]
+    return SparseGradient(indices, torch.randn(nnz, generator=generator), torch.Size([numel]))
+
+
+def predicted(model: CostModel, text: str, workers: int, numel: int, nnz: int, context: ReduceContext) -> float:
+    transport = parse_spec(text).transport
+    name = transport.name
+    if name == "dense":
+        return model.dense(workers, numel)
+    if name == "allgather":
+        return model.allgather(workers, numel, nnz, estimated_payload_bytes_per_nnz(context, numel, nnz))
+    if name == "sketch_allreduce":
+        return model.sketch(workers, numel, nnz, transport.ratio, transport.block)  # type: ignore[attr-defined]
+    if name == "auto":
+        best, costs = choose(model, workers, numel, nnz, 4, estimated_payload_bytes_per_nnz(context, numel, nnz))
+        return costs[best]
+    algorithms = model.sparse_algorithms(workers, numel, nnz, 4, transport.qsgd_bits)  # type: ignore[attr-defined]
+    algorithm = transport.algorithm  # type: ignore[attr-defined]
+    return algorithms[algorithm] if algorithm != "auto" else min(algorithms.values())
+
+
+def timed(transport: Transport, grad: SparseGradient, context: ReduceContext,
+          repeat: int) -> tuple[float, torch.Tensor]:
+    """Median over ``repeat`` of the slowest rank's time (ms), after one warm-up call."""
+    result = transport.allreduce(grad, context=context)
+    times = []
+    for _ in range(repeat):
+        dist.barrier()
+        start = time.perf_counter()
+        result = transport.allreduce(grad, context=context)
+        elapsed = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(float(elapsed) * 1e3)
+    return statistics.median(times), result
+
+
+def worker(rank: int, world: int, numel: int, densities: list[float], transports: list[str], repeat: int,
+           index_codec: str, value_codec: str, seed: int) -> dict[str, Any]:
+    model = calibrate_group(rank, world)
+    set_cost_model(model)
+    rows: list[dict[str, Any]] = []
+    for density in densities:
+        grad = contribution(rank, numel, density, seed)
+        reference = grad.to_dense()
+        dist.all_reduce(reference)
+        scale = float(reference.abs().max())
+        measured: dict[str, float] = {}
+        for text in transports:
+            context = ReduceContext(index_codec=INDEX_CODECS.create(index_codec),
+                                    value_codec=VALUE_CODECS.create(value_codec), seed=seed)
+            transport = parse_spec(text).transport
+            ms, result = timed(transport, grad, context, repeat)
+            sent = torch.tensor([context.bytes_sent / (repeat + 1)])
+            dist.all_reduce(sent, op=dist.ReduceOp.MAX)
+            error = float((result - reference).abs().max()) / max(scale, 1e-30)
+            measured[text] = ms
+            rows.append({
+                "transport": transport.to_spec(), "algorithm": context.chosen, "workers": world, "numel": numel,
+                "density": density, "ms": ms,
+                "predicted_ms": 1e3 * predicted(model, text, world, numel, grad.nnz, context),
+                "bound_ms": 1e3 * model.lower_bound(world, numel, grad.nnz),
+                "bytes_sent_per_rank": int(sent), "max_rel_error": error, "exact": error <= 1e-5,
+            })
+        for row in rows[-len(transports):]:
+            row["dense_ms"] = measured.get("dense", float("nan"))
+            row["allgather_ms"] = measured.get("allgather", float("nan"))
+            row["speedup_vs_dense"] = row["dense_ms"] / row["ms"] if row["ms"] > 0 else float("inf")
+            row["ratio_to_bound"] = row["ms"] / row["bound_ms"] if row["bound_ms"] > 0 else float("nan")
+    return {"rows": rows, "model": model.__dict__}
+
+
+def run(workers: list[int], numel: int, densities: list[float], transports: list[str] | None = None,
+        repeat: int = 3, shaped: str | None = None, index_codec: str = "rice", value_codec: str = "fp32",
+        seed: int = 0, timeout: float = 1800.0) -> dict[str, Any]:
+    transports = transports or DEFAULT_TRANSPORTS
+    for text in transports:
+        parse_spec(text)  # fail before starting processes
+    for required in ("dense", "allgather"):
+        if required not in transports:
+            transports = [required, *transports]
+    rows, models = [], {}
+    for world in workers:
+        args = (numel, densities, transports, repeat, index_codec, value_codec, seed)
+        if shaped:
+            from sparsecomm.netns import ShapedNetwork
+
+            with ShapedNetwork(world, shaped) as network:
+                result = run_local(world, worker, *args, timeout=timeout, namespaces=network.namespaces)[0]
+        else:
+            result = run_local(world, worker, *args, timeout=timeout)[0]
+        rows += result["rows"]
+        models[world] = result["model"]
+    return {"benchmark": "collectives", "numel": numel, "densities": densities, "shaped": shaped or "loopback",
+            "repeat": repeat, "index_codec": index_codec, "value_codec": value_codec, "cost_models": models,
+            "rows": rows}
+
+
+def check_shaping(shaped: str | None) -> None:
+    if shaped:
+        from sparsecomm.netns import ShapedNetwork
+
+        ok, why = ShapedNetwork.available()
+        if not ok:
+            raise SparseCommError(f"--shaped {shaped}: {why}")

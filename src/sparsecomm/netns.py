@@ -1,0 +1,95 @@
+"""A shaped network for real bandwidth tests: one Linux network namespace per worker, each joined
+to a bridge (in a hub namespace of its own) by a veth pair rate-limited with ``tc tbf`` in both
+directions — like workers on a switch with ports of the given rate. Needs root and iproute2;
+`ShapedNetwork.available` says whether this machine allows it. Addresses are private and live
+only inside the namespaces created here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import uuid
+from types import TracebackType
+
+from sparsecomm.errors import SparseCommError
+
+INTERFACE = "scnet"
+_CLONE_NEWNET = 0x40000000
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+
+
+class ShapedNetwork:
+    """``with ShapedNetwork(workers=4, rate="1gbit") as net:`` — ``net.namespaces[r]`` for rank r."""
+
+    def __init__(self, workers: int, rate: str = "1gbit", burst: str = "256kb", latency: str = "50ms") -> None:
+        self.workers, self.rate, self.burst, self.latency = workers, rate, burst, latency
+        tag = uuid.uuid4().hex[:6]
+        self.hub = f"sc-{tag}-hub"
+        self.namespaces = [f"sc-{tag}-w{r}" for r in range(workers)]
+
+    @staticmethod
+    def available() -> tuple[bool, str]:
+        """(True, "") if namespaces and tbf can be created here, else (False, why)."""
+        if shutil.which("ip") is None or shutil.which("tc") is None:
+            return False, "iproute2 (ip, tc) is not installed"
+        if os.geteuid() != 0:
+            return False, "shaping a link needs root"
+        probe = f"sc-probe-{uuid.uuid4().hex[:6]}"
+        made = _ip("netns", "add", probe, check=False)
+        if made.returncode != 0:
+            return False, f"'ip netns add' failed: {made.stderr.strip()}"
+        _ip("netns", "del", probe, check=False)
+        return True, ""
+
+    def __enter__(self) -> ShapedNetwork:
+        ok, why = self.available()
+        if not ok:
+            raise SparseCommError(f"cannot shape a network here: {why}")
+        try:
+            self._build()
+        except subprocess.CalledProcessError as err:
+            self.__exit__(None, None, None)
+            raise SparseCommError(f"building the shaped network failed: {err.stderr or err}") from None
+        return self
+
+    def _build(self) -> None:
+        hub = ["ip", "netns", "exec", self.hub]
+        _ip("netns", "add", self.hub)
+        subprocess.run([*hub, "ip", "link", "add", "br0", "type", "bridge"], check=True, capture_output=True)
+        subprocess.run([*hub, "ip", "link", "set", "br0", "up"], check=True, capture_output=True)
+        for rank, namespace in enumerate(self.namespaces):
+            inside = ["ip", "netns", "exec", namespace]
+            port = f"p{rank}"
+            _ip("netns", "add", namespace)
+            _ip("link", "add", INTERFACE, "netns", namespace, "type", "veth", "peer", "name", port,
+                "netns", self.hub)
+            subprocess.run([*inside, "ip", "addr", "add", f"10.213.{rank // 250}.{rank % 250 + 1}/16", "dev",
+                            INTERFACE], check=True, capture_output=True)
+            for command in (["ip", "link", "set", INTERFACE, "up"], ["ip", "link", "set", "lo", "up"]):
+                subprocess.run([*inside, *command], check=True, capture_output=True)
+            subprocess.run([*hub, "ip", "link", "set", port, "master", "br0"], check=True, capture_output=True)
+            subprocess.run([*hub, "ip", "link", "set", port, "up"], check=True, capture_output=True)
+            shape = ["tc", "qdisc", "add", "dev", "{}", "root", "tbf", "rate", self.rate, "burst", self.burst,
+                     "latency", self.latency]
+            subprocess.run([*inside, *[a.replace("{}", INTERFACE) for a in shape]], check=True, capture_output=True)
+            subprocess.run([*hub, *[a.replace("{}", port) for a in shape]], check=True, capture_output=True)
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        for namespace in [*self.namespaces, self.hub]:
+            _ip("netns", "del", namespace, check=False)
+
+
+def enter_namespace(name: str) -> None:
+    """Move the calling process (before it opens sockets or starts threads that do) into ``name``."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/var/run/netns/{name}") as handle:
+        if libc.setns(handle.fileno(), _CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {name} failed")
+    os.environ["GLOO_SOCKET_IFNAME"] = INTERFACE

@@ -1,0 +1,68 @@
+"""``sparsecomm bench collectives`` and ``sparsecomm calibrate``; the shaped network where allowed."""
+
+import json
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import sparsecomm as sc
+from sparsecomm.cli.main import main
+from sparsecomm.launch import run_local
+from sparsecomm.netns import ShapedNetwork
+
+ROW_FIELDS = {"transport", "algorithm", "workers", "numel", "density", "ms", "dense_ms", "allgather_ms", "bound_ms",
+              "exact"}
+
+
+def test_bench_collectives_reports_every_transport_with_the_documented_fields(tmp_path, capsys):
+    out = tmp_path / "collectives.json"
+    assert main(["bench", "collectives", "--workers", "2", "--numel", "40000", "--density", "0.01", "--repeat", "1",
+                 "--json", str(out)]) == 0
+    assert "ratio_to_bound" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert all(ROW_FIELDS <= row.keys() for row in rows)
+    by_transport = {row["transport"]: row for row in rows}
+    assert set(by_transport) >= {"dense", "allgather", "sparse_allreduce(algorithm=ssar_rd)", "sketch_allreduce",
+                                 "auto", "sparse_allreduce(algorithm=dsar_sa,qsgd_bits=4)"}
+    for text in ("dense", "allgather", "auto", "sparse_allreduce(algorithm=ssar_sa)"):
+        assert by_transport[text]["exact"], text
+    assert not by_transport["sketch_allreduce"]["exact"]
+    assert by_transport["auto"]["algorithm"]  # says what it chose
+    assert all(row["bound_ms"] > 0 and row["dense_ms"] == by_transport["dense"]["ms"] for row in rows)
+
+
+def test_calibrate_saves_a_model_that_auto_then_loads(tmp_path, capsys):
+    path = tmp_path / "model.json"
+    assert main(["calibrate", "--workers", "2", "--output", str(path)]) == 0
+    model = sc.load_cost_model(path)
+    assert model.alpha > 0 and model.beta > 0 and model.codec_per_nnz > 0 and model.source == str(path)
+    assert "saved to" in capsys.readouterr().out
+
+
+def test_a_bad_transport_spec_fails_before_starting_workers(capsys):
+    assert main(["bench", "collectives", "--transport", "sparse_allreduce(algorithm=magic)", "--numel", "100"]) == 2
+    assert "algorithm must be one of" in capsys.readouterr().err
+
+
+def _timed_allreduce(rank: int, world: int, numel: int) -> float:
+    tensor = torch.ones(numel)
+    dist.all_reduce(tensor)
+    dist.barrier()
+    start = time.perf_counter()
+    dist.all_reduce(tensor)
+    return time.perf_counter() - start
+
+
+@pytest.mark.skipif(not ShapedNetwork.available()[0], reason=f"no shaped network here: {ShapedNetwork.available()[1]}")
+def test_a_shaped_link_really_limits_the_rate():
+    numel = 1 << 20  # 4 MiB: a 2-rank ring all_reduce sends 4 MiB each way
+    with ShapedNetwork(2, "100mbit") as network:
+        seconds = max(run_local(2, _timed_allreduce, numel, namespaces=network.namespaces, timeout=120))
+        namespaces = list(network.namespaces)
+    assert seconds >= 4 * numel / 12.5e6 * 0.8  # at 100 Mbit/s that is at least ~0.34 s
+    import subprocess
+
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(name in listed for name in namespaces)  # cleaned up
