@@ -1,6 +1,7 @@
 """Measuring the cost model inside a running group: α and β from a ping-pong between ranks 0 and 1
-(α: the one-way time of an 8-byte message; β: the slope from there to the largest message), the
-codec and summation rates on rank 0; the result is broadcast so every rank holds the same model."""
+(α: the one-way time of an 8-byte message; β: the slope from there to the largest message); the
+compute rates on every rank at once, slowest kept — so ranks that share cores are measured sharing
+them — and the result is broadcast so every rank holds the same model."""
 
 from __future__ import annotations
 
@@ -34,34 +35,52 @@ def one_way_seconds(rank: int, nbytes: int, repeat: int) -> float:
     return float(np.median(times[1:]))
 
 
-def compute_rates(seed: int = 0) -> tuple[float, float]:
-    """(codec seconds per nonzero for rice + fp32, summation seconds per byte)."""
+def compute_rates(seed: int = 0) -> dict[str, float]:
+    """The compute rates of the cost model, measured at the sizes transports meet."""
+    from sparsecomm.transport.sketch_allreduce import SketchHashes
+
     generator = torch.Generator().manual_seed(seed)
-    numel, nnz = 4_000_000, 40_000
+    numel, nnz = 16_000_000, 160_000
     grad = SparseGradient(torch.randperm(numel, generator=generator)[:nnz], torch.randn(nnz, generator=generator),
                           torch.Size([numel]))
-    encode_ms, payload = time_ms(lambda: encode(grad, "rice", "fp32"), 5)
-    decode_ms, _ = time_ms(lambda: decode(payload), 5)
+    encode_ms, payload = time_ms(lambda: encode(grad, "rice", "fp32"), 3)
+    decode_ms, _ = time_ms(lambda: decode(payload), 3)
     dense = torch.randn(numel, generator=generator)
-    sum_ms, _ = time_ms(lambda: torch.zeros(numel).add_(dense), 5)
-    return (encode_ms + decode_ms) * 1e-3 / nnz, sum_ms * 1e-3 / (numel * 4)
+    pass_ms, _ = time_ms(lambda: torch.zeros(numel).add_(dense), 3)  # allocate + one read-modify-write
+    doubled = torch.cat([grad.indices, torch.randperm(numel, generator=generator)[:nnz]])
+    values = torch.randn(2 * nnz, generator=generator)
+
+    def merge() -> torch.Tensor:
+        unique, inverse = torch.unique(doubled, sorted=True, return_inverse=True)
+        return torch.zeros(unique.numel()).index_add_(0, inverse, values)
+
+    sort_ms, _ = time_ms(merge, 3)
+    positions = torch.randperm(numel, generator=generator)[: 10 * nnz]  # out of cache, as in a real decode
+    hash_ms, _ = time_ms(lambda: SketchHashes(0, 1).buckets_and_signs(positions, 1 << 20), 3)
+    return {
+        "codec_per_nnz": (encode_ms + decode_ms) * 1e-3 / nnz,
+        "pass_per_byte": pass_ms * 1e-3 / (2 * numel * 4),
+        "sort_per_entry": sort_ms * 1e-3 / (2 * nnz),
+        "hash_per_entry": hash_ms * 1e-3 / (2 * 10 * nnz),
+    }
 
 
 def calibrate_group(rank: int, world: int, repeat: int = 5) -> CostModel:
     """Collective: every rank returns the same model."""
+    if world == 1:
+        return CostModel(**compute_rates(), source="calibrated in this run")
+    points = [(size, one_way_seconds(rank, size, repeat)) for size in PING_SIZES]
+    dist.barrier()
+    rates = compute_rates()
+    slowest = torch.tensor(list(rates.values()), dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     fitted: list[object] = [None]
-    if world > 1:
-        points = [(size, one_way_seconds(rank, size, repeat)) for size in PING_SIZES]
-        if rank == 0:
-            (small, alpha), (large, large_seconds) = points
-            beta = (large_seconds - alpha) / (large - small)
-            codec, reduce = compute_rates()
-            fitted[0] = CostModel(alpha=max(float(alpha), 1e-6), beta=max(float(beta), 1e-12), codec_per_nnz=codec,
-                                  reduce_per_byte=reduce, source="calibrated in this run")
-        dist.broadcast_object_list(fitted, src=0)
-    else:
-        codec, reduce = compute_rates()
-        fitted[0] = CostModel(codec_per_nnz=codec, reduce_per_byte=reduce, source="calibrated in this run")
+    if rank == 0:
+        (small, alpha), (large, large_seconds) = points
+        beta = (large_seconds - alpha) / (large - small)
+        fitted[0] = CostModel(alpha=max(float(alpha), 1e-6), beta=max(float(beta), 1e-12),
+                              **dict(zip(rates, slowest.tolist(), strict=True)), source="calibrated in this run")
+    dist.broadcast_object_list(fitted, src=0)
     model = fitted[0]
     assert isinstance(model, CostModel)
     return model

@@ -17,14 +17,14 @@ from sparsecomm.launch import run_local
 from sparsecomm.registry import INDEX_CODECS, VALUE_CODECS
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.spec import parse_spec
-from sparsecomm.transport.auto import choose, estimated_payload_bytes_per_nnz
+from sparsecomm.transport.auto import choose, estimated_payload_bytes_per_nnz, exploring_calls
 from sparsecomm.transport.base import ReduceContext, Transport
 from sparsecomm.transport.cost_model import CostModel, set_cost_model
 
 DEFAULT_TRANSPORTS = [
     "dense", "allgather", "sparse_allreduce(algorithm=ssar_rd)", "sparse_allreduce(algorithm=ssar_sa)",
     "sparse_allreduce(algorithm=dsar_sa)", "sparse_allreduce(algorithm=dsar_sa,qsgd_bits=4)", "sketch_allreduce",
-    "auto",
+    "auto(explore=0)", "auto",
 ]
 
 
@@ -44,10 +44,11 @@ def predicted(model: CostModel, text: str, workers: int, numel: int, nnz: int, c
     if name == "allgather":
         return model.allgather(workers, numel, nnz, estimated_payload_bytes_per_nnz(context, numel, nnz))
     if name == "sketch_allreduce":
-        return model.sketch(workers, numel, nnz, transport.ratio, transport.block)  # type: ignore[attr-defined]
+        return model.sketch(workers, numel, nnz, transport.ratio, transport.block,  # type: ignore[attr-defined]
+                            transport.rows)  # type: ignore[attr-defined]
     if name == "auto":
         best, costs = choose(model, workers, numel, nnz, 4, estimated_payload_bytes_per_nnz(context, numel, nnz))
-        return costs[best]
+        return costs[best]  # the model's first choice
     algorithms = model.sparse_algorithms(workers, numel, nnz, 4, transport.qsgd_bits)  # type: ignore[attr-defined]
     algorithm = transport.algorithm  # type: ignore[attr-defined]
     return algorithms[algorithm] if algorithm != "auto" else min(algorithms.values())
@@ -55,7 +56,10 @@ def predicted(model: CostModel, text: str, workers: int, numel: int, nnz: int, c
 
 def timed(transport: Transport, grad: SparseGradient, context: ReduceContext,
           repeat: int) -> tuple[float, torch.Tensor]:
-    """Median over ``repeat`` of the slowest rank's time (ms), after one warm-up call."""
+    """Median over ``repeat`` of the slowest rank's time (ms), after one warm-up call — and, for
+    ``auto``, after the calls it spends exploring (steady state, as in a training loop)."""
+    for _ in range(exploring_calls(transport)):
+        transport.allreduce(grad, context=context)
     result = transport.allreduce(grad, context=context)
     times = []
     for _ in range(repeat):
@@ -84,7 +88,7 @@ def worker(rank: int, world: int, numel: int, densities: list[float], transports
                                     value_codec=VALUE_CODECS.create(value_codec), seed=seed)
             transport = parse_spec(text).transport
             ms, result = timed(transport, grad, context, repeat)
-            sent = torch.tensor([context.bytes_sent / (repeat + 1)])
+            sent = torch.tensor([context.bytes_sent / (repeat + 1 + exploring_calls(transport))])
             dist.all_reduce(sent, op=dist.ReduceOp.MAX)
             error = float((result - reference).abs().max()) / max(scale, 1e-30)
             measured[text] = ms

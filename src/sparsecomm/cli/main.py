@@ -192,7 +192,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     path = args.output or os.environ.get("SPARSECOMM_COST_MODEL") or str(DEFAULT_PATH)
     model.save(path)
     print(f"alpha = {model.alpha * 1e6:.1f} us, beta = {1 / model.beta / 1e6:.0f} MB/s, "
-          f"codec = {model.codec_per_nnz * 1e9:.0f} ns/nnz, sum = {1 / model.reduce_per_byte / 1e9:.2f} GB/s")
+          f"codec = {model.codec_per_nnz * 1e9:.0f} ns/nnz, memory pass = {1 / model.pass_per_byte / 1e9:.2f} GB/s, "
+          f"sort-merge = {model.sort_per_entry * 1e9:.0f} ns/entry, hash = {model.hash_per_entry * 1e9:.0f} ns/entry")
     print(f"saved to {path}")
     return 0
 

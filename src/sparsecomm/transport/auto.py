@@ -1,17 +1,28 @@
-"""``auto``: picks, per call, the exact transport the α-β cost model predicts fastest — dense
-all_reduce, payload allgather, or one of SparCML's sparse allreduce algorithms — from N, the
-largest nnz on any rank, P and the measured codec speed. All ranks decide from agreed numbers and
-the same cost model (checked), so they always choose alike."""
+"""``auto``: the exact transport that is fastest for this call's size — dense all_reduce, payload
+allgather, or one of SparCML's sparse allreduce algorithms.
+
+The α-β cost model (`sparsecomm.transport.cost_model`) ranks them from N, the largest nnz on any
+rank, P and the measured codec speed, and shortlists those predicted within ``shortlist`` × the
+best (at most three). With ``explore`` > 0, the first calls of each size class (N, nnz to half an
+octave, P) run each shortlisted transport ``explore`` times, timing the slowest rank, and every
+later call uses the fastest measured: the model narrows the field, measurement decides. With
+``explore=0`` the model's first choice is used directly. All ranks decide from agreed numbers
+(maxima over ranks) and a cost model checked to be the same, so they always choose alike.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import statistics
+import time
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from sparsecomm.encode.index.rice import RiceIndices
 from sparsecomm.encode.value.floats import Float32Values
+from sparsecomm.errors import SparseCommError
 from sparsecomm.registry import TRANSPORTS
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.allgather import AllgatherTransport
@@ -22,6 +33,7 @@ from sparsecomm.transport.dense import DenseTransport
 from sparsecomm.transport.sparse_allreduce import SparseAllreduce
 
 VALUE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0}
+MAX_SHORTLIST = 3
 
 
 def estimated_payload_bytes_per_nnz(context: ReduceContext, numel: int, nnz: int) -> float:
@@ -33,33 +45,101 @@ def estimated_payload_bytes_per_nnz(context: ReduceContext, numel: int, nnz: int
     return index_bytes + VALUE_BYTES.get(value_name, 4.0)
 
 
-def choose(model: CostModel, workers: int, numel: int, nnz: int, isize: int,
-           payload_bytes_per_nnz: float) -> tuple[str, dict[str, float]]:
+def predicted_costs(model: CostModel, workers: int, numel: int, nnz: int, isize: int,
+                    payload_bytes_per_nnz: float) -> dict[str, float]:
+    """Predicted seconds of every exact transport, keyed by its spec."""
     costs = {"dense": model.dense(workers, numel, isize),
              "allgather": model.allgather(workers, numel, nnz, payload_bytes_per_nnz)}
-    costs.update(model.sparse_algorithms(workers, numel, nnz, isize))
+    for algorithm, cost in model.sparse_algorithms(workers, numel, nnz, isize).items():
+        costs[f"sparse_allreduce(algorithm={algorithm})"] = cost
+    return costs
+
+
+def choose(model: CostModel, workers: int, numel: int, nnz: int, isize: int,
+           payload_bytes_per_nnz: float) -> tuple[str, dict[str, float]]:
+    """The model's first choice and all its predictions."""
+    costs = predicted_costs(model, workers, numel, nnz, isize, payload_bytes_per_nnz)
     return min(costs, key=costs.__getitem__), costs
+
+
+@dataclass
+class Tuning:
+    """What auto has measured for one size class (the same on every rank)."""
+
+    candidates: list[str]
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    chosen: str | None = None
+
+    def next_to_try(self, trials: int) -> str | None:
+        pending = [c for c in self.candidates if len(self.seconds.get(c, [])) < trials]
+        return min(pending, key=lambda c: len(self.seconds.get(c, []))) if pending else None
+
+    def record(self, name: str, seconds: float, trials: int) -> None:
+        self.seconds.setdefault(name, []).append(seconds)
+        if self.next_to_try(trials) is None:
+            self.chosen = min(self.candidates, key=lambda c: statistics.median(self.seconds[c]))
+
+
+_TUNINGS: dict[tuple, Tuning] = {}
+
+
+def size_class(group: Group, numel: int, nnz: int, isize: int, workers: int) -> tuple:
+    return (id(group), numel, round(2 * math.log2(nnz + 1)), isize, workers)
+
+
+def build(name: str) -> Transport:
+    if name == "dense":
+        return DenseTransport()
+    if name == "allgather":
+        return AllgatherTransport()
+    return SparseAllreduce(algorithm=name.split("=")[1].rstrip(")"))
 
 
 @TRANSPORTS.register("auto")
 @dataclass(frozen=True)
 class AutoTransport(Transport):
+    explore: int = 2
+    """timed trials per shortlisted transport in each size class (0: trust the model)"""
+    shortlist: float = 3.0
+    """keep candidates predicted within this factor of the best"""
+
+    def __post_init__(self) -> None:
+        if self.explore < 0 or self.shortlist < 1.0:
+            raise SparseCommError("auto needs explore >= 0 and shortlist >= 1")
+
     def allreduce(self, grad: SparseGradient | torch.Tensor, group: Group = None,
                   context: ReduceContext | None = None) -> torch.Tensor:
         sparse = as_sparse(grad)
         context = context or ReduceContext()
         _, workers = world(group)
         model = load_cost_model()
+        isize = sparse.values.element_size()
         max_nnz = agree(group, sparse.numel, fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype,
                                                          model.fingerprint()), sparse.nnz)
-        best, costs = choose(model, workers, sparse.numel, max_nnz, sparse.values.element_size(),
+        best, costs = choose(model, workers, sparse.numel, max_nnz, isize,
                              estimated_payload_bytes_per_nnz(context, sparse.numel, max_nnz))
-        context.extra.update({f"predicted_{name}_ms": 1e3 * cost for name, cost in costs.items()})
-        transport: Transport
-        if best == "dense":
-            transport = DenseTransport()
-        elif best == "allgather":
-            transport = AllgatherTransport()
-        else:
-            transport = SparseAllreduce(algorithm=best)
-        return transport.allreduce(sparse, group, context)
+        context.extra.update({f"predicted {name} ms": 1e3 * cost for name, cost in costs.items()})
+        if self.explore == 0:
+            return build(best).allreduce(sparse, group, context)
+        key = size_class(group, sparse.numel, max_nnz, isize, workers)
+        if key not in _TUNINGS:
+            ranked = sorted(costs, key=costs.__getitem__)
+            _TUNINGS[key] = Tuning([n for n in ranked if costs[n] <= self.shortlist * costs[best]][:MAX_SHORTLIST])
+        tuning = _TUNINGS[key]
+        if tuning.chosen is not None:
+            return build(tuning.chosen).allreduce(sparse, group, context)
+        name = tuning.next_to_try(self.explore)
+        assert name is not None
+        start = time.perf_counter()
+        result = build(name).allreduce(sparse, group, context)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's time, on every rank
+        tuning.record(name, float(elapsed), self.explore)
+        return result
+
+
+def exploring_calls(transport: Transport) -> int:
+    """How many calls per size class ``transport`` may spend exploring (0 if it never does)."""
+    if isinstance(transport, AutoTransport):
+        return transport.explore * MAX_SHORTLIST
+    return 0

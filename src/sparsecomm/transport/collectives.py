@@ -38,15 +38,26 @@ def agree(group: Group, grad_numel: int, config: int, nnz: int = 0) -> int:
     return int(local[4])
 
 
+PAD_SLACK = 1.25
+
+
 def allgather_bytes(buffer: torch.Tensor, group: Group) -> list[torch.Tensor]:
     """Variable-length allgather of a 1-D uint8 tensor: every rank gets every rank's buffer.
-    gloo has no allgatherv, so sizes go first and the data by an uneven all_to_all_single."""
+    gloo has no allgatherv, so sizes go first; then, if padding to the largest wastes at most
+    25%, one all_gather of padded buffers, else an uneven all_to_all_single."""
     _, size = world(group)
     if size == 1:
         return [buffer]
     sizes = torch.zeros(size, dtype=torch.int64)
     _all_gather_single(sizes, torch.tensor([buffer.numel()], dtype=torch.int64), group=group)
     counts = sizes.tolist()
+    largest = max(counts)
+    if largest * size <= PAD_SLACK * sum(counts) + 4096:  # near-equal sizes: pad, one plain all_gather
+        padded = buffer if buffer.numel() == largest else torch.cat(
+            [buffer, torch.zeros(largest - buffer.numel(), dtype=torch.uint8)])
+        gathered = torch.empty(largest * size, dtype=torch.uint8)
+        _all_gather_single(gathered, padded, group=group)
+        return [gathered[r * largest : r * largest + n] for r, n in enumerate(counts)]
     received = torch.empty(sum(counts), dtype=torch.uint8)
     dist.all_to_all_single(received, buffer.repeat(size), counts, [buffer.numel()] * size, group=group)
     return list(torch.split(received, counts))

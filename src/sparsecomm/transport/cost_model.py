@@ -1,12 +1,13 @@
-"""The α-β cost model of SparCML §5, per transport, with measured compute rates.
+"""The α-β cost model of SparCML §5, per transport, plus the compute each algorithm really does.
 
-A message of L bytes costs α + βL. Each algorithm's time is its message count times α plus its
-bytes times β (the formulas of §5.3 with the expected result size under uniform indices,
-E[K] = N(1 − (1 − k/N)^P), App. B), plus encode/decode/sum time at measured rates. α, β and the
-rates come from ``sparsecomm calibrate`` (a JSON file named by $SPARSECOMM_COST_MODEL, else
-~/.cache/sparsecomm/cost_model.json); without one, defaults measured on loopback here are used.
-`lower_bound` is the bound every measurement is compared with: ⌈log2 P⌉ messages, and each rank
-receiving at least the (P−1)/P of the result it does not own, in its smaller representation.
+A message of L bytes costs α + βL. Each algorithm's time is its messages times α plus its wire
+bytes times β (the formulas of §5.3, with the expected result size under uniform indices
+E[K] = N(1 − (1 − k/N)^P), App. B), plus its compute: memory passes over buffers it allocates and
+fills, sort-based merges of sparse streams, encode/decode, hashing — each at a rate measured by
+``sparsecomm calibrate`` (a JSON file named by $SPARSECOMM_COST_MODEL, else
+~/.cache/sparsecomm/cost_model.json; built-in defaults measured on the 2-core development machine
+otherwise). `lower_bound` is the bound measurements are compared with: ⌈log2 P⌉ messages, and each
+rank receiving at least the (P−1)/P of the result it does not own, in its smaller representation.
 """
 
 from __future__ import annotations
@@ -21,38 +22,51 @@ from sparsecomm.errors import SparseCommError
 
 DEFAULT_PATH = Path.home() / ".cache" / "sparsecomm" / "cost_model.json"
 INDEX_BYTES = 4
+ENTRY_BYTES = 12  # an int64 index and a float32 value, as streams are summed in memory
+DENSE_PATH_FRACTION = 1 / 20  # as in streams.sum_streams
 
 
 @dataclass(frozen=True)
 class CostModel:
-    alpha: float = 60e-6
+    alpha: float = 90e-6
     """seconds per message"""
-    beta: float = 1 / 1.5e9
+    beta: float = 1 / 3.0e9
     """seconds per byte on the wire"""
     codec_per_nnz: float = 60e-9
-    """seconds to encode + decode one nonzero with the pipeline's codecs"""
-    reduce_per_byte: float = 0.4e-9
-    """seconds per byte to sum, densify or copy streams"""
+    """seconds to encode + decode one nonzero with rice + fp32"""
+    pass_per_byte: float = 0.6e-9
+    """seconds per byte of one pass over a freshly allocated buffer (allocate, fill, copy, add)"""
+    sort_per_entry: float = 60e-9
+    """seconds per entry to merge sparse streams by sorting"""
+    hash_per_entry: float = 40e-9
+    """seconds per index per sketch row to compute bucket and sign hashes"""
     source: str = "default"
 
     def fingerprint(self) -> int:
         from sparsecomm.transport.collectives import fingerprint
 
-        return fingerprint(self.alpha, self.beta, self.codec_per_nnz, self.reduce_per_byte)
+        return fingerprint(self.alpha, self.beta, self.codec_per_nnz, self.pass_per_byte, self.sort_per_entry,
+                           self.hash_per_entry)
 
     # -- helpers ------------------------------------------------------------------------------
     @staticmethod
-    def expected_union(numel: int, nnz: int, parts: int) -> float:
-        if numel == 0:
+    def expected_union(numel: float, nnz: float, parts: float) -> float:
+        if numel <= 0:
             return 0.0
         return numel * (1.0 - (1.0 - min(nnz, numel) / numel) ** parts)
 
-    def _stream_bytes(self, numel: float, nnz: float, isize: int) -> float:
-        return min(nnz * (INDEX_BYTES + isize), numel * isize)
+    @staticmethod
+    def _stream_bytes(length: float, nnz: float, isize: int) -> float:
+        return min(nnz * (INDEX_BYTES + isize), length * isize)
 
-    def _output(self, numel: float, isize: int) -> float:
-        """Every transport but dense ends by writing the dense result."""
-        return numel * isize * self.reduce_per_byte
+    def _passes(self, nbytes: float, count: float = 1.0) -> float:
+        return count * nbytes * self.pass_per_byte
+
+    def _sum(self, entries: float, length: float, isize: int) -> float:
+        """Summing streams holding ``entries`` in total over a range of ``length``."""
+        if entries >= DENSE_PATH_FRACTION * length:
+            return self._passes(length * isize, 3) + self._passes(entries * ENTRY_BYTES)
+        return entries * self.sort_per_entry
 
     def _agree(self, workers: int) -> float:
         return 2 * math.ceil(math.log2(workers)) * self.alpha if workers > 1 else 0.0
@@ -60,53 +74,64 @@ class CostModel:
     # -- per transport ------------------------------------------------------------------------
     def dense(self, workers: int, numel: int, isize: int = 4) -> float:
         if workers == 1:
-            return 0.0
+            return self._passes(numel * isize)
         nbytes = numel * isize
-        return (self._agree(workers) + 2 * (workers - 1) * self.alpha
-                + 2 * (workers - 1) / workers * nbytes * (self.beta + self.reduce_per_byte))
+        return (self._agree(workers) + 2 * (workers - 1) * self.alpha + 2 * (workers - 1) / workers * nbytes * self.beta
+                + self._passes(nbytes, 1 + 2 * (workers - 1) / workers))
 
     def allgather(self, workers: int, numel: int, nnz: int, payload_bytes_per_nnz: float) -> float:
-        if workers == 1:
-            return nnz * self.codec_per_nnz + self._output(numel, 4)
         payload = nnz * payload_bytes_per_nnz
+        compute = ((workers + 1) / 2 * nnz * self.codec_per_nnz + self._passes(numel * 4)
+                   + self._passes(workers * nnz * ENTRY_BYTES) + self._passes(workers * payload, 2))
+        if workers == 1:
+            return compute
         return (self._agree(workers) + 2 * (workers - 1) * self.alpha + (workers - 1) * payload * self.beta
-                + workers * nnz * (self.codec_per_nnz + 8 * self.reduce_per_byte) + self._output(numel, 4))
+                + compute)
 
     def ssar_rd(self, workers: int, numel: int, nnz: int, isize: int = 4) -> float:
         base = 1 << (workers.bit_length() - 1)
-        total = self._agree(workers)
+        total = self._agree(workers) + self._passes(numel * isize, 2)  # final densify
         if workers > base:  # fold in and copy back
-            folded = self._stream_bytes(numel, self.expected_union(numel, nnz, workers), isize)
-            first = self._stream_bytes(numel, nnz, isize)
-            total += 4 * self.alpha + (first + folded) * (self.beta + self.reduce_per_byte)
-        span = workers // base if workers > base else 1
+            folded = self.expected_union(numel, nnz, 2)
+            final = self._stream_bytes(numel, self.expected_union(numel, nnz, workers), isize)
+            total += (4 * self.alpha + (self._stream_bytes(numel, nnz, isize) + final) * self.beta
+                      + self._sum(2 * nnz, numel, isize) + self._passes(final, 4))
+            nnz = round(folded)
         distance = 1
         while distance < base:
-            nbytes = self._stream_bytes(numel, self.expected_union(numel, nnz, distance * span), isize)
-            total += 2 * self.alpha + nbytes * (self.beta + 2 * self.reduce_per_byte)
+            entries = self.expected_union(numel, nnz, distance)
+            nbytes = self._stream_bytes(numel, entries, isize)
+            total += (2 * self.alpha + nbytes * self.beta + self._passes(nbytes, 4)
+                      + self._sum(2 * entries, numel, isize))
             distance <<= 1
-        return total + self._output(numel, isize)
+        return total
 
     def split_allgather(self, workers: int, numel: int, nnz: int, isize: int = 4, dense_phase: bool = False,
                         qsgd_bits: int = 0) -> float:
-        if workers == 1:
-            return self._stream_bytes(numel, nnz, isize) * self.reduce_per_byte + self._output(numel, isize)
-        phase1_bytes = (workers - 1) / workers * self._stream_bytes(numel, nnz, isize)
         range_len = numel / workers
+        own = self._stream_bytes(numel, nnz, isize)
         union = self.expected_union(numel, nnz, workers) / workers
         if dense_phase:
             item = qsgd_bits / 8 + 4 / 1024 if qsgd_bits else isize
-            phase2_bytes = (workers - 1) * range_len * item
+            reduced = range_len * item
         else:
-            phase2_bytes = (workers - 1) * min(union * (INDEX_BYTES + isize), range_len * isize)
-        return (self._agree(workers) + 4 * (workers - 1) * self.alpha + (phase1_bytes + phase2_bytes) * self.beta
-                + workers * self._stream_bytes(numel / workers, nnz / workers, isize) * self.reduce_per_byte
-                + self._output(numel, isize))
-
-    def sketch(self, workers: int, numel: int, nnz: int, ratio: float, block: int) -> float:
-        nbytes = 4 * ratio * nnz + numel / (8 * block)
+            reduced = self._stream_bytes(range_len, union, isize)
+        compute = (self._passes(own, 3) + self._sum(nnz, range_len, isize) + self._passes(reduced, 2)
+                   + self._passes(workers * reduced, 3) + self._passes(numel * isize, 2))
+        if dense_phase and qsgd_bits:
+            compute += (range_len + numel) * self.codec_per_nnz
+        if workers == 1:
+            return compute
         return (self._agree(workers) + 4 * (workers - 1) * self.alpha
-                + 2 * (workers - 1) / workers * nbytes * (self.beta + self.reduce_per_byte) + self._output(numel, 4))
+                + ((workers - 1) / workers * own + (workers - 1) * reduced) * self.beta + compute)
+
+    def sketch(self, workers: int, numel: int, nnz: int, ratio: float, block: int, rows: int = 1) -> float:
+        nbytes = 4 * ratio * nnz + numel / (8 * block)
+        union = self.expected_union(numel, nnz, workers)
+        compute = ((nnz + union) * rows * 2 * self.hash_per_entry + self._passes(numel, 3)
+                   + self._passes(numel * 4, 2) + self._passes(nbytes, 2 * (workers - 1) / workers))
+        return (self._agree(workers) + 4 * (workers - 1) * self.alpha + 2 * (workers - 1) / workers * nbytes * self.beta
+                + compute)
 
     def lower_bound(self, workers: int, numel: int, nnz: int, isize: int = 4) -> float:
         if workers == 1:

@@ -26,14 +26,22 @@ from sparsecomm.transport.base import ReduceContext, Transport, as_sparse
 from sparsecomm.transport.collectives import Group, agree, fingerprint
 
 PRIME = (1 << 31) - 1
+HASH_CHUNK = 1 << 15
+
+
+def mod_prime(x: torch.Tensor) -> torch.Tensor:
+    """x mod (2^31 − 1) for 0 ≤ x < 2^62 by folding the high bits (shifts and adds, no division)."""
+    x = (x & PRIME) + (x >> 31)
+    x = (x & PRIME) + (x >> 31)
+    return torch.where(x >= PRIME, x - PRIME, x)
 
 
 def polynomial_hash(indices: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
     """Σ a_d x^d mod (2^31 − 1) by Horner's rule; every product stays below 2^62."""
-    x = indices % PRIME
+    x = mod_prime(indices)
     acc = torch.full_like(x, int(coefficients[0]))
     for coefficient in coefficients[1:].tolist():
-        acc = (acc * x + coefficient) % PRIME
+        acc = mod_prime(acc * x + coefficient)
     return acc
 
 
@@ -49,9 +57,19 @@ class SketchHashes:
         return torch.randint(1, PRIME, (self.rows, 2, 4), generator=generator, dtype=torch.int64)
 
     def buckets_and_signs(self, indices: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows × n bucket indices in [0, columns), rows × n signs ±1). Computed in cache-sized
+        chunks: the ~40 elementwise steps then stay in cache instead of streaming memory."""
         coefficients = self.coefficients().to(indices.device)
-        buckets = torch.stack([polynomial_hash(indices, coefficients[j, 0]) % columns for j in range(self.rows)])
-        signs = torch.stack([(polynomial_hash(indices, coefficients[j, 1]) & 1) * 2 - 1 for j in range(self.rows)])
+        count = indices.numel()
+        buckets = torch.empty(self.rows, count, dtype=torch.int64, device=indices.device)
+        signs = torch.empty(self.rows, count, dtype=torch.int64, device=indices.device)
+        for start in range(0, count, HASH_CHUNK):
+            chunk = indices[start : start + HASH_CHUNK]
+            for row in range(self.rows):
+                # multiply-shift maps a hash below 2^31 onto [0, columns) without a division
+                hashed = polynomial_hash(chunk, coefficients[row, 0])
+                buckets[row, start : start + HASH_CHUNK] = (hashed * columns) >> 31
+                signs[row, start : start + HASH_CHUNK] = (polynomial_hash(chunk, coefficients[row, 1]) & 1) * 2 - 1
         return buckets, signs
 
 

@@ -37,7 +37,7 @@ from sparsecomm.transport.collectives import (
     world,
 )
 from sparsecomm.transport.cost_model import load_cost_model
-from sparsecomm.transport.streams import Stream
+from sparsecomm.transport.streams import Stream, sum_streams
 
 ALGORITHMS = ("auto", "ssar_rd", "ssar_sa", "dsar_sa")
 
@@ -131,11 +131,10 @@ def split_allgather(stream: Stream, group: Group, context: ReduceContext, dense_
     outgoing = [part.to_bytes() for part in split_by_range(stream, bounds)]
     context.bytes_sent += sum(b.numel() for r, b in enumerate(outgoing) if r != rank)
     incoming = [Stream.from_bytes(b) for b in alltoall_bytes(outgoing, group)]
-    mine = incoming[0]
-    for part in incoming[1:]:  # rank order: the owner is the only one who sums this range
+    for part in incoming:
         if (part.offset, part.length) != (bounds[rank], bounds[rank + 1] - bounds[rank]):
             raise PayloadError("a rank sent entries outside this rank's range")
-        mine = mine + part
+    mine = sum_streams(incoming)  # only the owner sums this range, so every rank gets its bits
     if dense_phase:
         mine = Stream(mine.length, mine.to_dense(), None, mine.offset)
     if dense_phase and qsgd_bits:

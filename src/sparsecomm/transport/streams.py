@@ -63,23 +63,7 @@ class Stream:
         return _HEAD.size + (self.length * isize if self.is_dense else self.nnz * (self.index_bytes() + isize))
 
     def __add__(self, other: Stream) -> Stream:
-        """Element-wise sum; the result is sparse or dense by the δ rule."""
-        if (self.length, self.offset) != (other.length, other.offset):
-            raise PayloadError("streams of different ranges cannot be summed")
-        if self.is_dense or other.is_dense:
-            dense, rest = (self, other) if self.is_dense else (other, self)
-            total = dense.values.clone()
-            if rest.indices is None:
-                total += rest.values
-            else:
-                total.index_add_(0, rest.indices, rest.values)
-            return Stream(self.length, total, None, self.offset)
-        assert self.indices is not None and other.indices is not None
-        indices = torch.cat([self.indices, other.indices])
-        values = torch.cat([self.values, other.values])
-        unique, inverse = torch.unique(indices, sorted=True, return_inverse=True)
-        summed = torch.zeros(unique.numel(), dtype=values.dtype, device=values.device).index_add_(0, inverse, values)
-        return Stream.sparse(unique, summed, self.length, self.offset)
+        return sum_streams([self, other])
 
     # -- wire ---------------------------------------------------------------------------------
     def to_bytes(self) -> torch.Tensor:
@@ -114,3 +98,44 @@ class Stream:
         if count and (int(indices.min()) < 0 or int(indices.max()) >= length):
             raise PayloadError("stream index outside its range")
         return Stream(length, values, indices, offset)
+
+
+DENSE_PATH_FRACTION = 1 / 20
+"""Sum by scattering into a dense buffer (one pass over the range) once the operands hold more
+than this fraction of it; below, by sorting the operands' indices (cheaper for few entries)."""
+
+
+def sum_streams(streams: list[Stream]) -> Stream:
+    """Element-wise sum of streams over the same range, sparse or dense by the δ rule. With two
+    operands the result is bit-identical whichever order they come in (each entry sums at most two
+    values), which keeps recursive doubling's partners in agreement."""
+    first = streams[0]
+    length, offset = first.length, first.offset
+    if any((s.length, s.offset) != (length, offset) for s in streams):
+        raise PayloadError("streams of different ranges cannot be summed")
+    if len(streams) == 1:
+        return first
+    total_nnz = sum(s.nnz for s in streams)
+    dense_inputs = [s for s in streams if s.indices is None]
+    if dense_inputs or total_nnz >= DENSE_PATH_FRACTION * length:
+        total = dense_inputs[0].values.clone() if dense_inputs else torch.zeros(length, dtype=first.values.dtype)
+        touched = None if dense_inputs else torch.zeros(length, dtype=torch.bool)
+        for stream in streams:
+            if stream is (dense_inputs[0] if dense_inputs else None):
+                continue
+            if stream.indices is None:
+                total += stream.values
+            else:
+                total.index_add_(0, stream.indices, stream.values)
+                if touched is not None:
+                    touched[stream.indices] = True
+        if touched is not None:
+            union = torch.nonzero(touched).squeeze(1)
+            if union.numel() < Stream(length, total, None, offset).switch_point():
+                return Stream(length, total[union], union, offset)
+        return Stream(length, total, None, offset)
+    indices = torch.cat([s.indices for s in streams if s.indices is not None])
+    values = torch.cat([s.values for s in streams])
+    unique, inverse = torch.unique(indices, sorted=True, return_inverse=True)
+    summed = torch.zeros(unique.numel(), dtype=values.dtype).index_add_(0, inverse, values)
+    return Stream.sparse(unique, summed, length, offset)
