@@ -6,6 +6,10 @@ named by one spec string such as ``"topk(ratio=0.01)+residual+rice+fp16"``.
 
 from sparsecomm import components as _components  # noqa: F401  (fills the registries)
 from sparsecomm.errors import PayloadError, SparseCommError, SpecError
+from sparsecomm.integration.ddp_hook import register_ddp_hook
+from sparsecomm.integration.gradients import allreduce_gradients, check_optimizer
+from sparsecomm.integration.presets import PRESETS, available_presets, resolve
+from sparsecomm.integration.reducer import GradientReducer
 from sparsecomm.payload import PayloadInfo, as_tensor, decode, encode, read_info
 from sparsecomm.pipeline import Pipeline
 from sparsecomm.registry import FEEDBACKS, INDEX_CODECS, SPARSIFIERS, TRANSPORTS, VALUE_CODECS
@@ -17,12 +21,14 @@ from sparsecomm.transport.cost_model import CostModel, load_cost_model
 __version__ = "0.1.0"
 
 __all__ = [
+    "PRESETS",
     "FEEDBACKS",
     "INDEX_CODECS",
     "SPARSIFIERS",
     "TRANSPORTS",
     "VALUE_CODECS",
     "CostModel",
+    "GradientReducer",
     "PayloadError",
     "PayloadInfo",
     "Pipeline",
@@ -32,11 +38,16 @@ __all__ = [
     "ReduceContext",
     "SpecError",
     "Transport",
+    "allreduce_gradients",
     "as_tensor",
+    "available_presets",
+    "check_optimizer",
     "decode",
     "encode",
     "format_spec",
     "load_cost_model",
     "parse_spec",
     "read_info",
+    "register_ddp_hook",
+    "resolve",
 ]

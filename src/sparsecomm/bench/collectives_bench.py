@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -57,10 +58,10 @@ def predicted(model: CostModel, text: str, workers: int, numel: int, nnz: int, c
 def timed(transport: Transport, grad: SparseGradient, context: ReduceContext,
           repeat: int) -> tuple[float, torch.Tensor]:
     """Median over ``repeat`` of the slowest rank's time (ms), after one warm-up call — and, for
-    ``auto``, after the calls it spends exploring (steady state, as in a training loop)."""
-    for _ in range(exploring_calls(transport)):
-        transport.allreduce(grad, context=context)
-    result = transport.allreduce(grad, context=context)
+    ``auto``, after the calls it spends exploring (steady state, as in a training loop). Only the
+    timed calls count in ``context``."""
+    for _ in range(exploring_calls(transport) + 1):
+        result = transport.allreduce(grad, context=replace(context, extra={}))
     times = []
     for _ in range(repeat):
         dist.barrier()
@@ -88,7 +89,7 @@ def worker(rank: int, world: int, numel: int, densities: list[float], transports
                                     value_codec=VALUE_CODECS.create(value_codec), seed=seed)
             transport = parse_spec(text).transport
             ms, result = timed(transport, grad, context, repeat)
-            sent = torch.tensor([context.bytes_sent / (repeat + 1 + exploring_calls(transport))])
+            sent = torch.tensor([context.bytes_sent / repeat])
             dist.all_reduce(sent, op=dist.ReduceOp.MAX)
             error = float((result - reference).abs().max()) / max(scale, 1e-30)
             measured[text] = ms

@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                              help="fractions kept per rank, comma-separated (default %(default)s)")
     collectives.add_argument("--shaped", metavar="RATE",
                              help="also run on a link shaped to RATE (e.g. 1gbit): needs root and network namespaces")
+    collectives.add_argument("--no-loopback", action="store_true", help="with --shaped: skip the loopback run")
     collectives.add_argument("--transport", action="append", metavar="SPEC", help="a transport spec (repeatable)")
     collectives.add_argument("--codecs", default="rice/fp32",
                              help="index/value codecs for allgather (default %(default)s)")
@@ -149,11 +150,11 @@ def _bench_collectives(args: argparse.Namespace) -> int:
     index_codec, sep, value_codec = args.codecs.partition("/")
     if not sep:
         raise SparseCommError(f"--codecs takes INDEX/VALUE, got {args.codecs!r}")
-    runs = [None]
+    runs: list[str | None] = [None]
     if args.shaped:
         ok, why = ShapedNetwork.available()
         if ok:
-            runs.append(args.shaped)
+            runs = [args.shaped] if args.no_loopback else [None, args.shaped]
         else:
             print(f"sparsecomm: shaped-link run skipped ({why}); measuring on loopback only", file=sys.stderr)
     results = []

@@ -1,5 +1,5 @@
-"""Feedback: what a pipeline keeps locally between steps (residuals; DGC momentum comes later)."""
+"""Feedback: what a pipeline keeps locally between steps (residuals, DGC momentum)."""
 
-from sparsecomm.feedback import none, residual
+from sparsecomm.feedback import dgc_momentum, none, residual
 
-__all__ = ["none", "residual"]
+__all__ = ["dgc_momentum", "none", "residual"]

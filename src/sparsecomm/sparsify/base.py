@@ -22,6 +22,24 @@ class Sparsifier(Component):
         """How many entries it aims to select from ``numel`` (None if it has no target)."""
         return None
 
+    def at_step(self, step: int) -> Sparsifier:
+        """The sparsifier to use at ``step`` (itself unless it has a warm-up schedule)."""
+        return self
+
+
+WARMUP_STAGES = 4
+WARMUP_BASE = 0.25
+
+
+def warmup_ratio(final: float, step: int, warmup_steps: int) -> float:
+    """DGC's exponential warm-up (§3.4): over ``warmup_steps`` split into 4 equal stages the density
+    is 0.25, 0.0625, 0.015625, 0.0039 (sparsity 75%, 93.75%, 98.4375%, 99.6%), never below ``final``;
+    from then on ``final`` (99.9% for ratio=0.001)."""
+    if step >= warmup_steps:
+        return final
+    stage = step * WARMUP_STAGES // warmup_steps
+    return max(final, WARMUP_BASE ** (stage + 1))
+
 
 def check_ratio_or_count(name: str, ratio: float | None, k: int | None) -> None:
     if (ratio is None) == (k is None):
@@ -30,6 +48,13 @@ def check_ratio_or_count(name: str, ratio: float | None, k: int | None) -> None:
         raise SparseCommError(f"{name} ratio must be in (0, 1], got {ratio}")
     if k is not None and k < 0:
         raise SparseCommError(f"{name} k must be >= 0, got {k}")
+
+
+def check_warmup(name: str, ratio: float | None, warmup: int) -> None:
+    if warmup < 0:
+        raise SparseCommError(f"{name} warmup must be >= 0 steps")
+    if warmup and ratio is None:
+        raise SparseCommError(f"{name} warmup needs ratio= (a schedule of densities), not k=")
 
 
 def count_from(numel: int, ratio: float | None, k: int | None) -> int:

@@ -12,14 +12,21 @@ The result reports itself through ``selected`` vs `target_count`; it is near k, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from sparsecomm.errors import SparseCommError
 from sparsecomm.registry import SPARSIFIERS
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.sparsify.base import Sparsifier, check_ratio_or_count, count_from, gather
+from sparsecomm.sparsify.base import (
+    Sparsifier,
+    check_ratio_or_count,
+    check_warmup,
+    count_from,
+    gather,
+    warmup_ratio,
+)
 from sparsecomm.sparsify.threshold import indices_at_or_above
 
 MIN_SAMPLES = 100
@@ -35,9 +42,12 @@ class DGCThreshold(Sparsifier):
     lower: float = 0.8
     decay: float = 0.8
     retries: int = 4
+    warmup: int = 0
+    """steps of the exponential warm-up before ``ratio`` applies (ratio-based only)"""
 
     def __post_init__(self) -> None:
         check_ratio_or_count("dgc", self.ratio, self.k)
+        check_warmup("dgc", self.ratio, self.warmup)
         if not 0.0 < self.sample <= 1.0:
             raise SparseCommError("dgc sample must be in (0, 1]")
         if not (0.0 < self.lower <= 1.0 <= self.upper and 0.0 < self.decay < 1.0 and self.retries >= 0):
@@ -45,6 +55,11 @@ class DGCThreshold(Sparsifier):
 
     def target_count(self, numel: int) -> int:
         return count_from(numel, self.ratio, self.k)
+
+    def at_step(self, step: int) -> Sparsifier:
+        if not self.warmup or self.ratio is None:
+            return self
+        return replace(self, ratio=warmup_ratio(self.ratio, step, self.warmup), warmup=0)
 
     def sampled_threshold(self, flat: torch.Tensor, k: int, generator: torch.Generator | None) -> float:
         numel = flat.numel()

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from sparsecomm.registry import SPARSIFIERS
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.sparsify.base import Sparsifier, check_ratio_or_count, count_from, gather
+from sparsecomm.sparsify.base import (
+    Sparsifier,
+    check_ratio_or_count,
+    check_warmup,
+    count_from,
+    gather,
+    warmup_ratio,
+)
 
 
 @SPARSIFIERS.register("topk")
@@ -16,9 +23,17 @@ from sparsecomm.sparsify.base import Sparsifier, check_ratio_or_count, count_fro
 class TopK(Sparsifier):
     ratio: float | None = None
     k: int | None = None
+    warmup: int = 0
+    """steps of DGC's exponential warm-up before ``ratio`` applies (ratio-based only)"""
 
     def __post_init__(self) -> None:
         check_ratio_or_count("topk", self.ratio, self.k)
+        check_warmup("topk", self.ratio, self.warmup)
+
+    def at_step(self, step: int) -> Sparsifier:
+        if not self.warmup or self.ratio is None:
+            return self
+        return replace(self, ratio=warmup_ratio(self.ratio, step, self.warmup), warmup=0)
 
     def target_count(self, numel: int) -> int:
         return count_from(numel, self.ratio, self.k)

@@ -115,7 +115,8 @@ class AutoTransport(Transport):
         model = load_cost_model()
         isize = sparse.values.element_size()
         max_nnz = agree(group, sparse.numel, fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype,
-                                                         model.fingerprint()), sparse.nnz)
+                                                         model.fingerprint()), sparse.nnz,
+                        nonfinite=context.nonfinite)
         best, costs = choose(model, workers, sparse.numel, max_nnz, isize,
                              estimated_payload_bytes_per_nnz(context, sparse.numel, max_nnz))
         context.extra.update({f"predicted {name} ms": 1e3 * cost for name, cost in costs.items()})

@@ -33,6 +33,10 @@ class ReduceContext:
     value_codec: ValueCodec | None = None
     seed: int = 0
     step: int = 0
+    payload: bytes | None = None
+    """this rank's payload, when the pipeline already encoded it (``allgather`` then sends it as is)"""
+    nonfinite: bool = False
+    """this rank's input was non-finite: every rank raises at the agreement step"""
     bytes_sent: int = 0
     chosen: str = ""
     extra: dict[str, float] = field(default_factory=dict)

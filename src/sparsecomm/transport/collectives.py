@@ -22,12 +22,12 @@ def fingerprint(*parts: object) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
 
 
-def agree(group: Group, grad_numel: int, config: int, nnz: int = 0) -> int:
+def agree(group: Group, grad_numel: int, config: int, nnz: int = 0, nonfinite: bool = False) -> int:
     """The first collective of every transport call: one fixed-size all_reduce that checks every
-    rank passes the same tensor size and configuration fingerprint (raising `SparseCommError` on
-    all ranks otherwise, so none is left hanging in a later collective) and returns the largest
-    ``nnz`` of any rank."""
-    local = torch.tensor([grad_numel, config, -grad_numel, -config, nnz], dtype=torch.int64)
+    rank passes the same tensor size and configuration fingerprint and that no rank flagged a
+    non-finite gradient — raising `SparseCommError` on all ranks otherwise, so none is left hanging
+    in a later collective — and returns the largest ``nnz`` of any rank."""
+    local = torch.tensor([grad_numel, config, -grad_numel, -config, nnz, int(nonfinite)], dtype=torch.int64)
     dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
     highest, lowest = local[:2].tolist(), [-v for v in local[2:4].tolist()]
     if highest != lowest:
@@ -35,6 +35,9 @@ def agree(group: Group, grad_numel: int, config: int, nnz: int = 0) -> int:
             "ranks disagree on tensor size or transport configuration "
             f"(this rank: numel {grad_numel}, config {config:#x}; across ranks numel {lowest[0]}..{highest[0]})"
         )
+    if int(local[5]):
+        raise SparseCommError("a rank had a non-finite gradient (NaN or Inf) in this tensor; no rank applied it"
+                              + (" — including this one" if nonfinite else ""))
     return int(local[4])
 
 

@@ -32,7 +32,8 @@ class DenseTransport(Transport):
     def allreduce(self, grad: SparseGradient | torch.Tensor, group: Group = None,
                   context: ReduceContext | None = None) -> torch.Tensor:
         dense = as_dense(grad)
-        agree(group, dense.numel(), fingerprint(self.to_spec(), tuple(dense.shape), dense.dtype))
+        agree(group, dense.numel(), fingerprint(self.to_spec(), tuple(dense.shape), dense.dtype),
+              nonfinite=bool(context and context.nonfinite))
         wire = dense.detach().to(WIRE_DTYPES[self.dtype]).contiguous().clone()
         dist.all_reduce(wire, group=group)
         if context is not None:

@@ -95,7 +95,8 @@ class SketchAllreduce(Transport):
         numel = sparse.numel
         if numel >= PRIME:
             raise SparseCommError(f"sketch_allreduce hashes indices below {PRIME}; tensor has {numel}")
-        max_nnz = agree(group, numel, fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype), sparse.nnz)
+        max_nnz = agree(group, numel, fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype), sparse.nnz,
+                        nonfinite=bool(context and context.nonfinite))
         columns = self.columns(max_nnz)
         hashes = SketchHashes(self.seed + (context.step if context else 0), self.rows)
         indices = sparse.indices.cpu()

@@ -67,7 +67,8 @@ class SparseAllreduce(Transport):
         rank, size = world(group)
         model = load_cost_model() if self.algorithm == "auto" else None
         max_nnz = agree(group, sparse.numel, fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype,
-                                                         model.fingerprint() if model else 0), sparse.nnz)
+                                                         model.fingerprint() if model else 0), sparse.nnz,
+                        nonfinite=context.nonfinite)
         algorithm = self.algorithm
         if model is not None:
             algorithm = model.best_sparse_algorithm(size, sparse.numel, max_nnz, sparse.values.element_size(),

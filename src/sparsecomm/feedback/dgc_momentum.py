@@ -1,0 +1,67 @@
+"""``dgc_momentum``: Deep Gradient Compression's local accumulation with momentum correction (§3.2,
+eq. 7; Nesterov: App. B, eq. 10), momentum factor masking (§3.3) and local gradient clipping
+(App. C).
+
+    plain:     u ← m·u + g;       v ← v + u
+    Nesterov:  u ← m·(u + g);     v ← v + u + g
+    send sparse(v);  v ← v − sent;  with masking, u ← 0 where sent
+
+The momentum lives here, so the optimizer must be plain SGD **without** momentum (a second
+momentum would be applied on top; `sparsecomm.check_optimizer` warns about it). Local clipping
+rescales this tensor's gradient to L2 norm at most ``clip``·``world_size``^(−1/2) before it is
+accumulated (the global threshold ``clip`` split evenly over the ranks' gradients); 0 turns it off.
+With a lossy value codec, v keeps what quantization lost (error feedback) instead of being zeroed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sparsecomm.errors import SparseCommError
+from sparsecomm.feedback.base import Feedback
+from sparsecomm.registry import FEEDBACKS
+from sparsecomm.sparse_gradient import SparseGradient
+
+
+@FEEDBACKS.register("dgc_momentum")
+@dataclass(frozen=True)
+class DGCMomentum(Feedback):
+    momentum: float = 0.9
+    nesterov: bool = False
+    masking: bool = True
+    clip: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.momentum < 1.0:
+            raise SparseCommError("dgc_momentum momentum must be in [0, 1)")
+        if self.clip < 0:
+            raise SparseCommError("dgc_momentum clip must be >= 0 (0: off)")
+
+    def accumulate(self, grad: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+        velocity: torch.Tensor | None = state.get("momentum")
+        if velocity is None or velocity.shape != grad.shape or velocity.dtype != grad.dtype:
+            state["momentum"], state["accumulated"] = torch.zeros_like(grad), torch.zeros_like(grad)
+        velocity, accumulated = state["momentum"], state["accumulated"]
+        if self.clip > 0:
+            threshold = self.clip / math.sqrt(state.get("world_size", 1))
+            norm = float(torch.linalg.vector_norm(grad))
+            if norm > threshold:
+                grad = grad * (threshold / norm)
+        if self.nesterov:
+            velocity.add_(grad).mul_(self.momentum)
+            accumulated.add_(velocity).add_(grad)
+        else:
+            velocity.mul_(self.momentum).add_(grad)
+            accumulated.add_(velocity)
+        return accumulated
+
+    def update(self, accumulated: torch.Tensor, sent: SparseGradient, state: dict[str, Any]) -> None:
+        flat = accumulated.view(-1)
+        indices = sent.indices.to(flat.device)
+        flat.index_put_((indices,), -sent.values.to(flat.device, flat.dtype), accumulate=True)
+        if self.masking:
+            state["momentum"].view(-1)[indices] = 0

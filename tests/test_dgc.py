@@ -1,0 +1,99 @@
+"""Deep Gradient Compression's equations, checked by hand on tiny inputs."""
+
+import pytest
+import torch
+
+import sparsecomm as sc
+from sparsecomm.sparsify.base import warmup_ratio
+
+
+def run(spec: str, grads: list[torch.Tensor], world_size: int = 1) -> tuple[sc.Pipeline, list[sc.SparseGradient]]:
+    pipe = sc.Pipeline(spec, world_size=world_size)
+    sent = [sc.decode(pipe.compress(g, "w")) for g in grads]
+    return pipe, sent
+
+
+def test_unsent_coordinate_accumulates_the_discounted_sum_of_momentum_updates():
+    """Coordinate 0 is never sent (coordinate 1 always wins top-1): after T steps
+    v = Σ_t u_t with u_t = Σ_{s≤t} m^(t−s) g_s — eq. 7 unrolled."""
+    m, grads = 0.9, [torch.tensor([0.1 * (t + 1), 100.0]) for t in range(6)]
+    pipe, sent = run(f"topk(k=1)+dgc_momentum(momentum={m})+raw+fp32", grads)
+    assert all(s.indices.tolist() == [1] for s in sent)
+    g0 = [g[0].item() for g in grads]
+    velocity = [sum(m ** (t - s) * g0[s] for s in range(t + 1)) for t in range(6)]
+    state = pipe.states["w"].feedback
+    assert state["accumulated"][0].item() == pytest.approx(sum(velocity), rel=1e-6)
+    assert state["momentum"][0].item() == pytest.approx(velocity[-1], rel=1e-6)
+
+
+def test_nesterov_momentum_follows_equation_10():
+    m, g = 0.5, [torch.tensor([1.0, 0.0]), torch.tensor([2.0, 0.0])]
+    pipe, _ = run(f"topk(k=1)+dgc_momentum(momentum={m},nesterov=true,masking=false)+raw+fp32",
+                  [torch.tensor([g[0][0], 9.0]), torch.tensor([g[1][0], 9.0])])
+    u1 = m * (0 + 1.0)
+    v1 = 0 + u1 + 1.0
+    u2 = m * (u1 + 2.0)
+    v2 = v1 + u2 + 2.0
+    state = pipe.states["w"].feedback
+    assert state["momentum"][0].item() == pytest.approx(u2)
+    assert state["accumulated"][0].item() == pytest.approx(v2)
+
+
+def test_sent_values_are_the_accumulated_momentum_and_masking_clears_both_buffers():
+    m = 0.9
+    grads = [torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0])]
+    pipe, sent = run(f"topk(k=1)+dgc_momentum(momentum={m})+raw+fp32", grads)
+    assert sent[0].values.tolist() == [1.0]  # v1 = u1 = g1
+    assert sent[1].values.item() == pytest.approx(1.0)  # masked: u restarts from 0, so u2 = g2, v2 = u2
+    state = pipe.states["w"].feedback
+    assert state["momentum"][0].item() == 0.0 and state["accumulated"][0].item() == 0.0
+
+
+def test_without_masking_momentum_keeps_pushing_sent_coordinates():
+    pipe, sent = run("topk(k=1)+dgc_momentum(momentum=0.9,masking=false)+raw+fp32",
+                     [torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0])])
+    assert sent[1].values.item() == pytest.approx(1.9)  # u2 = 0.9·1 + 1, v2 = 0 + u2
+    assert pipe.states["w"].feedback["accumulated"][0].item() == 0.0
+
+
+def test_local_clipping_scales_the_threshold_by_world_size_to_the_minus_half():
+    grad = torch.tensor([6.0, 8.0])  # norm 10
+    pipe, _ = run("topk(k=2)+dgc_momentum(momentum=0.0,clip=4.0,masking=false)+raw+fp32", [grad], world_size=4)
+    state = pipe.states["w"].feedback
+    assert state["momentum"].tolist() == pytest.approx([1.2, 1.6])  # norm clipped to 4 / √4 = 2
+    assert grad.tolist() == [6.0, 8.0]  # the caller's gradient is untouched
+    pipe, _ = run("topk(k=2)+dgc_momentum(momentum=0.0,clip=40.0)+raw+fp32", [grad], world_size=4)
+    assert pipe.states["w"].feedback["momentum"].tolist() == [0.0, 0.0]  # under the threshold: unscaled, then sent
+
+
+def test_warmup_raises_sparsity_exponentially_as_the_paper_says():
+    densities = [warmup_ratio(0.001, step, 400) for step in (0, 100, 200, 300, 400, 10_000)]
+    assert densities == [0.25, 0.0625, 0.015625, 0.00390625, 0.001, 0.001]  # 75%, 93.75%, 98.4375%, 99.6%, 99.9%
+    pipe = sc.Pipeline("dgc(ratio=0.001,warmup=8)+dgc_momentum+rle+fp32")
+    targets = []
+    for _ in range(10):
+        pipe.compress(torch.randn(100_000, generator=torch.Generator().manual_seed(0)), "w")
+        targets.append(pipe.states["w"].last.target)
+    assert targets == [25_000, 25_000, 6_250, 6_250, 1_563, 1_563, 391, 391, 100, 100]
+
+
+def test_warmup_needs_a_ratio():
+    with pytest.raises(sc.SpecError, match="warmup needs ratio"):
+        sc.parse_spec("dgc(k=10,warmup=5)")
+
+
+def test_dgc_preset_is_the_papers_configuration():
+    spec = sc.resolve("dgc")
+    assert spec.sparsifier.name == "dgc" and spec.sparsifier.ratio == 0.001
+    assert spec.feedback.name == "dgc_momentum" and spec.feedback.momentum == 0.9 and spec.feedback.masking
+    assert (spec.index_codec.name, spec.value_codec.name) == ("rle", "fp32")  # 16-bit runs + 32-bit values
+
+
+def test_presets_whose_parts_are_missing_say_so():
+    available = sc.available_presets()
+    assert {"dense", "dgc", "s2", "sparcml"} <= set(available)
+    for name in set(sc.PRESETS) - set(available):
+        with pytest.raises(sc.SpecError, match=f"preset '{name}' needs"):
+            sc.resolve(name)
+    for name in available:
+        sc.resolve(name)
