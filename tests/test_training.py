@@ -210,3 +210,32 @@ def test_nonfinite_gradients_never_enter_state_and_raise_on_every_rank(policy):
         assert all("non-finite gradient" in r["outcome"] for r in results)
     else:
         assert all(r["outcome"] == "ok" for r in results)
+
+
+def stats_and_optimizer_check(rank: int, world: int) -> dict:
+    import warnings
+
+    model = DDP(mlp(0))
+    reducer = sc.register_ddp_hook(model, "dgc", dense_below=1024)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sc.check_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), reducer)
+        sc.check_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), reducer)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for data, labels in batches(rank, world, 5):
+        optimizer.zero_grad()
+        F.cross_entropy(model(data), labels).backward()
+        optimizer.step()
+    per_tensor = {key: (s.steps, s.bytes_sent, s.dense_bytes, s.path) for key, s in reducer.stats.tensors.items()}
+    return {"warnings": [str(w.message) for w in caught], "summary": reducer.stats.summary(), "tensors": per_tensor}
+
+
+def test_statistics_are_readable_from_the_state_and_double_momentum_is_flagged():
+    result = run_local(2, stats_and_optimizer_check)[0]
+    assert len(result["warnings"]) == 1 and "momentum is applied twice" in result["warnings"][0]
+    summary = result["summary"]
+    assert summary["steps"] == 5 and summary["bytes_per_step"] == summary["bytes_sent"] / 5
+    assert summary["compression_ratio"] > 20  # 99.9% sparsity on the one ~7k-element bucket
+    assert summary["select_s"] > 0 and summary["transport_s"] > 0 and summary["decode_s"] > 0
+    (steps, sent, dense, path), = result["tensors"].values()
+    assert steps == 5 and path == "compressed" and dense == 5 * 4 * sum(p.numel() for p in mlp(0).parameters())

@@ -55,22 +55,22 @@ def predicted(model: CostModel, text: str, workers: int, numel: int, nnz: int, c
     return algorithms[algorithm] if algorithm != "auto" else min(algorithms.values())
 
 
-def timed(transport: Transport, grad: SparseGradient, context: ReduceContext,
-          repeat: int) -> tuple[float, torch.Tensor]:
-    """Median over ``repeat`` of the slowest rank's time (ms), after one warm-up call — and, for
-    ``auto``, after the calls it spends exploring (steady state, as in a training loop). Only the
-    timed calls count in ``context``."""
+def warm_up(transport: Transport, grad: SparseGradient, context: ReduceContext) -> None:
+    """One untimed call — and, for ``auto``, the calls it spends exploring, so what is timed is its
+    steady state, as in a training loop."""
     for _ in range(exploring_calls(transport) + 1):
-        result = transport.allreduce(grad, context=replace(context, extra={}))
-    times = []
-    for _ in range(repeat):
-        dist.barrier()
-        start = time.perf_counter()
-        result = transport.allreduce(grad, context=context)
-        elapsed = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(float(elapsed) * 1e3)
-    return statistics.median(times), result
+        transport.allreduce(grad, context=replace(context, extra={}))
+
+
+def timed_call(transport: Transport, grad: SparseGradient, context: ReduceContext,
+               out: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """The slowest rank's time (ms) of one call into a reused ``out``, on every rank."""
+    dist.barrier()
+    start = time.perf_counter()
+    result = transport.allreduce(grad, context=context, out=out)
+    elapsed = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed) * 1e3, result
 
 
 def worker(rank: int, world: int, numel: int, densities: list[float], transports: list[str], repeat: int,
@@ -83,15 +83,26 @@ def worker(rank: int, world: int, numel: int, densities: list[float], transports
         reference = grad.to_dense()
         dist.all_reduce(reference)
         scale = float(reference.abs().max())
+        built = {text: parse_spec(text).transport for text in transports}
+        contexts = {text: ReduceContext(index_codec=INDEX_CODECS.create(index_codec),
+                                        value_codec=VALUE_CODECS.create(value_codec), seed=seed)
+                    for text in transports}
+        for text, transport in built.items():
+            warm_up(transport, grad, contexts[text])
+        samples: dict[str, list[float]] = {text: [] for text in transports}
+        errors: dict[str, float] = {}
+        out = torch.empty(numel)  # one result buffer, reused: no transport pays for a fresh 4·N bytes
+        for _ in range(repeat):  # round-robin, so slow spells hit every transport alike
+            for text, transport in built.items():
+                ms, result = timed_call(transport, grad, contexts[text], out)
+                samples[text].append(ms)
+                errors[text] = float((result - reference).abs().max()) / max(scale, 1e-30)
         measured: dict[str, float] = {}
-        for text in transports:
-            context = ReduceContext(index_codec=INDEX_CODECS.create(index_codec),
-                                    value_codec=VALUE_CODECS.create(value_codec), seed=seed)
-            transport = parse_spec(text).transport
-            ms, result = timed(transport, grad, context, repeat)
+        for text, transport in built.items():
+            context, error = contexts[text], errors[text]
+            ms = statistics.median(samples[text])
             sent = torch.tensor([context.bytes_sent / repeat])
             dist.all_reduce(sent, op=dist.ReduceOp.MAX)
-            error = float((result - reference).abs().max()) / max(scale, 1e-30)
             measured[text] = ms
             rows.append({
                 "transport": transport.to_spec(), "algorithm": context.chosen, "workers": world, "numel": numel,

@@ -22,7 +22,9 @@ def allreduce_gradients(named_gradients: Iterable[tuple[str, torch.Tensor]], spe
                                        dense_below=dense_below)
     pending = [(tensor, reducer.reduce_async(name, tensor)) for name, tensor in named_gradients]
     for tensor, future in pending:
-        tensor.copy_(future.wait())
+        averaged = future.wait()
+        if averaged is not tensor:
+            tensor.copy_(averaged)
     reducer.step_done()
     return reducer
 

@@ -122,7 +122,9 @@ class GradientReducer:
         transport, contribution, context = self._prepare(key, tensor, stats)
         stats.select_s += time.perf_counter() - start
         submitted = time.perf_counter()
-        future = transport.allreduce_async(contribution, self.async_group, context)
+        # the sum lands in the gradient's own storage: the local stages above already copied what they use
+        out = tensor if not tensor.is_sparse and tensor.is_contiguous() and tensor.device.type == "cpu" else None
+        future = transport.allreduce_async(contribution, self.async_group, context, out)
 
         result: torch.futures.Future = torch.futures.Future()
 
@@ -134,7 +136,7 @@ class GradientReducer:
                 stats.decode_s += context.extra.get("decode_s", 0.0)
                 stats.bytes_sent += context.bytes_sent
                 if self.average:
-                    total = total / self.world_size
+                    total = total.div_(self.world_size) if out is not None and total is out else total / self.world_size
                 if tensor.is_sparse:
                     result.set_result(total.to_sparse(sparse_dim=tensor.sparse_dim()).coalesce())
                 else:

@@ -15,7 +15,7 @@ from sparsecomm.errors import SparseCommError
 from sparsecomm.payload import as_tensor, decode, encode
 from sparsecomm.registry import TRANSPORTS
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.transport.base import ReduceContext, Transport, as_sparse
+from sparsecomm.transport.base import ReduceContext, Transport, as_sparse, deliver, output_buffer
 from sparsecomm.transport.collectives import Group, agree, allgather_bytes, fingerprint, world
 
 
@@ -23,7 +23,7 @@ from sparsecomm.transport.collectives import Group, agree, allgather_bytes, fing
 @dataclass(frozen=True)
 class AllgatherTransport(Transport):
     def allreduce(self, grad: SparseGradient | torch.Tensor, group: Group = None,
-                  context: ReduceContext | None = None) -> torch.Tensor:
+                  context: ReduceContext | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         sparse = as_sparse(grad)
         context = context or ReduceContext()
         index_codec = context.index_codec or RiceIndices()
@@ -37,7 +37,7 @@ class AllgatherTransport(Transport):
         payload = as_tensor(encoded)
         context.bytes_sent += payload.numel()
         context.chosen = self.to_spec()
-        total = torch.zeros(sparse.numel, dtype=sparse.dtype)
+        total = output_buffer(out, sparse.numel, sparse.dtype)
         gathered = allgather_bytes(payload, group)
         start = time.perf_counter()
         for buffer in gathered:
@@ -46,4 +46,4 @@ class AllgatherTransport(Transport):
                 raise SparseCommError(f"a rank sent shape {tuple(received.shape)}, expected {tuple(sparse.shape)}")
             total.index_add_(0, received.indices, received.values.to(sparse.dtype))
         context.extra["decode_s"] = context.extra.get("decode_s", 0.0) + time.perf_counter() - start
-        return total.reshape(sparse.shape).to(sparse.device)
+        return deliver(total, sparse.shape, sparse.device, out)

@@ -5,7 +5,8 @@ The α-β cost model (`sparsecomm.transport.cost_model`) ranks them from N, the 
 rank, P and the measured codec speed, and shortlists those predicted within ``shortlist`` × the
 best (at most three). With ``explore`` > 0, the first calls of each size class (N, nnz to half an
 octave, P) run each shortlisted transport ``explore`` times, timing the slowest rank, and every
-later call uses the fastest measured: the model narrows the field, measurement decides. With
+later call uses the one with the lowest time seen (timing noise only ever adds, so the minimum is
+the steadiest estimate): the model narrows the field, measurement decides. With
 ``explore=0`` the model's first choice is used directly. All ranks decide from agreed numbers
 (maxima over ranks) and a cost model checked to be the same, so they always choose alike.
 """
@@ -13,7 +14,6 @@ later call uses the fastest measured: the model narrows the field, measurement d
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -77,14 +77,14 @@ class Tuning:
     def record(self, name: str, seconds: float, trials: int) -> None:
         self.seconds.setdefault(name, []).append(seconds)
         if self.next_to_try(trials) is None:
-            self.chosen = min(self.candidates, key=lambda c: statistics.median(self.seconds[c]))
+            self.chosen = min(self.candidates, key=lambda c: min(self.seconds[c]))
 
 
 _TUNINGS: dict[tuple, Tuning] = {}
 
 
-def size_class(group: Group, numel: int, nnz: int, isize: int, workers: int) -> tuple:
-    return (id(group), numel, round(2 * math.log2(nnz + 1)), isize, workers)
+def size_class(group: Group, numel: int, nnz: int, isize: int, workers: int, settings: tuple) -> tuple:
+    return (id(group), numel, round(2 * math.log2(nnz + 1)), isize, workers, settings)
 
 
 def build(name: str) -> Transport:
@@ -98,7 +98,7 @@ def build(name: str) -> Transport:
 @TRANSPORTS.register("auto")
 @dataclass(frozen=True)
 class AutoTransport(Transport):
-    explore: int = 2
+    explore: int = 3
     """timed trials per shortlisted transport in each size class (0: trust the model)"""
     shortlist: float = 3.0
     """keep candidates predicted within this factor of the best"""
@@ -108,7 +108,7 @@ class AutoTransport(Transport):
             raise SparseCommError("auto needs explore >= 0 and shortlist >= 1")
 
     def allreduce(self, grad: SparseGradient | torch.Tensor, group: Group = None,
-                  context: ReduceContext | None = None) -> torch.Tensor:
+                  context: ReduceContext | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         sparse = as_sparse(grad)
         context = context or ReduceContext()
         _, workers = world(group)
@@ -121,18 +121,18 @@ class AutoTransport(Transport):
                              estimated_payload_bytes_per_nnz(context, sparse.numel, max_nnz))
         context.extra.update({f"predicted {name} ms": 1e3 * cost for name, cost in costs.items()})
         if self.explore == 0:
-            return build(best).allreduce(sparse, group, context)
-        key = size_class(group, sparse.numel, max_nnz, isize, workers)
+            return build(best).allreduce(sparse, group, context, out)
+        key = size_class(group, sparse.numel, max_nnz, isize, workers, (self.explore, self.shortlist))
         if key not in _TUNINGS:
             ranked = sorted(costs, key=costs.__getitem__)
             _TUNINGS[key] = Tuning([n for n in ranked if costs[n] <= self.shortlist * costs[best]][:MAX_SHORTLIST])
         tuning = _TUNINGS[key]
         if tuning.chosen is not None:
-            return build(tuning.chosen).allreduce(sparse, group, context)
+            return build(tuning.chosen).allreduce(sparse, group, context, out)
         name = tuning.next_to_try(self.explore)
         assert name is not None
         start = time.perf_counter()
-        result = build(name).allreduce(sparse, group, context)
+        result = build(name).allreduce(sparse, group, context, out)
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's time, on every rank
         tuning.record(name, float(elapsed), self.explore)

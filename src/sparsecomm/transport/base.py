@@ -1,7 +1,9 @@
 """The transport interface: sum one tensor over the ranks of a process group.
 
 ``allreduce`` takes this rank's contribution (a `SparseGradient`, or a dense tensor) and returns
-the dense sum over all ranks, identical on every rank. ``allreduce_async`` does the same on a
+the dense sum over all ranks, identical on every rank — written into ``out`` when one is given
+(reusing a buffer spares a fresh allocation of the whole tensor on every call; ``out`` may be
+the contribution's own tensor). ``allreduce_async`` does the same on a
 worker thread and returns a ``torch.futures.Future`` (for DDP communication hooks). Calls on one
 group are run in submission order, so ranks that submit in the same order stay in step; do not
 use that group from another thread at the same time.
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 
 from sparsecomm.encode.base import IndexCodec, ValueCodec
+from sparsecomm.errors import SparseCommError
 from sparsecomm.registry import Component
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.collectives import Group
@@ -51,16 +54,16 @@ class Transport(Component):
     exact: ClassVar[bool] = True
 
     def allreduce(self, grad: SparseGradient | torch.Tensor, group: Group = None,
-                  context: ReduceContext | None = None) -> torch.Tensor:
+                  context: ReduceContext | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     def allreduce_async(self, grad: SparseGradient | torch.Tensor, group: Group = None,
-                        context: ReduceContext | None = None) -> torch.futures.Future:
+                        context: ReduceContext | None = None, out: torch.Tensor | None = None) -> torch.futures.Future:
         future: torch.futures.Future = torch.futures.Future()
 
         def run() -> None:
             try:
-                future.set_result(self.allreduce(grad, group, context))
+                future.set_result(self.allreduce(grad, group, context, out))
             except BaseException as err:  # noqa: BLE001 - handed to the waiter
                 future.set_exception(err)
 
@@ -76,8 +79,25 @@ def as_dense(grad: SparseGradient | torch.Tensor) -> torch.Tensor:
     return grad.to_dense() if isinstance(grad, SparseGradient) else grad
 
 
-def shape_of(grad: SparseGradient | torch.Tensor) -> torch.Size:
-    return grad.shape
+def output_buffer(out: torch.Tensor | None, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed flat CPU buffer for a sum: ``out`` itself when it can be (checked), else new."""
+    if out is not None:
+        if out.numel() != numel or out.dtype != dtype:
+            raise SparseCommError(f"out has {out.numel()} {out.dtype} elements; the sum needs {numel} {dtype}")
+        if out.device.type == "cpu" and out.is_contiguous():
+            flat = out.view(-1)
+            flat.zero_()
+            return flat
+    return torch.zeros(numel, dtype=dtype)
+
+
+def deliver(total: torch.Tensor, shape: torch.Size, device: torch.device, out: torch.Tensor | None) -> torch.Tensor:
+    """The sum in the caller's shape and device: ``out`` (filled) when given."""
+    if out is None:
+        return total.reshape(shape).to(device)
+    if total.data_ptr() != out.data_ptr():
+        out.copy_(total.reshape(out.shape))
+    return out
 
 
 _EXECUTORS: dict[int, ThreadPoolExecutor] = {}

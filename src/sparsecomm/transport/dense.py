@@ -10,7 +10,7 @@ import torch.distributed as dist
 from sparsecomm.errors import SparseCommError
 from sparsecomm.registry import TRANSPORTS
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.transport.base import ReduceContext, Transport, as_dense
+from sparsecomm.transport.base import ReduceContext, Transport, as_dense, deliver
 from sparsecomm.transport.collectives import Group, agree, fingerprint
 
 WIRE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -30,13 +30,24 @@ class DenseTransport(Transport):
         return self.dtype == "fp32"
 
     def allreduce(self, grad: SparseGradient | torch.Tensor, group: Group = None,
-                  context: ReduceContext | None = None) -> torch.Tensor:
+                  context: ReduceContext | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         dense = as_dense(grad)
         agree(group, dense.numel(), fingerprint(self.to_spec(), tuple(dense.shape), dense.dtype),
               nonfinite=bool(context and context.nonfinite))
-        wire = dense.detach().to(WIRE_DTYPES[self.dtype]).contiguous().clone()
+        wire_dtype = WIRE_DTYPES[self.dtype]
+        in_place = (out is not None and wire_dtype == dense.dtype == out.dtype and out.device.type == "cpu"
+                    and out.is_contiguous() and out.numel() == dense.numel())
+        if in_place:
+            assert out is not None
+            if out.data_ptr() != dense.data_ptr():
+                out.copy_(dense.detach().reshape(out.shape))
+            wire = out
+        else:
+            wire = dense.detach().to(wire_dtype).contiguous().clone()
         dist.all_reduce(wire, group=group)
         if context is not None:
             context.bytes_sent += wire.numel() * wire.element_size()
             context.chosen = self.to_spec()
-        return wire.to(dense.dtype).reshape(dense.shape)
+        if in_place:
+            return wire
+        return deliver(wire.to(dense.dtype).reshape(-1), dense.shape, dense.device, out)

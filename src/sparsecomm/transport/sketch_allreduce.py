@@ -22,7 +22,7 @@ import torch.distributed as dist
 from sparsecomm.errors import SparseCommError
 from sparsecomm.registry import TRANSPORTS
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.transport.base import ReduceContext, Transport, as_sparse
+from sparsecomm.transport.base import ReduceContext, Transport, as_sparse, deliver, output_buffer
 from sparsecomm.transport.collectives import Group, agree, fingerprint
 
 PRIME = (1 << 31) - 1
@@ -90,7 +90,7 @@ class SketchAllreduce(Transport):
         return max(1, math.ceil(self.ratio * max(max_nnz, 1) / self.rows))
 
     def allreduce(self, grad: SparseGradient | torch.Tensor, group: Group = None,
-                  context: ReduceContext | None = None) -> torch.Tensor:
+                  context: ReduceContext | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         sparse = as_sparse(grad)
         numel = sparse.numel
         if numel >= PRIME:
@@ -120,6 +120,6 @@ class SketchAllreduce(Transport):
         out_buckets, out_signs = hashes.buckets_and_signs(positions, columns)
         estimates = torch.gather(sketch, 1, out_buckets) * out_signs.to(torch.float32)
         decoded = estimates.median(dim=0).values if self.rows > 1 else estimates[0]
-        total = torch.zeros(numel, dtype=sparse.dtype)
+        total = output_buffer(out, numel, sparse.dtype)
         total[positions] = decoded.to(sparse.dtype)
-        return total.reshape(sparse.shape).to(sparse.device)
+        return deliver(total, sparse.shape, sparse.device, out)

@@ -24,7 +24,7 @@ from sparsecomm.encode.value.qsgd import QSGDValues
 from sparsecomm.errors import PayloadError, SparseCommError
 from sparsecomm.registry import TRANSPORTS
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.transport.base import ReduceContext, Transport, as_sparse
+from sparsecomm.transport.base import ReduceContext, Transport, as_sparse, deliver, output_buffer
 from sparsecomm.transport.collectives import (
     Group,
     agree,
@@ -61,7 +61,7 @@ class SparseAllreduce(Transport):
         return self.qsgd_bits == 0
 
     def allreduce(self, grad: SparseGradient | torch.Tensor, group: Group = None,
-                  context: ReduceContext | None = None) -> torch.Tensor:
+                  context: ReduceContext | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         sparse = as_sparse(grad).sorted()
         context = context or ReduceContext()
         rank, size = world(group)
@@ -76,24 +76,27 @@ class SparseAllreduce(Transport):
         context.chosen = f"sparse_allreduce(algorithm={algorithm})"
         values = sparse.values.detach().cpu()
         stream = Stream.sparse(sparse.indices.cpu(), values, sparse.numel)
+        total = output_buffer(out, sparse.numel, sparse.dtype)
         if algorithm == "ssar_rd":
-            result = recursive_doubling(stream, group, context)
+            recursive_doubling(stream, group, context, total)
         elif algorithm == "ssar_sa":
-            result = split_allgather(stream, group, context, dense_phase=False)
+            split_allgather(stream, group, context, total, dense_phase=False)
         else:
-            result = split_allgather(stream, group, context, dense_phase=True, qsgd_bits=self.qsgd_bits,
-                                     bucket=self.bucket)
-        return result.reshape(sparse.shape).to(sparse.device)
+            split_allgather(stream, group, context, total, dense_phase=True, qsgd_bits=self.qsgd_bits,
+                            bucket=self.bucket)
+        return deliver(total, sparse.shape, sparse.device, out)
 
 
-def recursive_doubling(stream: Stream, group: Group, context: ReduceContext) -> torch.Tensor:
+def recursive_doubling(stream: Stream, group: Group, context: ReduceContext, total: torch.Tensor) -> None:
+    """Sums ``stream`` over the group into ``total`` (flat, zeroed)."""
     rank, size = world(group)
     base = 1 << (size.bit_length() - 1)  # largest power of two ≤ size
     if rank >= base:  # fold into rank - base, get the result back at the end
         partner = rank - base
         send_bytes(stream.to_bytes(), partner, group)
         context.bytes_sent += stream.wire_bytes()
-        return Stream.from_bytes(recv_bytes(partner, group)).to_dense()
+        Stream.from_bytes(recv_bytes(partner, group)).write_into(total)
+        return
     if rank < size - base:
         stream = stream + Stream.from_bytes(recv_bytes(rank + base, group))
     distance = 1
@@ -107,7 +110,7 @@ def recursive_doubling(stream: Stream, group: Group, context: ReduceContext) -> 
         wire = stream.to_bytes()
         context.bytes_sent += wire.numel()
         send_bytes(wire, rank + base, group)
-    return stream.to_dense()
+    stream.write_into(total)
 
 
 def range_bounds(numel: int, parts: int) -> list[int]:
@@ -125,8 +128,9 @@ def split_by_range(stream: Stream, bounds: list[int]) -> list[Stream]:
     return parts
 
 
-def split_allgather(stream: Stream, group: Group, context: ReduceContext, dense_phase: bool,
-                    qsgd_bits: int = 0, bucket: int = 1024) -> torch.Tensor:
+def split_allgather(stream: Stream, group: Group, context: ReduceContext, out: torch.Tensor, dense_phase: bool,
+                    qsgd_bits: int = 0, bucket: int = 1024) -> None:
+    """Sums ``stream`` over the group into ``out`` (flat, zeroed)."""
     rank, size = world(group)
     bounds = range_bounds(stream.length, size)
     outgoing = [part.to_bytes() for part in split_by_range(stream, bounds)]
@@ -144,7 +148,6 @@ def split_allgather(stream: Stream, group: Group, context: ReduceContext, dense_
     else:
         wire = mine.to_bytes()
     context.bytes_sent += wire.numel() * (size - 1)
-    out = torch.zeros(stream.length, dtype=stream.values.dtype)
     for owner, buffer in enumerate(allgather_bytes(wire, group)):
         lo, hi = bounds[owner], bounds[owner + 1]
         if dense_phase and qsgd_bits:
@@ -154,5 +157,4 @@ def split_allgather(stream: Stream, group: Group, context: ReduceContext, dense_
             part = Stream.from_bytes(buffer)
             if (part.offset, part.length) != (lo, hi - lo):
                 raise PayloadError("a rank's reduced range does not match its split")
-            out[lo:hi] = part.to_dense()
-    return out
+            part.write_into(out[lo:hi])

@@ -58,6 +58,13 @@ class Stream:
         out[self.indices] = self.values
         return out
 
+    def write_into(self, target: torch.Tensor) -> None:
+        """Write this stream's entries into ``target`` (its range, zeroed beforehand)."""
+        if self.indices is None:
+            target.copy_(self.values)
+        else:
+            target[self.indices] = self.values
+
     def wire_bytes(self) -> int:
         isize = self.values.element_size()
         return _HEAD.size + (self.length * isize if self.is_dense else self.nnz * (self.index_bytes() + isize))
