@@ -19,3 +19,12 @@ class Feedback(Component):
     def update(self, accumulated: torch.Tensor, sent: SparseGradient, state: dict[str, Any]) -> None:
         """Record that ``sent`` (indices and the values the receivers will decode) left."""
         raise NotImplementedError
+
+
+def subtract_sent(accumulated: torch.Tensor, sent: SparseGradient) -> torch.Tensor:
+    """accumulated[sent] −= sent values, in place (exactly zero there when values were sent losslessly);
+    returns the flat indices of what was sent, on the accumulator's device."""
+    flat = accumulated.view(-1)
+    indices = sent.indices.to(flat.device)
+    flat.index_put_((indices,), -sent.values.to(flat.device, flat.dtype), accumulate=True)
+    return indices

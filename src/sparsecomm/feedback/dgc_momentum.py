@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from sparsecomm.errors import SparseCommError
-from sparsecomm.feedback.base import Feedback
+from sparsecomm.feedback.base import Feedback, subtract_sent
 from sparsecomm.registry import FEEDBACKS
 from sparsecomm.sparse_gradient import SparseGradient
 
@@ -60,8 +60,6 @@ class DGCMomentum(Feedback):
         return accumulated
 
     def update(self, accumulated: torch.Tensor, sent: SparseGradient, state: dict[str, Any]) -> None:
-        flat = accumulated.view(-1)
-        indices = sent.indices.to(flat.device)
-        flat.index_put_((indices,), -sent.values.to(flat.device, flat.dtype), accumulate=True)
+        indices = subtract_sent(accumulated, sent)
         if self.masking:
             state["momentum"].view(-1)[indices] = 0

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from sparsecomm.feedback.base import Feedback
+from sparsecomm.feedback.base import Feedback, subtract_sent
 from sparsecomm.registry import FEEDBACKS
 from sparsecomm.sparse_gradient import SparseGradient
 
@@ -31,6 +31,4 @@ class Residual(Feedback):
         return residual
 
     def update(self, accumulated: torch.Tensor, sent: SparseGradient, state: dict[str, Any]) -> None:
-        flat = accumulated.view(-1)
-        indices = sent.indices.to(flat.device)
-        flat.index_put_((indices,), -sent.values.to(flat.device, flat.dtype), accumulate=True)
+        subtract_sent(accumulated, sent)

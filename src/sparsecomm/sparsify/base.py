@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -29,6 +30,14 @@ class Sparsifier(Component):
 
 WARMUP_STAGES = 4
 WARMUP_BASE = 0.25
+
+
+def with_warmup(sparsifier: Sparsifier, step: int) -> Sparsifier:
+    """``sparsifier`` (which has ``ratio`` and ``warmup`` fields) at ``step`` of its warm-up."""
+    ratio, warmup = getattr(sparsifier, "ratio", None), getattr(sparsifier, "warmup", 0)
+    if not warmup or ratio is None:
+        return sparsifier
+    return replace(sparsifier, ratio=warmup_ratio(ratio, step, warmup), warmup=0)  # type: ignore[type-var]
 
 
 def warmup_ratio(final: float, step: int, warmup_steps: int) -> float:

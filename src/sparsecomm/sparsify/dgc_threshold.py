@@ -12,7 +12,7 @@ The result reports itself through ``selected`` vs `target_count`; it is near k, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -25,7 +25,7 @@ from sparsecomm.sparsify.base import (
     check_warmup,
     count_from,
     gather,
-    warmup_ratio,
+    with_warmup,
 )
 from sparsecomm.sparsify.threshold import indices_at_or_above
 
@@ -57,9 +57,7 @@ class DGCThreshold(Sparsifier):
         return count_from(numel, self.ratio, self.k)
 
     def at_step(self, step: int) -> Sparsifier:
-        if not self.warmup or self.ratio is None:
-            return self
-        return replace(self, ratio=warmup_ratio(self.ratio, step, self.warmup), warmup=0)
+        return with_warmup(self, step)
 
     def sampled_threshold(self, flat: torch.Tensor, k: int, generator: torch.Generator | None) -> float:
         numel = flat.numel()

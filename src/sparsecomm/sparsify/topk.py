@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -14,7 +14,7 @@ from sparsecomm.sparsify.base import (
     check_warmup,
     count_from,
     gather,
-    warmup_ratio,
+    with_warmup,
 )
 
 
@@ -31,9 +31,7 @@ class TopK(Sparsifier):
         check_warmup("topk", self.ratio, self.warmup)
 
     def at_step(self, step: int) -> Sparsifier:
-        if not self.warmup or self.ratio is None:
-            return self
-        return replace(self, ratio=warmup_ratio(self.ratio, step, self.warmup), warmup=0)
+        return with_warmup(self, step)
 
     def target_count(self, numel: int) -> int:
         return count_from(numel, self.ratio, self.k)
