@@ -15,8 +15,8 @@ from sparsecomm.errors import SparseCommError
 from sparsecomm.payload import as_tensor, decode, encode
 from sparsecomm.registry import TRANSPORTS
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.transport.base import ReduceContext, Transport, as_sparse, deliver, output_buffer
-from sparsecomm.transport.collectives import Group, agree, allgather_bytes, fingerprint, world
+from sparsecomm.transport.base import ReduceContext, Transport, agreed, as_sparse, deliver, output_buffer
+from sparsecomm.transport.collectives import Group, allgather_bytes, fingerprint, world
 
 
 @TRANSPORTS.register("allgather")
@@ -29,9 +29,8 @@ class AllgatherTransport(Transport):
         index_codec = context.index_codec or RiceIndices()
         value_codec = context.value_codec or Float32Values()
         rank, _ = world(group)
-        agree(group, sparse.numel, fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype,
-                                               index_codec.to_spec(), value_codec.to_spec()),
-                        nonfinite=context.nonfinite)
+        agreed(group, context, sparse.numel, fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype,
+                                               index_codec.to_spec(), value_codec.to_spec()))
         encoded = context.payload if context.payload is not None else encode(
             sparse, index_codec, value_codec, rng=context.rng(rank))
         payload = as_tensor(encoded)

@@ -120,6 +120,14 @@ class AutoTransport(Transport):
         best, costs = choose(model, workers, sparse.numel, max_nnz, isize,
                              estimated_payload_bytes_per_nnz(context, sparse.numel, max_nnz))
         context.extra.update({f"predicted {name} ms": 1e3 * cost for name, cost in costs.items()})
+        context.agreed_nnz = max_nnz  # the chosen transport need not run the agreement step again
+        try:
+            return self._run(sparse, group, context, out, best, costs, workers, isize, max_nnz)
+        finally:
+            context.agreed_nnz = None
+
+    def _run(self, sparse: SparseGradient, group: Group, context: ReduceContext, out: torch.Tensor | None,
+             best: str, costs: dict[str, float], workers: int, isize: int, max_nnz: int) -> torch.Tensor:
         if self.explore == 0:
             return build(best).allreduce(sparse, group, context, out)
         key = size_class(group, sparse.numel, max_nnz, isize, workers, (self.explore, self.shortlist))

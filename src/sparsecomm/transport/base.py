@@ -23,7 +23,7 @@ from sparsecomm.encode.base import IndexCodec, ValueCodec
 from sparsecomm.errors import SparseCommError
 from sparsecomm.registry import Component
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.transport.collectives import Group
+from sparsecomm.transport.collectives import Group, agree
 
 
 @dataclass
@@ -40,6 +40,8 @@ class ReduceContext:
     """this rank's payload, when the pipeline already encoded it (``allgather`` then sends it as is)"""
     nonfinite: bool = False
     """this rank's input was non-finite: every rank raises at the agreement step"""
+    agreed_nnz: int | None = None
+    """set by a caller that already ran the agreement step (``auto``): the largest nnz over ranks"""
     bytes_sent: int = 0
     chosen: str = ""
     extra: dict[str, float] = field(default_factory=dict)
@@ -69,6 +71,13 @@ class Transport(Component):
 
         _executor(group).submit(run)
         return future
+
+
+def agreed(group: Group, context: ReduceContext | None, numel: int, config: int, nnz: int = 0) -> int:
+    """The agreement step (`sparsecomm.transport.collectives.agree`), unless the caller already ran it."""
+    if context is not None and context.agreed_nnz is not None:
+        return context.agreed_nnz
+    return agree(group, numel, config, nnz, nonfinite=bool(context and context.nonfinite))
 
 
 def as_sparse(grad: SparseGradient | torch.Tensor) -> SparseGradient:

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from sparsecomm.errors import SparseCommError
 from sparsecomm.registry import TRANSPORTS
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.transport.base import ReduceContext, Transport, as_dense, deliver
-from sparsecomm.transport.collectives import Group, agree, fingerprint
+from sparsecomm.transport.base import ReduceContext, Transport, agreed, as_dense, deliver
+from sparsecomm.transport.collectives import Group, fingerprint
 
 WIRE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -32,8 +32,7 @@ class DenseTransport(Transport):
     def allreduce(self, grad: SparseGradient | torch.Tensor, group: Group = None,
                   context: ReduceContext | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         dense = as_dense(grad)
-        agree(group, dense.numel(), fingerprint(self.to_spec(), tuple(dense.shape), dense.dtype),
-              nonfinite=bool(context and context.nonfinite))
+        agreed(group, context, dense.numel(), fingerprint(self.to_spec(), tuple(dense.shape), dense.dtype))
         wire_dtype = WIRE_DTYPES[self.dtype]
         in_place = (out is not None and wire_dtype == dense.dtype == out.dtype and out.device.type == "cpu"
                     and out.is_contiguous() and out.numel() == dense.numel())

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from sparsecomm.errors import SparseCommError
 from sparsecomm.registry import TRANSPORTS
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.transport.base import ReduceContext, Transport, as_sparse, deliver, output_buffer
-from sparsecomm.transport.collectives import Group, agree, fingerprint
+from sparsecomm.transport.base import ReduceContext, Transport, agreed, as_sparse, deliver, output_buffer
+from sparsecomm.transport.collectives import Group, fingerprint
 
 PRIME = (1 << 31) - 1
 HASH_CHUNK = 1 << 15
@@ -95,8 +95,8 @@ class SketchAllreduce(Transport):
         numel = sparse.numel
         if numel >= PRIME:
             raise SparseCommError(f"sketch_allreduce hashes indices below {PRIME}; tensor has {numel}")
-        max_nnz = agree(group, numel, fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype), sparse.nnz,
-                        nonfinite=bool(context and context.nonfinite))
+        config = fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype)
+        max_nnz = agreed(group, context, numel, config, sparse.nnz)
         columns = self.columns(max_nnz)
         hashes = SketchHashes(self.seed + (context.step if context else 0), self.rows)
         indices = sparse.indices.cpu()

@@ -24,10 +24,9 @@ from sparsecomm.encode.value.qsgd import QSGDValues
 from sparsecomm.errors import PayloadError, SparseCommError
 from sparsecomm.registry import TRANSPORTS
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.transport.base import ReduceContext, Transport, as_sparse, deliver, output_buffer
+from sparsecomm.transport.base import ReduceContext, Transport, agreed, as_sparse, deliver, output_buffer
 from sparsecomm.transport.collectives import (
     Group,
-    agree,
     allgather_bytes,
     alltoall_bytes,
     exchange_bytes,
@@ -66,9 +65,8 @@ class SparseAllreduce(Transport):
         context = context or ReduceContext()
         rank, size = world(group)
         model = load_cost_model() if self.algorithm == "auto" else None
-        max_nnz = agree(group, sparse.numel, fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype,
-                                                         model.fingerprint() if model else 0), sparse.nnz,
-                        nonfinite=context.nonfinite)
+        max_nnz = agreed(group, context, sparse.numel, fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype,
+                                                         model.fingerprint() if model else 0), sparse.nnz)
         algorithm = self.algorithm
         if model is not None:
             algorithm = model.best_sparse_algorithm(size, sparse.numel, max_nnz, sparse.values.element_size(),
