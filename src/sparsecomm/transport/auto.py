@@ -98,7 +98,7 @@ def build(name: str) -> Transport:
 @TRANSPORTS.register("auto")
 @dataclass(frozen=True)
 class AutoTransport(Transport):
-    explore: int = 3
+    explore: int = 5
     """timed trials per shortlisted transport in each size class (0: trust the model)"""
     shortlist: float = 3.0
     """keep candidates predicted within this factor of the best"""
