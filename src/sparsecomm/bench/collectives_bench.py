@@ -92,8 +92,13 @@ def worker(rank: int, world: int, numel: int, densities: list[float], transports
         samples: dict[str, list[float]] = {text: [] for text in transports}
         errors: dict[str, float] = {}
         out = torch.empty(numel)  # one result buffer, reused: no transport pays for a fresh 4·N bytes
-        for _ in range(repeat):  # round-robin, so slow spells hit every transport alike
-            for text, transport in built.items():
+        names = list(built)
+        for round_index in range(repeat):
+            # round-robin, so slow spells hit every transport alike; rotated each round, so no transport
+            # always runs right after the same heavy one (its freed memory makes the next call pay)
+            shift = round_index % len(names)
+            for text in names[shift:] + names[:shift]:
+                transport = built[text]
                 ms, result = timed_call(transport, grad, contexts[text], out)
                 samples[text].append(ms)
                 errors[text] = float((result - reference).abs().max()) / max(scale, 1e-30)
