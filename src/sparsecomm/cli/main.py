@@ -80,6 +80,20 @@ def build_parser() -> argparse.ArgumentParser:
     collectives.add_argument("--seed", type=int, default=0)
     collectives.add_argument("--json", metavar="PATH", help="write the results as JSON")
 
+    train = commands.add_parser("train", help="train a real workload with each preset next to dense")
+    train.add_argument("--workload", default="digits", help="digits (default)")
+    train.add_argument("--presets", default=None,
+                       help="comma-separated presets or specs (default: every available preset)")
+    train.add_argument("--workers", type=_positive_int, default=4)
+    train.add_argument("--steps", type=_positive_int, default=300)
+    train.add_argument("--batch", type=_positive_int, default=32, help="per-worker batch size")
+    train.add_argument("--lr", type=float, default=0.05)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--bandwidth", default="1gbit", help="link rate for the modeled communication time")
+    train.add_argument("--shaped", metavar="RATE", help="run the workers on a link shaped to RATE (needs root)")
+    train.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    train.add_argument("--plot", metavar="PATH", default="sparsecomm-train.png", help="PNG of the loss curves")
+
     calibrate = commands.add_parser("calibrate", help="measure the cost model (alpha, beta, codec speed) and save it")
     calibrate.add_argument("--workers", type=_positive_int, default=2)
     calibrate.add_argument("--shaped", metavar="RATE", help="measure on a link shaped to RATE")
@@ -93,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "calibrate":
             return _calibrate(args)
+        if args.command == "train":
+            return _train(args)
         if args.bench == "sparsify":
             return _bench_sparsify(args)
         if args.bench == "collectives":
@@ -173,6 +189,45 @@ def _bench_collectives(args: argparse.Namespace) -> int:
         ]))
     if args.json:
         write_json(args.json, results[0] if len(results) == 1 else {"benchmark": "collectives", "runs": results})
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from sparsecomm.integration.presets import available_presets
+    from sparsecomm.train import runner
+
+    presets = [p.strip() for p in args.presets.split(",")] if args.presets else available_presets()
+    if "dense" not in presets:
+        presets = ["dense", *presets]
+    namespaces = None
+    network = None
+    if args.shaped:
+        from sparsecomm.netns import ShapedNetwork
+
+        ok, why = ShapedNetwork.available()
+        if ok:
+            network = ShapedNetwork(args.workers, args.shaped).__enter__()
+            namespaces = network.namespaces
+        else:
+            print(f"sparsecomm: shaped-link run skipped ({why}); training on loopback", file=sys.stderr)
+    try:
+        result = runner.run(args.workload, presets, args.workers, args.steps, args.batch, args.lr, args.seed,
+                            args.shaped or args.bandwidth, namespaces)
+    finally:
+        if network is not None:
+            network.__exit__(None, None, None)
+    result["link"] = args.shaped or "loopback"
+    print(f"\ntrain {args.workload}: {args.workers} workers on {result['link']}, {args.steps} steps, same seed "
+          f"for every preset; modeled communication at {result['bandwidth']}\n")
+    print(format_table(result["rows"], [
+        "preset", "metric_name", "final_metric", "test_loss", "bytes_per_step", "compression_ratio", "wall_s",
+        "compute_s", "encode_s", "communicate_s", "decode_s", "modeled_s", "ranks_identical",
+    ]))
+    if args.plot:
+        runner.plot(result, args.plot)
+        print(f"\nplot: {args.plot}")
+    if args.json:
+        write_json(args.json, result)
     return 0
 
 

@@ -1,0 +1,118 @@
+"""Runs one workload with each preset on P local gloo workers (DDP + the sparsecomm hook) and
+collects what the table, the JSON and the plot show."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from sparsecomm.integration.ddp_hook import register_ddp_hook
+from sparsecomm.integration.presets import resolve
+from sparsecomm.launch import run_local
+from sparsecomm.train.workloads import workload as load_workload
+
+RATES = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+def bits_per_second(rate: str) -> float:
+    """'1gbit' → 1e9."""
+    for suffix, scale in RATES.items():
+        if rate.lower().endswith(suffix):
+            return float(rate[: -len(suffix)]) * scale
+    return float(rate)
+
+
+def worker(rank: int, world: int, workload_name: str, preset: str, steps: int, batch: int, lr: float,
+           seed: int) -> dict[str, Any]:
+    task = load_workload(workload_name)
+    model = DistributedDataParallel(task.model(seed))
+    reducer = register_ddp_hook(model, preset, seed=seed)
+    applies_momentum = reducer.spec.feedback.name == "dgc_momentum"
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0 if applies_momentum else 0.9)
+    losses, cumulative_bytes = [], []
+    compute_s = 0.0
+    start = time.perf_counter()
+    for batch_data in task.batches(rank, world, steps, batch, seed):
+        tick = time.perf_counter()
+        optimizer.zero_grad()
+        loss = task.loss(model, batch_data)
+        loss.backward()  # the hook's local stages run here, its collectives on their own thread
+        optimizer.step()
+        compute_s += time.perf_counter() - tick
+        losses.append(float(loss.detach()))
+        cumulative_bytes.append(reducer.stats.bytes_sent)
+    wall_s = time.perf_counter() - start
+    evaluation = task.evaluate(model.module)
+    summary = reducer.stats.summary()
+    numel = sum(p.numel() for p in model.parameters())
+    return {
+        "losses": losses, "cumulative_bytes": cumulative_bytes, "wall_s": wall_s,
+        "select_s": summary["select_s"], "transport_s": summary["transport_s"], "decode_s": summary["decode_s"],
+        # backward waits for the hook's futures: what is not encoding or communicating is compute
+        "compute_s": max(0.0, compute_s - summary["select_s"] - summary["transport_s"]),
+        "bytes_per_step": summary["bytes_per_step"],
+        "compression_ratio": summary["compression_ratio"], "metric": evaluation.metric,
+        "test_loss": evaluation.loss, "parameters": numel,
+        "digest": hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest(),
+    }
+
+
+def run(workload_name: str, presets: list[str], workers: int, steps: int, batch: int = 32, lr: float = 0.05,
+        seed: int = 0, bandwidth: str = "1gbit", namespaces: list[str] | None = None) -> dict[str, Any]:
+    task = load_workload(workload_name)
+    for preset in presets:
+        resolve(preset)  # fail before starting any worker
+    link = bits_per_second(bandwidth)
+    rows, curves = [], {}
+    for preset in tqdm(presets, desc=f"train {workload_name}", disable=None):
+        results = run_local(workers, worker, workload_name, preset, steps, batch, lr, seed, timeout=3600,
+                            namespaces=namespaces)
+        first = results[0]
+        identical = len({r["digest"] for r in results}) == 1
+        modeled_comm_s = steps * first["bytes_per_step"] * 8 / link
+        rows.append({
+            "preset": preset, "workload": workload_name, "metric_name": task.metric_name,
+            "final_metric": first["metric"], "test_loss": first["test_loss"],
+            "final_train_loss": sum(first["losses"][-20:]) / min(20, len(first["losses"])),
+            "bytes_per_step": first["bytes_per_step"], "wall_s": max(r["wall_s"] for r in results),
+            "compute_s": first["compute_s"], "encode_s": first["select_s"], "communicate_s": first["transport_s"],
+            "decode_s": first["decode_s"], "modeled_comm_s": modeled_comm_s,
+            "modeled_s": first["compute_s"] + first["select_s"] + modeled_comm_s,
+            "workers": workers, "steps": steps, "ranks_identical": identical,
+        })
+        curves[preset] = {"losses": first["losses"], "cumulative_bytes": first["cumulative_bytes"]}
+    dense_bytes = next((r["bytes_per_step"] for r in rows if r["preset"] == "dense"), None)
+    for row in rows:
+        row["compression_ratio"] = dense_bytes / row["bytes_per_step"] if dense_bytes and row["bytes_per_step"] else 1.0
+    return {"benchmark": "train", "workload": workload_name, "workers": workers, "steps": steps,
+            "bandwidth": bandwidth, "rows": rows, "curves": curves}
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Loss against step and against bytes sent, one line per preset."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(11, 4))
+    for preset, curve in result["curves"].items():
+        losses = torch.tensor(curve["losses"])
+        window = max(1, len(losses) // 30)
+        smooth = torch.nn.functional.avg_pool1d(losses[None, None], window, 1).flatten().tolist()
+        by_step.plot(range(window - 1, len(losses)), smooth, label=preset)
+        sent = [max(b, 1) for b in curve["cumulative_bytes"]][window - 1 :]
+        by_bytes.plot(sent, smooth, label=preset)
+    by_step.set(xlabel="step", ylabel="training loss (moving average)",
+                title=f"{result['workload']}, {result['workers']} workers")
+    by_bytes.set(xlabel="gradient bytes sent by one rank (log)", ylabel="training loss", xscale="log",
+                 title="loss against communication")
+    by_step.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
