@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Sequence
 
@@ -199,24 +200,19 @@ def _train(args: argparse.Namespace) -> int:
     presets = [p.strip() for p in args.presets.split(",")] if args.presets else available_presets()
     if "dense" not in presets:
         presets = ["dense", *presets]
-    namespaces = None
-    network = None
-    if args.shaped:
-        from sparsecomm.netns import ShapedNetwork
+    with contextlib.ExitStack() as stack:
+        namespaces = None
+        if args.shaped:
+            from sparsecomm.netns import ShapedNetwork
 
-        ok, why = ShapedNetwork.available()
-        if ok:
-            network = ShapedNetwork(args.workers, args.shaped).__enter__()
-            namespaces = network.namespaces
-        else:
-            print(f"sparsecomm: shaped-link run skipped ({why}); training on loopback", file=sys.stderr)
-    try:
+            ok, why = ShapedNetwork.available()
+            if ok:
+                namespaces = stack.enter_context(ShapedNetwork(args.workers, args.shaped)).namespaces
+            else:
+                print(f"sparsecomm: shaped-link run skipped ({why}); training on loopback", file=sys.stderr)
         result = runner.run(args.workload, presets, args.workers, args.steps, args.batch, args.lr, args.seed,
-                            args.shaped or args.bandwidth, namespaces)
-    finally:
-        if network is not None:
-            network.__exit__(None, None, None)
-    result["link"] = args.shaped or "loopback"
+                            args.shaped if namespaces else args.bandwidth, namespaces)
+    result["link"] = args.shaped if namespaces else "loopback"
     print(f"\ntrain {args.workload}: {args.workers} workers on {result['link']}, {args.steps} steps, same seed "
           f"for every preset; modeled communication at {result['bandwidth']}\n")
     print(format_table(result["rows"], [
