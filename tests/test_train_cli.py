@@ -30,3 +30,14 @@ def test_train_runs_each_preset_next_to_dense_and_reports_it(tmp_path, capsys):
 def test_train_rejects_an_unknown_preset_before_starting_workers(capsys):
     assert main(["train", "--presets", "nonsense", "--steps", "1"]) == 2
     assert "unknown component 'nonsense'" in capsys.readouterr().err
+
+
+def test_the_language_model_trains_through_sparse_embedding_gradients(tmp_path):
+    out = tmp_path / "lm.json"
+    assert main(["train", "--workload", "lm", "--workers", "2", "--steps", "15", "--presets", "dgc",
+                 "--json", str(out), "--plot", str(tmp_path / "lm.png")]) == 0
+    rows = {row["preset"]: row for row in json.loads(out.read_text())["rows"]}
+    for row in rows.values():
+        assert row["metric_name"] == "perplexity" and row["ranks_identical"]
+        assert row["final_metric"] < 5001  # better than a uniform guess over the vocabulary
+    assert rows["dgc"]["compression_ratio"] > 20

@@ -82,13 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     collectives.add_argument("--json", metavar="PATH", help="write the results as JSON")
 
     train = commands.add_parser("train", help="train a real workload with each preset next to dense")
-    train.add_argument("--workload", default="digits", help="digits (default)")
+    train.add_argument("--workload", default="digits",
+                       help="digits (default; scikit-learn's digits, MLP) or lm (word-level language model with a "
+                            "sparse embedding, on the Python standard library's docstrings)")
     train.add_argument("--presets", default=None,
                        help="comma-separated presets or specs (default: every available preset)")
     train.add_argument("--workers", type=_positive_int, default=4)
     train.add_argument("--steps", type=_positive_int, default=300)
     train.add_argument("--batch", type=_positive_int, default=32, help="per-worker batch size")
-    train.add_argument("--lr", type=float, default=0.05)
+    train.add_argument("--lr", type=float, default=None, help="learning rate (default: the workload's)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--bandwidth", default="1gbit", help="link rate for the modeled communication time")
     train.add_argument("--shaped", metavar="RATE", help="run the workers on a link shaped to RATE (needs root)")

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from sparsecomm.integration.ddp_hook import register_ddp_hook
 from sparsecomm.integration.presets import resolve
 from sparsecomm.launch import run_local
+from sparsecomm.train.workloads import Workload
 from sparsecomm.train.workloads import workload as load_workload
 
 RATES = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
@@ -27,23 +28,34 @@ def bits_per_second(rate: str) -> float:
     return float(rate)
 
 
-def worker(rank: int, world: int, workload_name: str, preset: str, steps: int, batch: int, lr: float,
+def compute_seconds_per_step(task: Workload, batch: int, seed: int, trials: int = 5) -> float:
+    """Forward + backward + SGD step of the workload's model alone (no communication), median."""
+    model = task.model(seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    times = []
+    for batch_data in task.batches(0, 1, trials + 1, batch, seed + 1):
+        tick = time.perf_counter()
+        optimizer.zero_grad()
+        task.loss(model, batch_data).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - tick)
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def worker(rank: int, world: int, task: Workload, preset: str, steps: int, batch: int, lr: float,
            seed: int) -> dict[str, Any]:
-    task = load_workload(workload_name)
+    compute_per_step = compute_seconds_per_step(task, batch, seed)
     model = DistributedDataParallel(task.model(seed))
     reducer = register_ddp_hook(model, preset, seed=seed)
     applies_momentum = reducer.spec.feedback.name == "dgc_momentum"
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0 if applies_momentum else 0.9)
     losses, cumulative_bytes = [], []
-    compute_s = 0.0
     start = time.perf_counter()
     for batch_data in task.batches(rank, world, steps, batch, seed):
-        tick = time.perf_counter()
         optimizer.zero_grad()
         loss = task.loss(model, batch_data)
         loss.backward()  # the hook's local stages run here, its collectives on their own thread
         optimizer.step()
-        compute_s += time.perf_counter() - tick
         losses.append(float(loss.detach()))
         cumulative_bytes.append(reducer.stats.bytes_sent)
     wall_s = time.perf_counter() - start
@@ -53,8 +65,10 @@ def worker(rank: int, world: int, workload_name: str, preset: str, steps: int, b
     return {
         "losses": losses, "cumulative_bytes": cumulative_bytes, "wall_s": wall_s,
         "select_s": summary["select_s"], "transport_s": summary["transport_s"], "decode_s": summary["decode_s"],
-        # backward waits for the hook's futures: what is not encoding or communicating is compute
-        "compute_s": max(0.0, compute_s - summary["select_s"] - summary["transport_s"]),
+        # what the wall time holds beyond compute, encode and decode: communication the step waited for
+        "communicate_wait_s": max(0.0, wall_s - compute_per_step * steps - summary["select_s"] - summary["decode_s"]),
+        # measured without communication: forward + backward + step of the bare model, times the steps
+        "compute_s": compute_per_step * steps,
         "bytes_per_step": summary["bytes_per_step"],
         "compression_ratio": summary["compression_ratio"], "metric": evaluation.metric,
         "test_loss": evaluation.loss, "parameters": numel,
@@ -62,15 +76,16 @@ def worker(rank: int, world: int, workload_name: str, preset: str, steps: int, b
     }
 
 
-def run(workload_name: str, presets: list[str], workers: int, steps: int, batch: int = 32, lr: float = 0.05,
+def run(workload_name: str, presets: list[str], workers: int, steps: int, batch: int = 32, lr: float | None = None,
         seed: int = 0, bandwidth: str = "1gbit", namespaces: list[str] | None = None) -> dict[str, Any]:
-    task = load_workload(workload_name)
+    task = load_workload(workload_name)  # built once here, handed to every worker
+    lr = task.default_lr if lr is None else lr
     for preset in presets:
         resolve(preset)  # fail before starting any worker
     link = bits_per_second(bandwidth)
     rows, curves = [], {}
     for preset in tqdm(presets, desc=f"train {workload_name}", disable=None):
-        results = run_local(workers, worker, workload_name, preset, steps, batch, lr, seed, timeout=3600,
+        results = run_local(workers, worker, task, preset, steps, batch, lr, seed, timeout=3600,
                             namespaces=namespaces)
         first = results[0]
         identical = len({r["digest"] for r in results}) == 1
@@ -80,7 +95,8 @@ def run(workload_name: str, presets: list[str], workers: int, steps: int, batch:
             "final_metric": first["metric"], "test_loss": first["test_loss"],
             "final_train_loss": sum(first["losses"][-20:]) / min(20, len(first["losses"])),
             "bytes_per_step": first["bytes_per_step"], "wall_s": max(r["wall_s"] for r in results),
-            "compute_s": first["compute_s"], "encode_s": first["select_s"], "communicate_s": first["transport_s"],
+            "compute_s": first["compute_s"], "encode_s": first["select_s"],
+            "communicate_s": first["communicate_wait_s"],
             "decode_s": first["decode_s"], "modeled_comm_s": modeled_comm_s,
             "modeled_s": first["compute_s"] + first["select_s"] + modeled_comm_s,
             "workers": workers, "steps": steps, "ranks_identical": identical,
@@ -89,7 +105,7 @@ def run(workload_name: str, presets: list[str], workers: int, steps: int, batch:
     dense_bytes = next((r["bytes_per_step"] for r in rows if r["preset"] == "dense"), None)
     for row in rows:
         row["compression_ratio"] = dense_bytes / row["bytes_per_step"] if dense_bytes and row["bytes_per_step"] else 1.0
-    return {"benchmark": "train", "workload": workload_name, "workers": workers, "steps": steps,
+    return {"benchmark": "train", "workload": workload_name, "workers": workers, "steps": steps, "lr": lr,
             "bandwidth": bandwidth, "rows": rows, "curves": curves}
 
 
