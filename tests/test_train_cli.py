@@ -41,3 +41,11 @@ def test_the_language_model_trains_through_sparse_embedding_gradients(tmp_path):
         assert row["metric_name"] == "perplexity" and row["ranks_identical"]
         assert row["final_metric"] < 5001  # better than a uniform guess over the vocabulary
     assert rows["dgc"]["compression_ratio"] > 20
+
+
+def test_link_rates_are_read_or_refused_clearly(capsys):
+    from sparsecomm.train.runner import bits_per_second
+
+    assert bits_per_second("1gbit") == 1e9 and bits_per_second("100mbit") == 1e8 and bits_per_second("5e6") == 5e6
+    assert main(["train", "--bandwidth", "fast", "--steps", "1"]) == 2
+    assert "cannot read link rate 'fast'" in capsys.readouterr().err

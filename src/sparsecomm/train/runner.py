@@ -11,6 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from sparsecomm.errors import SparseCommError
 from sparsecomm.integration.ddp_hook import register_ddp_hook
 from sparsecomm.integration.presets import resolve
 from sparsecomm.launch import run_local
@@ -21,11 +22,18 @@ RATES = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 
 
 def bits_per_second(rate: str) -> float:
-    """'1gbit' → 1e9."""
-    for suffix, scale in RATES.items():
-        if rate.lower().endswith(suffix):
-            return float(rate[: -len(suffix)]) * scale
-    return float(rate)
+    """'1gbit' → 1e9; a bare number is bits per second."""
+    number, scale = rate.lower(), 1.0
+    for suffix, factor in RATES.items():
+        if number.endswith(suffix):
+            number, scale = number[: -len(suffix)], factor
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise SparseCommError(f"cannot read link rate {rate!r}; use e.g. 100mbit or 1gbit") from None
+    if value <= 0:
+        raise SparseCommError(f"link rate must be positive, got {rate!r}")
+    return value
 
 
 def compute_seconds_per_step(task: Workload, batch: int, seed: int, trials: int = 5) -> float:
@@ -78,11 +86,11 @@ def worker(rank: int, world: int, task: Workload, preset: str, steps: int, batch
 
 def run(workload_name: str, presets: list[str], workers: int, steps: int, batch: int = 32, lr: float | None = None,
         seed: int = 0, bandwidth: str = "1gbit", namespaces: list[str] | None = None) -> dict[str, Any]:
+    link = bits_per_second(bandwidth)
     task = load_workload(workload_name)  # built once here, handed to every worker
     lr = task.default_lr if lr is None else lr
     for preset in presets:
         resolve(preset)  # fail before starting any worker
-    link = bits_per_second(bandwidth)
     rows, curves = [], {}
     for preset in tqdm(presets, desc=f"train {workload_name}", disable=None):
         results = run_local(workers, worker, task, preset, steps, batch, lr, seed, timeout=3600,
