@@ -102,3 +102,15 @@ def test_pipeline_encodes_with_the_generator_it_seeds():
     again = sc.encode(sc.Pipeline("topk(k=5)").spec.sparsifier.sparsify(torch.arange(10.0)), "raw", "qsgd(bits=2)",
                       rng=np.random.default_rng([0, 0, 0]))
     assert sc.decode(one).indices.tolist() == sc.decode(again).indices.tolist()
+
+
+def test_one_nonfinite_policy_serves_every_path():
+    from sparsecomm.pipeline import screen_nonfinite
+
+    good = torch.tensor([1.0, 2.0])
+    assert screen_nonfinite(good, "raise") == (good, False)
+    bad = torch.tensor([1.0, float("nan"), float("inf")])
+    zeroed, must_raise = screen_nonfinite(bad, "zero")
+    assert zeroed.tolist() == [1.0, 0.0, 0.0] and not must_raise
+    assert screen_nonfinite(bad, "skip") == (None, False)
+    assert screen_nonfinite(bad, "raise") == (None, True)

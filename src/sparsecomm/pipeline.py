@@ -27,6 +27,16 @@ from sparsecomm.spec import PipelineSpec, format_spec, parse_spec
 NONFINITE_POLICIES = ("raise", "skip", "zero")
 
 
+def screen_nonfinite(values: torch.Tensor, policy: str) -> tuple[torch.Tensor | None, bool]:
+    """Apply a ``nonfinite`` policy to ``values``: (the values to use — None to send nothing —,
+    whether every rank must raise). Finite input passes through untouched."""
+    if bool(torch.isfinite(values).all()):
+        return values, False
+    if policy == "zero":
+        return torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0), False
+    return None, policy == "raise"
+
+
 @dataclass
 class StepReport:
     """What the last step of one tensor did."""
@@ -96,15 +106,13 @@ class Pipeline:
         the transport carries payloads), then feedback learns what receivers will see."""
         make_payload = self.sends_payloads if make_payload is None else make_payload
         state = self.states.setdefault(key, TensorState())
-        grad = grad.detach()
-        if not bool(torch.isfinite(grad).all()):
-            if self.nonfinite == "zero":
-                grad = torch.nan_to_num(grad, nan=0.0, posinf=0.0, neginf=0.0)
-            else:
-                empty = SparseGradient(torch.zeros(0, dtype=torch.int64, device=grad.device),
-                                       torch.zeros(0, dtype=grad.dtype, device=grad.device), grad.shape)
-                state.last = StepReport(0, None, grad.numel(), 0, nonfinite=True)
-                return StepOutput(empty, None, nonfinite=self.nonfinite == "raise")
+        screened, must_raise = screen_nonfinite(grad.detach(), self.nonfinite)
+        if screened is None:
+            empty = SparseGradient(torch.zeros(0, dtype=torch.int64, device=grad.device),
+                                   torch.zeros(0, dtype=grad.dtype, device=grad.device), grad.shape)
+            state.last = StepReport(0, None, grad.numel(), 0, nonfinite=True)
+            return StepOutput(empty, None, nonfinite=must_raise)
+        grad = screened
         spec = self.spec
         key_hash = zlib.crc32(key.encode())
         if state.generator is None or state.generator.device != grad.device:

@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm.bench.calibration import calibrate_group
-from sparsecomm.errors import SparseCommError
 from sparsecomm.launch import run_local
 from sparsecomm.registry import INDEX_CODECS, VALUE_CODECS
 from sparsecomm.sparse_gradient import SparseGradient
@@ -148,12 +147,3 @@ def run(workers: list[int], numel: int, densities: list[float], transports: list
     return {"benchmark": "collectives", "numel": numel, "densities": densities, "shaped": shaped or "loopback",
             "repeat": repeat, "index_codec": index_codec, "value_codec": value_codec, "cost_models": models,
             "rows": rows}
-
-
-def check_shaping(shaped: str | None) -> None:
-    if shaped:
-        from sparsecomm.netns import ShapedNetwork
-
-        ok, why = ShapedNetwork.available()
-        if not ok:
-            raise SparseCommError(f"--shaped {shaped}: {why}")

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from sparsecomm.errors import SparseCommError
 from sparsecomm.integration.presets import resolve
-from sparsecomm.pipeline import Pipeline
+from sparsecomm.pipeline import Pipeline, screen_nonfinite
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.spec import PipelineSpec, format_spec
 from sparsecomm.transport.allgather import AllgatherTransport
@@ -160,19 +160,14 @@ class GradientReducer:
             stats.path = "sparse"
             transport = self.spec.transport if self.spec.transport.name != "dense" else AllgatherTransport()
             sparse = SparseGradient.from_sparse_coo(tensor.detach())
-            if not bool(torch.isfinite(sparse.values).all()):
-                context.nonfinite = self.pipeline.nonfinite == "raise"
-                sparse = SparseGradient(sparse.indices[:0], sparse.values[:0], sparse.shape)
-            return transport, sparse, context
+            values, context.nonfinite = screen_nonfinite(sparse.values, self.pipeline.nonfinite)
+            if values is None:
+                return transport, SparseGradient(sparse.indices[:0], sparse.values[:0], sparse.shape), context
+            return transport, SparseGradient(sparse.indices, values, sparse.shape), context
         if tensor.numel() < self.dense_below or self.spec.transport.name == "dense":
             stats.path = "dense"
-            dense = tensor.detach()
-            if not bool(torch.isfinite(dense).all()):
-                if self.pipeline.nonfinite == "zero":
-                    dense = torch.nan_to_num(dense, nan=0.0, posinf=0.0, neginf=0.0)
-                else:
-                    context.nonfinite = self.pipeline.nonfinite == "raise"
-                    dense = torch.zeros_like(dense)
+            screened, context.nonfinite = screen_nonfinite(tensor.detach(), self.pipeline.nonfinite)
+            dense = screened if screened is not None else torch.zeros_like(tensor)
             transport = self.spec.transport if self.spec.transport.name == "dense" else DenseTransport()
             return transport, dense, context
         stats.path = "compressed"
