@@ -133,6 +133,19 @@ def test_a_failing_worker_reports_its_rank_and_traceback():
         run_local(2, _fail_on_rank_one)
 
 
+def test_worker_results_are_copies_that_outlive_the_worker():
+    # A tensor passed through torch's shared-memory pickler lives in a file descriptor of the worker;
+    # if the worker exits first, reading it fails. Results must arrive by value instead.
+    results = run_local(2, _return_a_tensor)
+    for rank, tensor in enumerate(results):
+        assert not tensor.is_shared()
+        torch.testing.assert_close(tensor, torch.arange(1000, dtype=torch.float32) + rank)
+
+
+def _return_a_tensor(rank: int, world: int) -> torch.Tensor:
+    return torch.arange(1000, dtype=torch.float32) + rank
+
+
 def _fail_on_rank_one(rank: int, world: int) -> None:
     if rank == 1:
         raise RuntimeError("boom")

@@ -3,7 +3,8 @@
     results = run_local(4, my_function, arg1, arg2)   # my_function(rank, world_size, arg1, arg2)
 
 Workers are spawned (not forked), join a gloo group through a file store in a private temporary
-directory, and send back their return value or their traceback. A worker that raises makes
+directory, and send back their return value (pickled by value, so tensors survive the worker's exit)
+or their traceback. A worker that raises makes
 `run_local` raise `WorkerError` naming the rank; one that hangs past ``timeout`` is killed.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue as queue_module
 import tempfile
 import time
@@ -61,7 +63,7 @@ def run_local(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
                         failures.append(f"rank {dead[0]} exited with code {processes[dead[0]].exitcode}")
                     continue
                 if ok:
-                    collected[rank] = value
+                    collected[rank] = pickle.loads(value)
                 else:
                     failures.append(f"rank {rank}:\n{value}")
         finally:
@@ -85,7 +87,9 @@ def _worker(rank: int, world_size: int, init: str, backend: str, threads: int, t
         dist.init_process_group(backend, init_method=init, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
         value = fn(rank, world_size, *args)
-        results.put((rank, True, value))
+        # Plain pickle copies tensor storage into the bytes; the queue's own pickler would share it
+        # through a file descriptor that dies with this process before the parent reads it.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
