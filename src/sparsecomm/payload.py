@@ -83,10 +83,13 @@ def encode(
     index_codec: IndexCodec | str = "raw",
     value_codec: ValueCodec | str = "fp32",
     rng: np.random.Generator | None = None,
+    dense: torch.Tensor | None = None,
 ) -> bytes:
     """Encode a sparse gradient into a payload. Indices are sorted (values follow); duplicate or
     out-of-range indices and non-finite values raise `SparseCommError`. ``rng`` feeds stochastic
-    value codecs (QSGD); by default a generator seeded with 0, so equal inputs give equal bytes."""
+    codecs (QSGD, Bloom policies); by default a generator seeded with 0, so equal inputs give equal
+    bytes. ``dense``, the gradient the selection came from, gives the values of any index a lossy
+    index codec sends beyond the selection (zero without it)."""
     index = _as_codec(INDEX_CODECS, index_codec, IndexCodec)
     value = _as_codec(VALUE_CODECS, value_codec, ValueCodec)
     if grad.dtype not in FLOAT_DTYPES:
@@ -97,13 +100,16 @@ def encode(
     if values.numel() and not bool(torch.isfinite(values).all()):
         bad = int(torch.nonzero(~torch.isfinite(values))[0])
         raise SparseCommError(f"non-finite value {values[bad].item()} at index {int(indices[bad])}")
-    index_section = index.encode(indices, grad.numel)
-    value_section = value.encode(values, rng if rng is not None else np.random.default_rng(0))
+    rng = rng if rng is not None else np.random.default_rng(0)
+    index_section, sent = index.encode_selecting(indices, grad.numel, rng)
+    if sent is not indices:
+        values = _values_at(sent, indices, values, dense)
+    value_section = value.encode(values, rng)
     index_spec = index.to_spec().encode("ascii")
     value_spec = value.to_spec().encode("ascii")
     flags = (0 if index.lossless else FLAG_LOSSY_INDICES) | (0 if value.lossless else FLAG_LOSSY_VALUES)
     header = _HEADER.pack(
-        MAGIC, FORMAT_VERSION, flags, FLOAT_DTYPES[grad.dtype], len(grad.shape), grad.numel, grad.nnz,
+        MAGIC, FORMAT_VERSION, flags, FLOAT_DTYPES[grad.dtype], len(grad.shape), grad.numel, sent.size,
         len(index_spec), len(value_spec), len(index_section), len(value_section),
     )
     body = b"".join(
@@ -187,6 +193,21 @@ def _sorted_unique(grad: SparseGradient) -> tuple[np.ndarray, torch.Tensor]:
         if indices[0] < 0 or indices[-1] >= grad.numel:
             raise SparseCommError(f"index out of range [0, {grad.numel})")
     return indices, values
+
+
+def _values_at(wanted: np.ndarray, indices: np.ndarray, values: torch.Tensor,
+               dense: torch.Tensor | None) -> torch.Tensor:
+    """Values at ``wanted``: the selection's where it has them, else ``dense``'s (else zero)."""
+    position = np.minimum(np.searchsorted(indices, wanted), max(indices.size - 1, 0))
+    selected = (indices[position] == wanted) if indices.size else np.zeros(wanted.size, dtype=bool)
+    if dense is not None:
+        out = dense.detach().reshape(-1)[torch.from_numpy(wanted).to(dense.device)].to("cpu", values.dtype)
+        if not bool(torch.isfinite(out).all()):
+            raise SparseCommError("the dense gradient has non-finite values where the index codec sends them")
+    else:
+        out = torch.zeros(wanted.size, dtype=values.dtype)
+    out[torch.from_numpy(selected)] = values[torch.from_numpy(position[selected])]
+    return out
 
 
 def _read_header(data: bytes) -> tuple[PayloadInfo, tuple[int, int]]:

@@ -91,7 +91,7 @@ class Pipeline:
     @property
     def sends_payloads(self) -> bool:
         """Whether the transport carries this pipeline's payloads (else it carries the selection)."""
-        return self.spec.transport.name in ("allgather",)
+        return self.spec.transport.carries_payloads
 
     def compress(self, grad: torch.Tensor, key: str = "") -> bytes:
         """One step for one tensor; returns its payload."""
@@ -124,8 +124,8 @@ class Pipeline:
         payload = None
         if make_payload:
             rng = np.random.default_rng([self.seed, key_hash, state.step])
-            payload = encode(selection, spec.index_codec, spec.value_codec, rng=rng)
-            if not spec.value_codec.lossless:
+            payload = encode(selection, spec.index_codec, spec.value_codec, rng=rng, dense=accumulated)
+            if not (spec.value_codec.lossless and spec.index_codec.lossless):
                 selection = decode(payload, device=grad.device)  # feedback sees what receivers see
         spec.feedback.update(accumulated, selection, state.feedback)
         state.step += 1

@@ -156,6 +156,12 @@ def parse_spec(spec: str | PipelineSpec) -> PipelineSpec:
     for kind in _STAGE_ORDER:
         if kind not in chosen:
             chosen[kind] = registries[kind].create(_DEFAULTS[kind])
+    transport = cast("Transport", chosen["transport"])
+    for kind in ("index", "value"):
+        codec = chosen[kind]
+        if not transport.carries_payloads and not getattr(codec, "lossless", True):
+            raise SpecError(f"spec {spec!r}: the lossy {kind} codec {codec.name!r} needs a transport that sends "
+                            f"payloads (allgather); {transport.name!r} would not use it")
     return PipelineSpec(
         cast("Sparsifier", chosen["sparsifier"]),
         cast("Feedback", chosen["feedback"]),

@@ -17,13 +17,21 @@ from sparsecomm.registry import Component
 
 
 class IndexCodec(Component):
-    """Codes a sorted set of unique flat indices into ``[0, numel)``."""
+    """Codes a sorted set of unique flat indices into ``[0, numel)``. A lossy codec (``lossless``
+    False) decodes to a set that may differ from the one encoded."""
 
     lossless: ClassVar[bool] = True
 
     def encode(self, indices: np.ndarray, numel: int) -> bytes:
         """``indices``: int64, strictly increasing."""
         raise NotImplementedError
+
+    def encode_selecting(self, indices: np.ndarray, numel: int,
+                         rng: np.random.Generator) -> tuple[bytes, np.ndarray]:
+        """Encode, and say which indices the payload must carry values for, in the order ``decode``
+        returns indices. Lossless codecs: ``indices`` themselves; a lossy one (``bloom``) may name
+        others, whose values the payload layer takes from the dense gradient."""
+        return self.encode(indices, numel), indices
 
     def decode(self, data: memoryview, numel: int, nnz: int) -> np.ndarray:
         """Back to int64 indices, strictly increasing (the payload layer verifies it)."""

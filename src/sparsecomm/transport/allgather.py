@@ -22,6 +22,8 @@ from sparsecomm.transport.collectives import Group, allgather_bytes, fingerprint
 @TRANSPORTS.register("allgather")
 @dataclass(frozen=True)
 class AllgatherTransport(Transport):
+    carries_payloads = True
+
     def allreduce(self, grad: SparseGradient | torch.Tensor, group: Group = None,
                   context: ReduceContext | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         sparse = as_sparse(grad)

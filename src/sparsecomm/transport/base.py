@@ -54,6 +54,8 @@ class Transport(Component):
     """Sums a sparse or dense contribution over a process group."""
 
     exact: ClassVar[bool] = True
+    carries_payloads: ClassVar[bool] = False
+    """whether it sends the pipeline's encoded payloads (else it sends the selection its own way)"""
 
     def allreduce(self, grad: SparseGradient | torch.Tensor, group: Group = None,
                   context: ReduceContext | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
