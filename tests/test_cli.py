@@ -32,6 +32,21 @@ def test_bench_codecs_writes_a_table_and_json(tmp_path, capsys):
     assert result["machine"]["torch"]
 
 
+def test_bench_codecs_deepreduce_suite_reports_volume_time_and_error(tmp_path, capsys):
+    out = tmp_path / "dr.json"
+    assert main(["bench", "codecs", "--suite", "deepreduce", "--numel", "36864", "--density", "0.01",
+                 "--source", "laplace", "--repeat", "1", "--json", str(out)]) == 0
+    assert "grad_rel_l2_error" in capsys.readouterr().out
+    rows = {(r["index_codec"], r["value_codec"]): r for r in json.loads(out.read_text())["rows"]}
+    top_k = rows[("raw", "fp32")]
+    p0 = rows[("bloom(policy=p0)", "fp32")]
+    assert p0["decoded_nnz"] > p0["nnz"] and p0["grad_rel_l2_error"] <= top_k["grad_rel_l2_error"]
+    p2_fit = rows[("bloom", "polyfit")]
+    assert p2_fit["payload_bytes"] < 0.6 * top_k["payload_bytes"] and p2_fit["rel_l2_error"] < 0.3
+    assert rows[("bloom(policy=naive)", "fp32")]["rel_l2_error"] > 1.0  # misaligned values
+    assert rows[("rice", "fp32")]["index_bits_per_nnz"] < rows[("bloom", "fp32")]["index_bits_per_nnz"]
+
+
 def test_bench_codecs_reads_a_saved_gradient(tmp_path, capsys):
     path = tmp_path / "grad.npy"
     np.save(path, np.linspace(-1, 1, 5000, dtype=np.float32).reshape(50, 100))

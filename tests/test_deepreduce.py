@@ -10,8 +10,8 @@ import torch
 
 import sparsecomm as sc
 from helpers import random_sparse
-from sparsecomm.encode.index.bloom_filter import BloomFilter, expected_fpr, filter_size
 from sparsecomm.bench.sources import make_gradient
+from sparsecomm.encode.index.bloom_filter import BloomFilter, expected_fpr, filter_size
 from sparsecomm.encode.index.bloom_policies import choose
 from sparsecomm.sparsify.topk import TopK
 
@@ -176,7 +176,8 @@ def test_reordering_maps_every_value_back_to_its_index():
     """Values that a polynomial fits exactly come back exactly, each at its own index."""
     count = 1000
     sorted_curve = torch.linspace(1.0, 2.0, count, dtype=torch.float64) ** 2  # degree 2: fitted exactly
-    values = torch.cat([sorted_curve, -sorted_curve])[torch.randperm(2 * count, generator=torch.Generator().manual_seed(0))]
+    shuffle = torch.randperm(2 * count, generator=torch.Generator().manual_seed(0))
+    values = torch.cat([sorted_curve, -sorted_curve])[shuffle]
     grad = sc.SparseGradient(torch.arange(2 * count) * 5, values, torch.Size([10 * count]))
     decoded = sc.decode(sc.encode(grad.to(torch.float32), "rice", "polyfit(degree=2,segments=1)"))
     torch.testing.assert_close(decoded.values, values.float(), rtol=1e-4, atol=1e-5)
@@ -217,4 +218,4 @@ def test_deepreduce_presets_train_through_a_pipeline():
         pipe = sc.Pipeline(sc.resolve(preset), seed=1)
         grad = torch.randn(40_000, generator=torch.Generator().manual_seed(2))
         decoded = sc.decode(pipe.compress(grad, "w"))
-        assert 0 < decoded.nnz and relative_error(decoded.to_dense(), grad) < 1.0
+        assert decoded.nnz > 0 and relative_error(decoded.to_dense(), grad) < 1.0

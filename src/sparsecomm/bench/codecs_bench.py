@@ -1,5 +1,12 @@
 """``sparsecomm bench codecs``: size, speed and error of every index and value codec on one sparse
-gradient per density, side by side, next to the information bound."""
+gradient per density, side by side, next to the information bound.
+
+Suites: ``all`` (every index codec with fp16 values, every value codec with rice indices) and
+``deepreduce`` (the combinations of DeepReduce's Figure 10 and Table 2 next to top-k's raw
+32-bit indices and values, and to our lossless rice indices). Errors are measured on the dense
+tensors, against the selection the codecs were given (``rel_l2_error``) and against the whole
+gradient (``grad_rel_l2_error``; top-k alone already loses something there): a lossy index codec
+may decode to other indices than it was given, and P0 sends the gradient's true values there."""
 
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ from sparsecomm.bench.bounds import subset_bits_per_index
 from sparsecomm.bench.sources import make_gradient
 from sparsecomm.bench.timing import time_ms
 from sparsecomm.encode.base import IndexCodec, ValueCodec
+from sparsecomm.errors import SparseCommError, SpecError
 from sparsecomm.payload import decode, encode, read_info
 from sparsecomm.registry import INDEX_CODECS, VALUE_CODECS
 from sparsecomm.sparse_gradient import SparseGradient
@@ -31,18 +39,34 @@ def default_pairs() -> list[tuple[str, str]]:
     return pairs
 
 
-def measure(selection: SparseGradient, index_text: str, value_text: str, repeat: int) -> dict[str, Any]:
-    """One (index codec, value codec) pair on one sparse gradient."""
+DEEPREDUCE_QSGD = "qsgd(bits=8,bucket=512)"  # the paper's 7-bit QSGD: 127 levels and a sign
+DEEPREDUCE_PAIRS = [
+    ("raw", "fp32"),  # what top-k sends on its own
+    *[(f"bloom(policy={policy})", "fp32") for policy in ("naive", "leftmost", "p0", "p1", "p2")],
+    ("raw", "polyfit"), ("raw", "dexp"), ("raw", DEEPREDUCE_QSGD),
+    ("bloom(policy=p2)", "polyfit"),  # Figure 9's DR BF-P2 (FPR 0.001) with Fit-Poly
+    ("bloom(policy=p2,fpr=0.01)", "polyfit"),  # Table 2's DR BF-P2 Fit-Poly
+    ("bloom(policy=p0,fpr=0.6)", DEEPREDUCE_QSGD),  # Table 2's DR BF-P0 QSGD
+    ("bloom(policy=p0)", DEEPREDUCE_QSGD),
+    ("rice", "fp32"), ("rice", "polyfit"), ("rice", DEEPREDUCE_QSGD),  # lossless near-entropy indices
+]
+SUITES = {"all": default_pairs, "deepreduce": lambda: list(DEEPREDUCE_PAIRS)}
+
+
+def measure(selection: SparseGradient, index_text: str, value_text: str, repeat: int,
+            dense: torch.Tensor | None = None) -> dict[str, Any]:
+    """One (index codec, value codec) pair on one sparse gradient taken from ``dense``."""
     index_codec = cast(IndexCodec, parse_component(INDEX_CODECS, index_text))
     value_codec = cast(ValueCodec, parse_component(VALUE_CODECS, value_text))
     encode_ms, payload = time_ms(
-        lambda: encode(selection, index_codec, value_codec, rng=np.random.default_rng(0)), repeat
+        lambda: encode(selection, index_codec, value_codec, rng=np.random.default_rng(0), dense=dense), repeat
     )
     decode_ms, decoded = time_ms(lambda: decode(payload), repeat)
     info = read_info(payload)
     nnz = max(selection.nnz, 1)
     indices_equal = torch.equal(decoded.indices, selection.indices)
-    error = (decoded.values.float() - selection.values.float()).abs()
+    sent = selection.to_dense().reshape(-1).float()
+    error = decoded.to_dense().reshape(-1).float() - sent
     bound = subset_bits_per_index(selection.numel, selection.nnz)
     index_bits = 8 * info.index_bytes / nnz
     return {
@@ -55,11 +79,15 @@ def measure(selection: SparseGradient, index_text: str, value_text: str, repeat:
         "value_bits_per_nnz": 8 * info.value_bytes / nnz,
         "bound_bits_per_nnz": bound,
         "index_over_bound_pct": 100.0 * (index_bits / bound - 1.0) if bound else 0.0,
+        "decoded_nnz": info.nnz,
         "payload_bytes": info.total_bytes,
+        "volume_vs_dense": info.total_bytes / (4 * max(selection.numel, 1)),
         "encode_ms": encode_ms,
         "decode_ms": decode_ms,
-        "max_abs_error": float(error.max()) if error.numel() else 0.0,
-        "rel_l2_error": float(error.norm() / selection.values.float().norm().clamp_min(1e-30)),
+        "max_abs_error": float(error.abs().max()) if error.numel() else 0.0,
+        "rel_l2_error": float(error.norm() / sent.norm().clamp_min(1e-30)),
+        "grad_rel_l2_error": float((decoded.to_dense().reshape(-1).float() - dense.float()).norm()
+                                   / dense.float().norm().clamp_min(1e-30)) if dense is not None else None,
         "lossless": bool(indices_equal and torch.equal(decoded.values, selection.values)),
     }
 
@@ -68,12 +96,18 @@ def run(numel: int, densities: list[float], source: str = "normal", repeat: int 
         pairs: list[tuple[str, str]] | None = None) -> dict[str, Any]:
     grad = make_gradient(source, numel, seed)
     pairs = pairs or default_pairs()
-    rows = []
+    rows, refused = [], []
     with tqdm(total=len(pairs) * len(densities), desc="codecs", disable=None) as progress:
         for density in densities:
             selection = TopK(ratio=density).sparsify(grad).sorted()
             for index_text, value_text in pairs:
-                rows.append(measure(selection, index_text, value_text, repeat))
+                try:
+                    rows.append(measure(selection, index_text, value_text, repeat, dense=grad))
+                except SparseCommError as err:  # e.g. a Bloom filter with too many false positives
+                    if isinstance(err, SpecError):
+                        raise
+                    refused.append({"density": density, "index_codec": index_text, "value_codec": value_text,
+                                    "error": str(err)})
                 progress.update()
     return {"benchmark": "codecs", "numel": grad.numel(), "densities": densities, "source": source,
-            "repeat": repeat, "threads": torch.get_num_threads(), "rows": rows}
+            "repeat": repeat, "threads": torch.get_num_threads(), "rows": rows, "refused": refused}

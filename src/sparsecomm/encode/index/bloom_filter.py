@@ -34,7 +34,8 @@ def filter_size(count: int, fpr: float) -> tuple[int, int]:
     count = max(count, 1)
     bits = max(8, math.ceil(-count * math.log(fpr) / math.log(2) ** 2))
     if bits > MAX_BITS:
-        raise SparseCommError(f"a bloom filter of {bits} bits is too large (max 2**32); raise fpr or send fewer entries")
+        raise SparseCommError(f"a bloom filter of {bits} bits is too large (max 2**32); "
+                              "raise fpr or send fewer entries")
     hashes = max(1, round(bits / count * math.log(2)))
     return bits, hashes
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from sparsecomm.encode.base import ValueCodec
-from sparsecomm.encode.bits import nbytes_for_bits, pack_fixed, unpack_fixed
+from sparsecomm.encode.bits import pack_fixed, unpack_fixed
 from sparsecomm.errors import PayloadError, SparseCommError
 
 _COUNT = struct.Struct("<I")

@@ -58,11 +58,15 @@ def fit_double_exponential(x: np.ndarray, curve: np.ndarray, steps: int) -> tupl
             residual = np.exp(np.outer(rates, x)).T @ amplitudes - curve
             jacobian = (x * np.exp(np.outer(rates, x)) * amplitudes[:, None]).T
             normal = jacobian.T @ jacobian
-            step = np.linalg.solve(normal + damping * np.diag(np.diag(normal) + 1e-12), -jacobian.T @ residual)
-        trial = rates + step
-        trial_amplitudes, trial_error = _amplitudes(x, curve, *trial) if np.isfinite(step).all() else (None, np.inf)
+            try:
+                step = np.linalg.solve(normal + damping * np.diag(np.diag(normal) + 1e-12), -jacobian.T @ residual)
+            except np.linalg.LinAlgError:
+                break
+        if not np.isfinite(step).all():
+            break
+        trial_amplitudes, trial_error = _amplitudes(x, curve, *(rates + step))
         if trial_error < error:
-            rates, amplitudes, error, damping = trial, trial_amplitudes, trial_error, damping / 4
+            rates, amplitudes, error, damping = rates + step, trial_amplitudes, trial_error, damping / 4
         else:
             damping *= 8
     if not np.isfinite(error):
