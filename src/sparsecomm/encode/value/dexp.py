@@ -29,7 +29,10 @@ _PARAMETERS = struct.Struct("<4d")
 
 def _amplitudes(x: np.ndarray, curve: np.ndarray, b: float, d: float) -> tuple[np.ndarray, float]:
     """Best (a, c) for rates (b, d) and the squared error; error inf when ill-posed."""
-    basis = np.exp(np.outer([b, d], x))
+    with np.errstate(over="ignore"):
+        basis = np.exp(np.outer([b, d], x))
+    if not np.isfinite(basis).all():
+        return np.zeros(2), np.inf
     solution, _, rank, _ = np.linalg.lstsq(basis.T, curve, rcond=None)
     if rank < 2 or not np.isfinite(solution).all():
         return solution, np.inf
