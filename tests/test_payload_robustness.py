@@ -16,7 +16,7 @@ from sparsecomm.payload import _HEADER, FORMAT_VERSION
 PAIRS = [(i, v) for i in ["raw", "bitmap", "rle", "delta_binary", "huffman", "rice"]
          for v in ["fp32", "qsgd(bits=4,bucket=16)", "deflate", "zstd"]]
 PAIRS += [("bloom(policy=p0,fpr=0.01)", "fp32"), ("bloom(policy=p2)", "polyfit"), ("bloom(policy=naive)", "dexp"),
-          ("rice", "polyfit(degree=2,segments=3)")]
+          ("rice", "polyfit(degree=2,segments=3)"), ("skcompress", "fp32"), ("skcompress(coder=ans,keys=rice)", "fp32")]
 
 
 def with_crc(body: bytes) -> bytes:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sparsecomm import feedback, sparsify, transport  # noqa: F401  (registration side effects)
-from sparsecomm.encode import index, value  # noqa: F401
+from sparsecomm.encode import index, joint, value  # noqa: F401
 from sparsecomm.registry import FEEDBACKS, INDEX_CODECS, SPARSIFIERS, TRANSPORTS, VALUE_CODECS, Registry
 
 

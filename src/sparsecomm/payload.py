@@ -52,6 +52,8 @@ FLAG_LOSSY_VALUES = 2
 _HEADER = struct.Struct("<4sBBBBQQBBQQ")
 _CRC = struct.Struct("<I")
 MIN_PAYLOAD = _HEADER.size + 2 + _CRC.size
+JOINT_VALUE_SPEC = "fp32"
+"""the value codec a payload names when its index codec codes the values too (its section is empty)"""
 
 CodecT = TypeVar("CodecT", IndexCodec, ValueCodec)
 PayloadLike = bytes | bytearray | memoryview | torch.Tensor
@@ -101,13 +103,19 @@ def encode(
         bad = int(torch.nonzero(~torch.isfinite(values))[0])
         raise SparseCommError(f"non-finite value {values[bad].item()} at index {int(indices[bad])}")
     rng = rng if rng is not None else np.random.default_rng(0)
-    index_section, sent = index.encode_selecting(indices, grad.numel, rng)
-    if sent is not indices:
-        values = _values_at(sent, indices, values, dense)
-    value_section = value.encode(values, rng)
+    if index.codes_values:
+        if value.to_spec() != JOINT_VALUE_SPEC:
+            raise SparseCommError(f"{index.name} codes the values itself; leave the value codec out")
+        index_section, sent, value_section = index.encode_joint(indices, values, grad.numel, rng), indices, b""
+    else:
+        index_section, sent = index.encode_selecting(indices, grad.numel, rng)
+        if sent is not indices:
+            values = _values_at(sent, indices, values, dense)
+        value_section = value.encode(values, rng)
     index_spec = index.to_spec().encode("ascii")
     value_spec = value.to_spec().encode("ascii")
-    flags = (0 if index.lossless else FLAG_LOSSY_INDICES) | (0 if value.lossless else FLAG_LOSSY_VALUES)
+    values_exact = index.values_lossless if index.codes_values else value.lossless
+    flags = (0 if index.lossless else FLAG_LOSSY_INDICES) | (0 if values_exact else FLAG_LOSSY_VALUES)
     header = _HEADER.pack(
         MAGIC, FORMAT_VERSION, flags, FLOAT_DTYPES[grad.dtype], len(grad.shape), grad.numel, sent.size,
         len(index_spec), len(value_spec), len(index_section), len(value_section),
@@ -128,13 +136,18 @@ def decode(payload: PayloadLike, device: torch.device | str | None = None) -> Sp
     value_codec = _codec_from_wire(VALUE_CODECS, info.value_codec, ValueCodec)
     if info.nnz > index_codec.max_count(info.index_bytes, info.numel):
         raise PayloadError(f"nnz {info.nnz} cannot fit in {info.index_bytes} bytes of {info.index_codec}")
-    if info.nnz > value_codec.max_count(info.value_bytes):
+    if not index_codec.codes_values and info.nnz > value_codec.max_count(info.value_bytes):
         raise PayloadError(f"nnz {info.nnz} cannot fit in {info.value_bytes} bytes of {info.value_codec}")
     view = memoryview(data)
     index_start, value_start = offsets
+    if index_codec.codes_values and (info.value_bytes or info.value_codec != JOINT_VALUE_SPEC):
+        raise PayloadError(f"{info.index_codec} codes the values itself, yet the payload has a value section")
     try:
-        indices = index_codec.decode(view[index_start:value_start], info.numel, info.nnz)
-        values = value_codec.decode(view[value_start : value_start + info.value_bytes], info.nnz, info.dtype)
+        if index_codec.codes_values:
+            indices, values = index_codec.decode_joint(view[index_start:value_start], info.numel, info.nnz, info.dtype)
+        else:
+            indices = index_codec.decode(view[index_start:value_start], info.numel, info.nnz)
+            values = value_codec.decode(view[value_start : value_start + info.value_bytes], info.nnz, info.dtype)
     except PayloadError:
         raise
     except (ValueError, IndexError, OverflowError, TypeError, MemoryError) as err:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from sparsecomm.encode.base import codecs_lossless
 from sparsecomm.errors import SparseCommError
 from sparsecomm.payload import decode, encode
 from sparsecomm.sparse_gradient import SparseGradient
@@ -125,7 +126,7 @@ class Pipeline:
         if make_payload:
             rng = np.random.default_rng([self.seed, key_hash, state.step])
             payload = encode(selection, spec.index_codec, spec.value_codec, rng=rng, dense=accumulated)
-            if not (spec.value_codec.lossless and spec.index_codec.lossless):
+            if not codecs_lossless(spec.index_codec, spec.value_codec):
                 selection = decode(payload, device=grad.device)  # feedback sees what receivers see
         spec.feedback.update(accumulated, selection, state.feedback)
         state.step += 1

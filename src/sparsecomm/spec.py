@@ -153,15 +153,11 @@ def parse_spec(spec: str | PipelineSpec) -> PipelineSpec:
         if kind in chosen:
             raise SpecError(f"spec {spec!r} names two {kind} stages: {chosen[kind].name!r}, {name!r}")
         chosen[kind] = registries[kind].create(name, params)
+    explicit = set(chosen)
     for kind in _STAGE_ORDER:
         if kind not in chosen:
             chosen[kind] = registries[kind].create(_DEFAULTS[kind])
-    transport = cast("Transport", chosen["transport"])
-    for kind in ("index", "value"):
-        codec = chosen[kind]
-        if not transport.carries_payloads and not getattr(codec, "lossless", True):
-            raise SpecError(f"spec {spec!r}: the lossy {kind} codec {codec.name!r} needs a transport that sends "
-                            f"payloads (allgather); {transport.name!r} would not use it")
+    _check_codecs(spec, chosen, explicit_value="value" in explicit)
     return PipelineSpec(
         cast("Sparsifier", chosen["sparsifier"]),
         cast("Feedback", chosen["feedback"]),
@@ -169,6 +165,21 @@ def parse_spec(spec: str | PipelineSpec) -> PipelineSpec:
         cast("ValueCodec", chosen["value"]),
         cast("Transport", chosen["transport"]),
     )
+
+
+def _check_codecs(spec: str, chosen: dict[str, Component], explicit_value: bool) -> None:
+    """Codec combinations that would silently not do what the spec says are errors."""
+    from sparsecomm.encode.base import IndexCodec, ValueCodec, codecs_lossless
+    from sparsecomm.transport.base import Transport
+
+    index, value, transport = chosen["index"], chosen["value"], chosen["transport"]
+    assert isinstance(index, IndexCodec) and isinstance(value, ValueCodec) and isinstance(transport, Transport)
+    if index.codes_values and explicit_value:
+        raise SpecError(f"spec {spec!r}: {index.name!r} codes the values itself; leave the value codec out")
+    if not transport.carries_payloads and not codecs_lossless(index, value):
+        lossy = index if not index.lossless or index.codes_values else value
+        raise SpecError(f"spec {spec!r}: the lossy {lossy.kind} codec {lossy.name!r} needs a transport that sends "
+                        f"payloads (allgather); {transport.name!r} would not use it")
 
 
 def format_spec(spec: PipelineSpec) -> str:

@@ -1,9 +1,11 @@
 """``sparsecomm bench codecs``: size, speed and error of every index and value codec on one sparse
 gradient per density, side by side, next to the information bound.
 
-Suites: ``all`` (every index codec with fp16 values, every value codec with rice indices) and
+Suites: ``all`` (every index codec with fp16 values, every value codec with rice indices),
 ``deepreduce`` (the combinations of DeepReduce's Figure 10 and Table 2 next to top-k's raw
-32-bit indices and values, and to our lossless rice indices). Errors are measured on the dense
+32-bit indices and values, and to our lossless rice indices) and ``skcompress`` (SKCompress with
+Huffman and ANS next to QSGD at 2, 4 and 8 bits and fp16). A joint codec (``skcompress``) counts
+keys and values in ``index_bits_per_nnz``; compare ``total_bits_per_nnz``. Errors are measured on the dense
 tensors, against the selection the codecs were given (``rel_l2_error``) and against the whole
 gradient (``grad_rel_l2_error``; top-k alone already loses something there): a lossy index codec
 may decode to other indices than it was given, and P0 sends the gradient's true values there."""
@@ -21,7 +23,7 @@ from sparsecomm.bench.sources import make_gradient
 from sparsecomm.bench.timing import time_ms
 from sparsecomm.encode.base import IndexCodec, ValueCodec
 from sparsecomm.errors import SparseCommError, SpecError
-from sparsecomm.payload import decode, encode, read_info
+from sparsecomm.payload import JOINT_VALUE_SPEC, decode, encode, read_info
 from sparsecomm.registry import INDEX_CODECS, VALUE_CODECS
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.sparsify.topk import TopK
@@ -33,7 +35,8 @@ REFERENCE_VALUE = "fp16"
 
 def default_pairs() -> list[tuple[str, str]]:
     """Each index codec with fp16 values, then each value codec with rice indices."""
-    pairs = [(name, REFERENCE_VALUE) for name in INDEX_CODECS.names()]
+    pairs = [(name, JOINT_VALUE_SPEC if INDEX_CODECS.get(name).codes_values else REFERENCE_VALUE)
+             for name in INDEX_CODECS.names()]
     pairs += [(REFERENCE_INDEX, name) for name in VALUE_CODECS.names() if name != REFERENCE_VALUE]
     pairs += [(REFERENCE_INDEX, f"qsgd(bits={bits})") for bits in (2, 4)]
     return pairs
@@ -48,9 +51,17 @@ DEEPREDUCE_PAIRS = [
     ("bloom(policy=p2,fpr=0.01)", "polyfit"),  # Table 2's DR BF-P2 Fit-Poly
     ("bloom(policy=p0,fpr=0.6)", DEEPREDUCE_QSGD),  # Table 2's DR BF-P0 QSGD
     ("bloom(policy=p0)", DEEPREDUCE_QSGD),
+    ("skcompress", JOINT_VALUE_SPEC),
     ("rice", "fp32"), ("rice", "polyfit"), ("rice", DEEPREDUCE_QSGD),  # lossless near-entropy indices
 ]
-SUITES = {"all": default_pairs, "deepreduce": lambda: list(DEEPREDUCE_PAIRS)}
+SKCOMPRESS_PAIRS = [
+    ("rice", "fp16"), *[("rice", f"qsgd(bits={bits},bucket=512)") for bits in (2, 4, 8)],
+    *[(f"skcompress({options})", JOINT_VALUE_SPEC) for options in
+      ("coder=huffman", "coder=ans", "coder=ans,keys=rice", "bins=16,groups=2,coder=ans",
+       "bins=16,groups=2,coder=ans,keys=rice", "bins=4,groups=2,coder=ans,keys=rice")],
+]
+SUITES = {"all": default_pairs, "deepreduce": lambda: list(DEEPREDUCE_PAIRS),
+          "skcompress": lambda: list(SKCOMPRESS_PAIRS)}
 
 
 def measure(selection: SparseGradient, index_text: str, value_text: str, repeat: int,
@@ -77,6 +88,7 @@ def measure(selection: SparseGradient, index_text: str, value_text: str, repeat:
         "nnz": selection.nnz,
         "index_bits_per_nnz": index_bits,
         "value_bits_per_nnz": 8 * info.value_bytes / nnz,
+        "total_bits_per_nnz": 8 * (info.index_bytes + info.value_bytes) / nnz,
         "bound_bits_per_nnz": bound,
         "index_over_bound_pct": 100.0 * (index_bits / bound - 1.0) if bound else 0.0,
         "decoded_nnz": info.nnz,

@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     common(codecs, 1_000_000, "0.0001,0.001,0.01,0.1")
     codecs.add_argument("--pair", action="append", metavar="INDEX/VALUE",
                         help="an index/value codec pair such as 'rice/qsgd(bits=4)' (repeatable; default: the suite)")
-    codecs.add_argument("--suite", choices=["all", "deepreduce"], default="all",
-                        help="pairs to run without --pair: all codecs, or DeepReduce's combinations (default all)")
+    codecs.add_argument("--suite", choices=["all", "deepreduce", "skcompress"], default="all",
+                        help="pairs to run without --pair: all codecs, DeepReduce's combinations, or SKCompress "
+                             "next to QSGD (default all)")
 
     collectives = benches.add_parser("collectives", help="every transport next to dense all_reduce and allgather")
     collectives.add_argument("--workers", type=_int_list, default=[2, 4], help="worker counts (default 2,4)")
@@ -157,8 +158,8 @@ def _bench_codecs(args: argparse.Namespace) -> int:
           f"threads={result['threads']}  (bits per nonzero; bound = log2 C(N,k)/k)\n")
     print(format_table(result["rows"], [
         "density", "index_codec", "value_codec", "index_bits_per_nnz", "bound_bits_per_nnz",
-        "index_over_bound_pct", "value_bits_per_nnz", "decoded_nnz", "volume_vs_dense", "encode_ms", "decode_ms",
-        "rel_l2_error", "grad_rel_l2_error", "lossless",
+        "index_over_bound_pct", "value_bits_per_nnz", "total_bits_per_nnz", "decoded_nnz", "volume_vs_dense",
+        "encode_ms", "decode_ms", "rel_l2_error", "grad_rel_l2_error", "lossless",
     ]))
     for row in result["refused"]:
         print(f"refused at density {row['density']}: {row['index_codec']}/{row['value_codec']}: {row['error']}")

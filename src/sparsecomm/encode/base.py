@@ -18,9 +18,13 @@ from sparsecomm.registry import Component
 
 class IndexCodec(Component):
     """Codes a sorted set of unique flat indices into ``[0, numel)``. A lossy codec (``lossless``
-    False) decodes to a set that may differ from the one encoded."""
+    False) decodes to a set that may differ from the one encoded. A joint codec (``codes_values``)
+    codes the values too, in the same section; it implements `encode_joint` / `decode_joint`."""
 
     lossless: ClassVar[bool] = True
+    codes_values: ClassVar[bool] = False
+    values_lossless: ClassVar[bool] = True
+    """for a joint codec: whether its values decode exactly"""
 
     def encode(self, indices: np.ndarray, numel: int) -> bytes:
         """``indices``: int64, strictly increasing."""
@@ -41,6 +45,15 @@ class IndexCodec(Component):
         """The most indices ``nbytes`` of this codec's output can hold."""
         return 8 * nbytes
 
+    def encode_joint(self, indices: np.ndarray, values: torch.Tensor, numel: int, rng: np.random.Generator) -> bytes:
+        """A joint codec: indices (strictly increasing) and their values in one section."""
+        raise NotImplementedError
+
+    def decode_joint(self, data: memoryview, numel: int, nnz: int,
+                     dtype: torch.dtype) -> tuple[np.ndarray, torch.Tensor]:
+        """A joint codec: back to (strictly increasing indices, values of ``dtype``)."""
+        raise NotImplementedError
+
 
 class ValueCodec(Component):
     """Codes the values of a sparse gradient, in index order."""
@@ -58,3 +71,9 @@ class ValueCodec(Component):
     def max_count(self, nbytes: int) -> int:
         """The most values ``nbytes`` of this codec's output can hold."""
         return 8 * nbytes
+
+
+def codecs_lossless(index_codec: IndexCodec, value_codec: ValueCodec) -> bool:
+    """Whether a payload with these codecs decodes to exactly what was encoded."""
+    values_exact = index_codec.values_lossless if index_codec.codes_values else value_codec.lossless
+    return index_codec.lossless and values_exact

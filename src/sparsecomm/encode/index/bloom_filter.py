@@ -3,7 +3,7 @@
 Sizing follows DeepReduce (App. Remark 2): for ``r`` inserted indices and a target false-positive
 rate ε, ``m = ceil(-r ln ε / (ln 2)^2)`` bits and ``h = round((m / r) ln 2)`` hash functions.
 
-Hashing: each index is mixed with the filter's 64-bit seed by the splitmix64 finaliser; the low and
+Hashing: each index is mixed with the filter's 64-bit seed (`sparsecomm.encode.hashing`); the low and
 high 32 bits give h1 and h2, and hash i is ``(h1 + i*h2) mod 2^32`` mapped onto ``[0, m)`` by a
 multiply-shift (Kirsch–Mitzenmacher double hashing). Nothing is precomputed per index, so querying
 the whole universe costs O(numel) time and O(chunk) memory: indices are tested a chunk at a time,
@@ -16,15 +16,11 @@ import math
 
 import numpy as np
 
+from sparsecomm.encode.hashing import LOW32, SHIFT32, mix64
 from sparsecomm.errors import SparseCommError
 
 MAX_BITS = 1 << 32
 QUERY_CHUNK = 1 << 16
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
-_LOW32 = np.uint64(0xFFFFFFFF)
-_SHIFT32 = np.uint64(32)
 
 
 def filter_size(count: int, fpr: float) -> tuple[int, int]:
@@ -65,15 +61,12 @@ class BloomFilter:
         return bloom
 
     def _halves(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        z = indices.astype(np.uint64) * _GOLDEN + self.seed
-        z = (z ^ (z >> np.uint64(30))) * _MIX1
-        z = (z ^ (z >> np.uint64(27))) * _MIX2
-        z ^= z >> np.uint64(31)
-        return z & _LOW32, (z >> _SHIFT32) | np.uint64(1)
+        z = mix64(indices, self.seed)
+        return z & LOW32, (z >> SHIFT32) | np.uint64(1)
 
     def _position(self, low: np.ndarray, high: np.ndarray, i: int) -> np.ndarray:
-        hashed = (low + np.uint64(i) * high) & _LOW32
-        return (hashed * np.uint64(self.size)) >> _SHIFT32
+        hashed = (low + np.uint64(i) * high) & LOW32
+        return (hashed * np.uint64(self.size)) >> SHIFT32
 
     def positions(self, indices: np.ndarray) -> np.ndarray:
         """The filter bit each hash of each index hits: shape (len(indices), hashes)."""

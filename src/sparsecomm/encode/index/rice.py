@@ -51,23 +51,31 @@ class RiceIndices(IndexCodec):
             raise SparseCommError(f"rice parameter must be -1 (auto) or 0..{MAX_PARAMETER}")
 
     def encode(self, indices: np.ndarray, numel: int) -> bytes:
-        gaps = (np.diff(indices, prepend=-1) - 1).astype(np.int64)
-        b = best_rice_parameter(gaps) if self.parameter < 0 else self.parameter
-        unary = pack_unary(gaps >> b)
-        low = pack_fixed((gaps & ((1 << b) - 1)).astype(np.uint64), b)
-        return bytes([b]) + unary + low
+        return encode_gaps((np.diff(indices, prepend=-1) - 1).astype(np.int64), self.parameter)
 
     def decode(self, data: memoryview, numel: int, nnz: int) -> np.ndarray:
-        if len(data) < 1:
-            raise PayloadError("rice stream is empty")
-        b = data[0]
-        low_bytes = nbytes_for_bits(nnz * b)
-        if b > MAX_PARAMETER or 1 + low_bytes > len(data):
-            raise PayloadError(f"rice stream of {len(data)} bytes cannot hold {nnz} indices with b={b}")
-        unary_end = len(data) - low_bytes
-        quotients = unpack_unary(data[1:unary_end], nnz)
-        low = unpack_fixed(data[unary_end:], b, nnz).astype(np.int64)
-        if nnz and int(quotients.max()) > (numel >> b):
-            raise PayloadError("rice gap exceeds the tensor size")
-        gaps = (quotients << b) | low
-        return np.cumsum(gaps + 1) - 1
+        return np.cumsum(decode_gaps(data, nnz, numel) + 1) - 1
+
+
+def encode_gaps(gaps: np.ndarray, parameter: int = -1) -> bytes:
+    """Non-negative gaps as a Rice stream (``parameter`` -1: the best one for these gaps)."""
+    b = best_rice_parameter(gaps) if parameter < 0 else parameter
+    unary = pack_unary(gaps >> b)
+    low = pack_fixed((gaps & ((1 << b) - 1)).astype(np.uint64), b)
+    return bytes([b]) + unary + low
+
+
+def decode_gaps(data: memoryview, count: int, limit: int) -> np.ndarray:
+    """``count`` gaps from a Rice stream that fills ``data``; a gap above ``limit`` is an error."""
+    if len(data) < 1:
+        raise PayloadError("rice stream is empty")
+    b = data[0]
+    low_bytes = nbytes_for_bits(count * b)
+    if b > MAX_PARAMETER or 1 + low_bytes > len(data):
+        raise PayloadError(f"rice stream of {len(data)} bytes cannot hold {count} gaps with b={b}")
+    unary_end = len(data) - low_bytes
+    quotients = unpack_unary(data[1:unary_end], count)
+    low = unpack_fixed(data[unary_end:], b, count).astype(np.int64)
+    if count and int(quotients.max()) > (limit >> b):
+        raise PayloadError("rice gap exceeds the tensor size")
+    return (quotients << b) | low
