@@ -27,6 +27,25 @@ def test_train_runs_each_preset_next_to_dense_and_reports_it(tmp_path, capsys):
     assert len(result["curves"]["dgc"]["losses"]) == 40
 
 
+def test_time_to_target_is_the_first_step_the_smoothed_loss_reaches_it():
+    from sparsecomm.train.runner import first_step_at_or_below, smoothed
+
+    losses = [4.0, 2.0, 3.0, 1.0] * 15  # 60 steps: a window of 2
+    curve = smoothed(losses)
+    assert curve[:3] == [4.0, 3.0, 2.5] and first_step_at_or_below(curve, 2.0) == 3
+    assert first_step_at_or_below(curve, 0.5) is None
+
+
+def test_train_reports_time_to_a_given_target_loss(tmp_path, capsys):
+    out = tmp_path / "t.json"
+    assert main(["train", "--workers", "2", "--steps", "30", "--presets", "dense", "--target-loss", "1.5",
+                 "--json", str(out)]) == 0
+    assert "time to a smoothed training loss of 1.5" in capsys.readouterr().out
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["target_loss"] == 1.5 and 1 <= row["steps_to_target"] <= 30
+    assert 0 < row["time_to_target_s"] <= row["wall_s"] and row["modeled_time_to_target_s"] > 0
+
+
 def test_train_rejects_an_unknown_preset_before_starting_workers(capsys):
     assert main(["train", "--presets", "nonsense", "--steps", "1"]) == 2
     assert "unknown component 'nonsense'" in capsys.readouterr().err

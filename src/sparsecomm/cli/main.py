@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--bandwidth", default="1gbit", help="link rate for the modeled communication time")
     train.add_argument("--shaped", metavar="RATE", help="run the workers on a link shaped to RATE (needs root)")
+    train.add_argument("--target-loss", type=float, default=None,
+                       help="training loss for the time-to-target column (default: dense's final loss + 5%%)")
     train.add_argument("--json", metavar="PATH", help="write the results as JSON")
     train.add_argument("--plot", metavar="PATH", default="sparsecomm-train.png", help="PNG of the loss curves")
 
@@ -219,7 +221,7 @@ def _train(args: argparse.Namespace) -> int:
             else:
                 print(f"sparsecomm: shaped-link run skipped ({why}); training on loopback", file=sys.stderr)
         result = runner.run(args.workload, presets, args.workers, args.steps, args.batch, args.lr, args.seed,
-                            args.shaped if namespaces else args.bandwidth, namespaces)
+                            args.shaped if namespaces else args.bandwidth, namespaces, args.target_loss)
     result["link"] = args.shaped if namespaces else "loopback"
     print(f"\ntrain {args.workload}: {args.workers} workers on {result['link']}, {args.steps} steps, same seed "
           f"for every preset; modeled communication at {result['bandwidth']}\n")
@@ -227,6 +229,11 @@ def _train(args: argparse.Namespace) -> int:
         "preset", "metric_name", "final_metric", "test_loss", "bytes_per_step", "compression_ratio", "wall_s",
         "compute_s", "encode_s", "communicate_s", "decode_s", "modeled_s", "ranks_identical",
     ]))
+    if result["target_loss"] is not None:
+        print(f"\ntime to a smoothed training loss of {result['target_loss']:.4g} (never reached: -)\n")
+        print(format_table(result["rows"], [
+            "preset", "steps_to_target", "time_to_target_s", "speedup_to_target", "modeled_time_to_target_s",
+        ]))
     if args.plot:
         runner.plot(result, args.plot)
         print(f"\nplot: {args.plot}")

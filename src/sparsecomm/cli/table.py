@@ -12,6 +12,8 @@ import torch
 
 
 def format_cell(value: Any) -> str:
+    if value is None:
+        return "-"
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
@@ -32,7 +34,7 @@ def format_cell(value: Any) -> str:
 def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     cells = [[format_cell(row.get(col, "")) for col in columns] for row in rows]
     widths = [max([len(col)] + [len(r[i]) for r in cells]) for i, col in enumerate(columns)]
-    numeric = [all(isinstance(row.get(col), int | float) for row in rows) for col in columns]
+    numeric = [all(isinstance(row.get(col), int | float | None) for row in rows) for col in columns]
 
     def line(values: list[str]) -> str:
         return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric, strict=True))

@@ -57,7 +57,7 @@ def worker(rank: int, world: int, task: Workload, preset: str, steps: int, batch
     reducer = register_ddp_hook(model, preset, seed=seed)
     applies_momentum = reducer.spec.feedback.name == "dgc_momentum"
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0 if applies_momentum else 0.9)
-    losses, cumulative_bytes = [], []
+    losses, cumulative_bytes, elapsed = [], [], []
     start = time.perf_counter()
     for batch_data in task.batches(rank, world, steps, batch, seed):
         optimizer.zero_grad()
@@ -66,12 +66,13 @@ def worker(rank: int, world: int, task: Workload, preset: str, steps: int, batch
         optimizer.step()
         losses.append(float(loss.detach()))
         cumulative_bytes.append(reducer.stats.bytes_sent)
+        elapsed.append(time.perf_counter() - start)
     wall_s = time.perf_counter() - start
     evaluation = task.evaluate(model.module)
     summary = reducer.stats.summary()
     numel = sum(p.numel() for p in model.parameters())
     return {
-        "losses": losses, "cumulative_bytes": cumulative_bytes, "wall_s": wall_s,
+        "losses": losses, "cumulative_bytes": cumulative_bytes, "elapsed_s": elapsed, "wall_s": wall_s,
         "select_s": summary["select_s"], "transport_s": summary["transport_s"], "decode_s": summary["decode_s"],
         # what the wall time holds beyond compute, encode and decode: communication the step waited for
         "communicate_wait_s": max(0.0, wall_s - compute_per_step * steps - summary["select_s"] - summary["decode_s"]),
@@ -85,7 +86,10 @@ def worker(rank: int, world: int, task: Workload, preset: str, steps: int, batch
 
 
 def run(workload_name: str, presets: list[str], workers: int, steps: int, batch: int = 32, lr: float | None = None,
-        seed: int = 0, bandwidth: str = "1gbit", namespaces: list[str] | None = None) -> dict[str, Any]:
+        seed: int = 0, bandwidth: str = "1gbit", namespaces: list[str] | None = None,
+        target_loss: float | None = None) -> dict[str, Any]:
+    """Train with each preset; rows carry the final metric, bytes, the time split and the time to
+    ``target_loss`` (default: dense's final smoothed training loss + 5%), measured and modeled."""
     link = bits_per_second(bandwidth)
     task = load_workload(workload_name)  # built once here, handed to every worker
     lr = task.default_lr if lr is None else lr
@@ -109,12 +113,49 @@ def run(workload_name: str, presets: list[str], workers: int, steps: int, batch:
             "modeled_s": first["compute_s"] + first["select_s"] + modeled_comm_s,
             "workers": workers, "steps": steps, "ranks_identical": identical,
         })
-        curves[preset] = {"losses": first["losses"], "cumulative_bytes": first["cumulative_bytes"]}
+        curves[preset] = {"losses": first["losses"], "cumulative_bytes": first["cumulative_bytes"],
+                          "elapsed_s": [max(times) for times in zip(*(r["elapsed_s"] for r in results), strict=True)]}
     dense_bytes = next((r["bytes_per_step"] for r in rows if r["preset"] == "dense"), None)
     for row in rows:
         row["compression_ratio"] = dense_bytes / row["bytes_per_step"] if dense_bytes and row["bytes_per_step"] else 1.0
+    target = target_loss if target_loss is not None else default_target(rows, curves)
+    for row in rows:
+        curve = curves[row["preset"]]
+        step = first_step_at_or_below(smoothed(curve["losses"]), target) if target is not None else None
+        row["target_loss"] = target
+        row["steps_to_target"] = None if step is None else step + 1
+        row["time_to_target_s"] = None if step is None else curve["elapsed_s"][step]
+        row["modeled_time_to_target_s"] = None if step is None else row["modeled_s"] * (step + 1) / steps
+    dense_time = next((r["time_to_target_s"] for r in rows if r["preset"] == "dense"), None)
+    for row in rows:
+        seconds = row["time_to_target_s"]
+        row["speedup_to_target"] = dense_time / seconds if seconds and dense_time else None
     return {"benchmark": "train", "workload": workload_name, "workers": workers, "steps": steps, "lr": lr,
-            "bandwidth": bandwidth, "rows": rows, "curves": curves}
+            "bandwidth": bandwidth, "target_loss": target, "rows": rows, "curves": curves}
+
+
+TARGET_MARGIN = 1.05
+
+
+def smoothed(losses: list[float]) -> list[float]:
+    """Training loss as a trailing moving average over 1/30 of the run (one batch is noisy)."""
+    window = max(1, len(losses) // 30)
+    sums = torch.tensor([0.0, *losses], dtype=torch.float64).cumsum(0)
+    ends = torch.arange(1, len(losses) + 1)
+    starts = (ends - window).clamp_min(0)
+    return ((sums[ends] - sums[starts]) / (ends - starts)).tolist()
+
+
+def default_target(rows: list[dict[str, Any]], curves: dict[str, dict[str, list[float]]]) -> float | None:
+    """Dense's smoothed training loss at its last step, plus 5%: a loss dense reaches only near its end."""
+    if "dense" not in curves or not curves["dense"]["losses"]:
+        return None
+    return smoothed(curves["dense"]["losses"])[-1] * TARGET_MARGIN
+
+
+def first_step_at_or_below(values: list[float], target: float) -> int | None:
+    hits = torch.nonzero(torch.tensor(values) <= target)
+    return int(hits[0]) if hits.numel() else None
 
 
 def plot(result: dict[str, Any], path: str) -> None:
@@ -126,12 +167,9 @@ def plot(result: dict[str, Any], path: str) -> None:
 
     figure, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(11, 4))
     for preset, curve in result["curves"].items():
-        losses = torch.tensor(curve["losses"])
-        window = max(1, len(losses) // 30)
-        smooth = torch.nn.functional.avg_pool1d(losses[None, None], window, 1).flatten().tolist()
-        by_step.plot(range(window - 1, len(losses)), smooth, label=preset)
-        sent = [max(b, 1) for b in curve["cumulative_bytes"]][window - 1 :]
-        by_bytes.plot(sent, smooth, label=preset)
+        smooth = smoothed(curve["losses"])
+        by_step.plot(range(len(smooth)), smooth, label=preset)
+        by_bytes.plot([max(b, 1) for b in curve["cumulative_bytes"]], smooth, label=preset)
     by_step.set(xlabel="step", ylabel="training loss (moving average)",
                 title=f"{result['workload']}, {result['workers']} workers")
     by_bytes.set(xlabel="gradient bytes sent by one rank (log)", ylabel="training loss", xscale="log",
