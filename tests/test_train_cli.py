@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from sparsecomm.cli.main import main
 
 ROW_FIELDS = {"preset", "metric_name", "final_metric", "bytes_per_step", "compression_ratio", "wall_s",
@@ -28,12 +30,14 @@ def test_train_runs_each_preset_next_to_dense_and_reports_it(tmp_path, capsys):
 
 
 def test_time_to_target_is_the_first_step_the_smoothed_loss_reaches_it():
-    from sparsecomm.train.runner import first_step_at_or_below, smoothed
+    from sparsecomm.train.runner import default_target, first_step_at_or_below, smoothed
 
     losses = [4.0, 2.0, 3.0, 1.0] * 15  # 60 steps: a window of 2
     curve = smoothed(losses)
     assert curve[:3] == [4.0, 3.0, 2.5] and first_step_at_or_below(curve, 2.0) == 3
     assert first_step_at_or_below(curve, 0.5) is None
+    falling = [10.0 - 0.1 * step for step in range(60)]  # smoothed: 10.0 at the start, 4.15 at the end
+    assert default_target({"dense": {"losses": falling}}) == pytest.approx(4.15 + 0.05 * (10.0 - 4.15))
 
 
 def test_train_reports_time_to_a_given_target_loss(tmp_path, capsys):

@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--bandwidth", default="1gbit", help="link rate for the modeled communication time")
     train.add_argument("--shaped", metavar="RATE", help="run the workers on a link shaped to RATE (needs root)")
     train.add_argument("--target-loss", type=float, default=None,
-                       help="training loss for the time-to-target column (default: dense's final loss + 5%%)")
+                       help="training loss for the time-to-target table (default: the smoothed loss at which "
+                            "dense has made 95%% of its improvement)")
     train.add_argument("--json", metavar="PATH", help="write the results as JSON")
     train.add_argument("--plot", metavar="PATH", default="sparsecomm-train.png", help="PNG of the loss curves")
 

@@ -15,8 +15,8 @@ from sparsecomm.errors import SparseCommError
 from sparsecomm.payload import as_tensor, decode, encode
 from sparsecomm.registry import TRANSPORTS
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.transport.base import ReduceContext, Transport, agreed, as_sparse, deliver, output_buffer
-from sparsecomm.transport.collectives import Group, allgather_bytes, fingerprint, world
+from sparsecomm.transport.base import ReduceContext, Transport, as_sparse, deliver, output_buffer
+from sparsecomm.transport.collectives import Group, agree_and_gather_sizes, allgather_bytes, fingerprint, world
 
 
 @TRANSPORTS.register("allgather")
@@ -31,15 +31,19 @@ class AllgatherTransport(Transport):
         index_codec = context.index_codec or RiceIndices()
         value_codec = context.value_codec or Float32Values()
         rank, _ = world(group)
-        agreed(group, context, sparse.numel, fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype,
-                                               index_codec.to_spec(), value_codec.to_spec()))
+        config = fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype, index_codec.to_spec(),
+                             value_codec.to_spec())
         encoded = context.payload if context.payload is not None else encode(
             sparse, index_codec, value_codec, rng=context.rng(rank))
         payload = as_tensor(encoded)
+        if context.agreed_nnz is None:  # the agreement step rides on the size exchange
+            counts = agree_and_gather_sizes(group, sparse.numel, config, payload.numel(), context.nonfinite)
+        else:  # the caller (auto) already agreed
+            counts = None
         context.bytes_sent += payload.numel()
         context.chosen = self.to_spec()
         total = output_buffer(out, sparse.numel, sparse.dtype)
-        gathered = allgather_bytes(payload, group)
+        gathered = allgather_bytes(payload, group, counts)
         start = time.perf_counter()
         for buffer in gathered:
             received = decode(buffer)

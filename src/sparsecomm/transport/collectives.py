@@ -23,37 +23,55 @@ def fingerprint(*parts: object) -> int:
 
 
 def agree(group: Group, grad_numel: int, config: int, nnz: int = 0, nonfinite: bool = False) -> int:
-    """The first collective of every transport call: one fixed-size all_reduce that checks every
+    """The first collective of every transport call: one fixed-size all_gather that checks every
     rank passes the same tensor size and configuration fingerprint and that no rank flagged a
     non-finite gradient — raising `SparseCommError` on all ranks otherwise, so none is left hanging
     in a later collective — and returns the largest ``nnz`` of any rank."""
-    local = torch.tensor([grad_numel, config, -grad_numel, -config, nnz, int(nonfinite)], dtype=torch.int64)
-    dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-    highest, lowest = local[:2].tolist(), [-v for v in local[2:4].tolist()]
-    if highest != lowest:
+    return int(_agreement_table(group, grad_numel, config, nnz, nonfinite, 0)[:, 2].max())
+
+
+def agree_and_gather_sizes(group: Group, grad_numel: int, config: int, nbytes: int,
+                           nonfinite: bool = False) -> list[int]:
+    """`agree`, carrying each rank's buffer size too: the same single collective also serves as
+    `allgather_bytes`' size exchange. Returns every rank's ``nbytes``, for ``counts=``."""
+    return _agreement_table(group, grad_numel, config, 0, nonfinite, nbytes)[:, 4].tolist()
+
+
+def _agreement_table(group: Group, grad_numel: int, config: int, nnz: int, nonfinite: bool,
+                     nbytes: int) -> torch.Tensor:
+    """Every rank's (numel, config, nnz, non-finite flag, nbytes), checked the same way on every rank."""
+    _, size = world(group)
+    record = torch.tensor([grad_numel, config, nnz, int(nonfinite), nbytes], dtype=torch.int64)
+    records = torch.zeros(size * record.numel(), dtype=torch.int64)
+    _all_gather_single(records, record, group=group)
+    table = records.view(size, record.numel())
+    if bool((table[:, 0] != grad_numel).any() | (table[:, 1] != config).any()):
         raise SparseCommError(
             "ranks disagree on tensor size or transport configuration "
-            f"(this rank: numel {grad_numel}, config {config:#x}; across ranks numel {lowest[0]}..{highest[0]})"
+            f"(this rank: numel {grad_numel}, config {config:#x}; across ranks numel "
+            f"{int(table[:, 0].min())}..{int(table[:, 0].max())})"
         )
-    if int(local[5]):
+    if bool(table[:, 3].any()):
         raise SparseCommError("a rank had a non-finite gradient (NaN or Inf) in this tensor; no rank applied it"
                               + (" — including this one" if nonfinite else ""))
-    return int(local[4])
+    return table
 
 
 PAD_SLACK = 1.25
 
 
-def allgather_bytes(buffer: torch.Tensor, group: Group) -> list[torch.Tensor]:
+def allgather_bytes(buffer: torch.Tensor, group: Group, counts: list[int] | None = None) -> list[torch.Tensor]:
     """Variable-length allgather of a 1-D uint8 tensor: every rank gets every rank's buffer.
-    gloo has no allgatherv, so sizes go first; then, if padding to the largest wastes at most
-    25%, one all_gather of padded buffers, else an uneven all_to_all_single."""
+    gloo has no allgatherv, so sizes go first (unless ``counts`` already holds them); then, if
+    padding to the largest wastes at most 25%, one all_gather of padded buffers, else an uneven
+    all_to_all_single."""
     _, size = world(group)
     if size == 1:
         return [buffer]
-    sizes = torch.zeros(size, dtype=torch.int64)
-    _all_gather_single(sizes, torch.tensor([buffer.numel()], dtype=torch.int64), group=group)
-    counts = sizes.tolist()
+    if counts is None:
+        sizes = torch.zeros(size, dtype=torch.int64)
+        _all_gather_single(sizes, torch.tensor([buffer.numel()], dtype=torch.int64), group=group)
+        counts = sizes.tolist()
     largest = max(counts)
     if largest * size <= PAD_SLACK * sum(counts) + 4096:  # near-equal sizes: pad, one plain all_gather
         padded = buffer if buffer.numel() == largest else torch.cat(

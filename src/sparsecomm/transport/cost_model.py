@@ -85,7 +85,8 @@ class CostModel:
                    + self._passes(workers * nnz * ENTRY_BYTES) + self._passes(workers * payload, 2))
         if workers == 1:
             return compute
-        return (self._agree(workers) + 2 * (workers - 1) * self.alpha + (workers - 1) * payload * self.beta
+        # the size exchange rides on the agreement step, then one gather of the payloads
+        return (self._agree(workers) + (workers - 1) * self.alpha + (workers - 1) * payload * self.beta
                 + compute)
 
     def ssar_rd(self, workers: int, numel: int, nnz: int, isize: int = 4) -> float:
