@@ -22,7 +22,11 @@ Wire format, version 1 (all integers little-endian)::
 Bounds on decode: the CRC and every length are checked before any section is read; numel ≤
 2**48; nnz ≤ numel and nnz ≤ each codec's ``max_count`` for its section's size. So decoding a
 payload of B bytes allocates O(B) memory: at most about 400·B bytes for the bit-level index
-codecs and 1032·4·B for Deflate-coded values, whatever its header claims.
+codecs, 4096·B for a Bloom filter's positives and 1032·4·B for Deflate-coded values, whatever its
+header claims. (A Bloom filter's decode time grows with numel: it tests every index.)
+
+A joint codec (``skcompress``) codes indices and values in the index section; the value section
+is then empty and names ``fp32``.
 """
 
 from __future__ import annotations
