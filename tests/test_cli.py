@@ -33,9 +33,10 @@ def test_bench_codecs_writes_a_table_and_json(tmp_path, capsys):
 
 
 def test_bench_codecs_deepreduce_suite_reports_volume_time_and_error(tmp_path, capsys):
-    out = tmp_path / "dr.json"
+    out, picture = tmp_path / "dr.json", tmp_path / "dr.png"
     assert main(["bench", "codecs", "--suite", "deepreduce", "--numel", "36864", "--density", "0.01",
-                 "--source", "laplace", "--repeat", "1", "--json", str(out)]) == 0
+                 "--source", "laplace", "--repeat", "1", "--json", str(out), "--plot", str(picture)]) == 0
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "grad_rel_l2_error" in capsys.readouterr().out
     rows = {(r["index_codec"], r["value_codec"]): r for r in json.loads(out.read_text())["rows"]}
     top_k = rows[("raw", "fp32")]

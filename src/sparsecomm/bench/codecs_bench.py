@@ -123,3 +123,42 @@ def run(numel: int, densities: list[float], source: str = "normal", repeat: int 
                 progress.update()
     return {"benchmark": "codecs", "numel": grad.numel(), "densities": densities, "source": source,
             "repeat": repeat, "threads": torch.get_num_threads(), "rows": rows, "refused": refused}
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """DeepReduce Figure 10's two panels for each density: bits per selected value split into index
+    and value (bars), and encode / decode time (log scale); relative error printed on the bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    densities = sorted({row["density"] for row in result["rows"]})
+    figure, axes = plt.subplots(len(densities), 2, figsize=(13, 0.9 + 0.32 * len(result["rows"])), squeeze=False)
+    for (volume, runtime), density in zip(axes, densities, strict=True):
+        rows = [row for row in result["rows"] if row["density"] == density]
+        labels = [f"{row['index_codec']} / {row['value_codec']}" for row in rows]
+        positions = range(len(rows))
+        index_bits = [row["index_bits_per_nnz"] for row in rows]
+        value_bits = [row["value_bits_per_nnz"] for row in rows]
+        volume.barh(positions, index_bits, label="indices")
+        volume.barh(positions, value_bits, left=index_bits, label="values")
+        totals = sorted(row["total_bits_per_nnz"] for row in rows)
+        limit = 1.3 * totals[-2] if len(totals) > 1 and totals[-1] > 2 * totals[-2] else 1.15 * totals[-1]
+        for y, row in zip(positions, rows, strict=True):
+            total = row["total_bits_per_nnz"]
+            note = f" err {row['rel_l2_error']:.2g}" + (f" ({total:,.0f} bits, clipped)" if total > limit else "")
+            volume.text(min(total, limit), y, note, va="center", fontsize=7)
+        volume.set(yticks=list(positions), yticklabels=labels, xlabel="bits per selected value", xlim=(0, limit),
+                   title=f"data volume, density {density:.3g} of {result['numel']:,}")
+        volume.invert_yaxis()
+        volume.legend(loc="lower right", fontsize=8)
+        height = 0.4
+        runtime.barh([p - height / 2 for p in positions], [row["encode_ms"] for row in rows], height, label="encode")
+        runtime.barh([p + height / 2 for p in positions], [row["decode_ms"] for row in rows], height, label="decode")
+        runtime.set(yticks=list(positions), yticklabels=[], xscale="log", xlabel="ms (log)", title="run time")
+        runtime.invert_yaxis()
+        runtime.legend(loc="lower right", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(codecs, 1_000_000, "0.0001,0.001,0.01,0.1")
     codecs.add_argument("--pair", action="append", metavar="INDEX/VALUE",
                         help="an index/value codec pair such as 'rice/qsgd(bits=4)' (repeatable; default: the suite)")
+    codecs.add_argument("--plot", metavar="PATH", help="PNG: bits split into indices and values, and run times")
     codecs.add_argument("--suite", choices=["all", "deepreduce", "skcompress"], default="all",
                         help="pairs to run without --pair: all codecs, DeepReduce's combinations, or SKCompress "
                              "next to QSGD (default all)")
@@ -166,6 +167,9 @@ def _bench_codecs(args: argparse.Namespace) -> int:
     ]))
     for row in result["refused"]:
         print(f"refused at density {row['density']}: {row['index_codec']}/{row['value_codec']}: {row['error']}")
+    if args.plot:
+        codecs_bench.plot(result, args.plot)
+        print(f"\nplot: {args.plot}")
     if args.json:
         write_json(args.json, result)
     return 0
