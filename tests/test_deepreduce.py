@@ -201,6 +201,13 @@ def test_curve_fits_handle_tiny_and_one_signed_inputs():
             torch.testing.assert_close(decoded.values, torch.tensor(values), rtol=1e-4, atol=1e-5)
 
 
+def test_values_beyond_float32_models_are_refused_by_the_sender():
+    grad = sc.SparseGradient(torch.tensor([0, 1]), torch.tensor([1e300, 2.0], dtype=torch.float64), torch.Size([2]))
+    for codec in ("polyfit", "dexp"):
+        with pytest.raises(sc.SparseCommError, match="overflows"):
+            sc.encode(grad, "raw", codec)
+
+
 def test_a_reordering_that_is_not_a_permutation_is_rejected():
     grad = sc.SparseGradient(torch.arange(4), torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.Size([4]))
     payload = bytearray(sc.encode(grad, "raw", "polyfit"))

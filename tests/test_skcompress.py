@@ -100,6 +100,9 @@ def test_skcompress_codes_values_itself():
         sc.encode(top_selection(), "skcompress", "fp16")
     with pytest.raises(sc.SpecError, match="needs a transport that sends payloads"):
         sc.parse_spec("topk(ratio=0.01)+skcompress+sparse_allreduce")
+    huge = sc.SparseGradient(torch.tensor([0, 1]), torch.tensor([1e300, -1.0], dtype=torch.float64), torch.Size([2]))
+    with pytest.raises(sc.SparseCommError, match="overflows float32"):
+        sc.encode(huge, "skcompress")
     info = sc.read_info(sc.encode(top_selection(), "skcompress"))
     assert info.value_bytes == 0 and not info.lossless
 

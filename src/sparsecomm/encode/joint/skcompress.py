@@ -113,6 +113,8 @@ class SKCompress(IndexCodec):
         seed = int(rng.integers(1 << 63))
         v = values.detach().to(torch.float32).cpu().numpy()
         splits = quantile_splits(v, self.bins) if v.size else np.zeros(2, dtype=np.float32)
+        if not np.isfinite(splits).all():
+            raise SparseCommError("skcompress: a value overflows float32")
         bins = splits.size - 1
         edges = group_bounds(bins, negative_bin_count(splits), self.groups)
         value_bin = np.clip(np.searchsorted(splits, v, side="right") - 1, 0, bins - 1)

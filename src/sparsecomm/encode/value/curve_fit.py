@@ -24,6 +24,7 @@ from sparsecomm.errors import PayloadError, SparseCommError
 
 _COUNT = struct.Struct("<I")
 MAX_VALUES = (1 << 32) - 1
+FLOAT32_SAFE = 1e36  # models hold float32 coefficients: leave headroom below float32's 3.4e38
 
 
 def rank_bits(count: int) -> int:
@@ -45,6 +46,8 @@ class CurveFitValues(ValueCodec):
         v = values.detach().to(torch.float64).cpu().numpy()
         if v.size > MAX_VALUES:
             raise SparseCommError(f"{self.name} codes at most {MAX_VALUES} values")
+        if v.size and float(np.abs(v).max()) > FLOAT32_SAFE:
+            raise SparseCommError(f"{self.name}: a value overflows its float32 model")
         positive = v > 0
         order = np.concatenate([np.flatnonzero(positive), np.flatnonzero(~positive)])
         magnitude = np.abs(v[order])
