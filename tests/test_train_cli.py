@@ -1,6 +1,9 @@
 """``sparsecomm train``: every preset next to dense on a real workload, with a table, JSON and a plot."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -72,3 +75,20 @@ def test_link_rates_are_read_or_refused_clearly(capsys):
     assert bits_per_second("1gbit") == 1e9 and bits_per_second("100mbit") == 1e8 and bits_per_second("5e6") == 5e6
     assert main(["train", "--bandwidth", "fast", "--steps", "1"]) == 2
     assert "cannot read link rate 'fast'" in capsys.readouterr().err
+
+
+def test_train_runs_on_the_ranks_of_a_torchrun_job(tmp_path):
+    out = tmp_path / "job.json"
+    environment = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "sparsecomm.cli.main", "train", "--steps", "15", "--presets", "dgc", "--json", str(out),
+         "--plot", str(tmp_path / "job.png")],
+        capture_output=True, text=True, timeout=300, env=environment, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("ranks_identical") == 1  # rank 0 reports, once
+    result = json.loads(out.read_text())
+    assert result["launcher"] == "torchrun" and result["workers"] == 2
+    assert [row["preset"] for row in result["rows"]] == ["dense", "dgc"]
+    assert all(row["ranks_identical"] for row in result["rows"])

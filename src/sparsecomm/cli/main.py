@@ -215,6 +215,9 @@ def _train(args: argparse.Namespace) -> int:
     presets = [p.strip() for p in args.presets.split(",")] if args.presets else available_presets()
     if "dense" not in presets:
         presets = ["dense", *presets]
+    in_job = runner.launched_by_torchrun()
+    if in_job and args.shaped:
+        raise SparseCommError("--shaped starts its own local workers; inside a torchrun job the job's network is used")
     with contextlib.ExitStack() as stack:
         namespaces = None
         if args.shaped:
@@ -227,9 +230,11 @@ def _train(args: argparse.Namespace) -> int:
                 print(f"sparsecomm: shaped-link run skipped ({why}); training on loopback", file=sys.stderr)
         result = runner.run(args.workload, presets, args.workers, args.steps, args.batch, args.lr, args.seed,
                             args.shaped if namespaces else args.bandwidth, namespaces, args.target_loss)
-    result["link"] = args.shaped if namespaces else "loopback"
-    print(f"\ntrain {args.workload}: {args.workers} workers on {result['link']}, {args.steps} steps, same seed "
-          f"for every preset; modeled communication at {result['bandwidth']}\n")
+    result["link"] = args.shaped if namespaces else ("the torchrun job's network" if in_job else "loopback")
+    if not runner.is_reporting_rank():
+        return 0  # in a torchrun job, rank 0 reports
+    print(f"\ntrain {args.workload}: {result['workers']} workers on {result['link']}, {args.steps} steps, same "
+          f"seed for every preset; modeled communication at {result['bandwidth']}\n")
     print(format_table(result["rows"], [
         "preset", "metric_name", "final_metric", "test_loss", "bytes_per_step", "compression_ratio", "wall_s",
         "compute_s", "encode_s", "communicate_s", "decode_s", "modeled_s", "ranks_identical",

@@ -1,13 +1,15 @@
-"""Runs one workload with each preset on P local gloo workers (DDP + the sparsecomm hook) and
-collects what the table, the JSON and the plot show."""
+"""Runs one workload with each preset on P local gloo workers (DDP + the sparsecomm hook) — or, when
+started by torchrun, on the job's own ranks — and collects what the table, the JSON and the plot show."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
@@ -96,9 +98,16 @@ def run(workload_name: str, presets: list[str], workers: int, steps: int, batch:
     for preset in presets:
         resolve(preset)  # fail before starting any worker
     rows, curves = [], {}
-    for preset in tqdm(presets, desc=f"train {workload_name}", disable=None):
-        results = run_local(workers, worker, task, preset, steps, batch, lr, seed, timeout=3600,
-                            namespaces=namespaces)
+    in_job = launched_by_torchrun()
+    joined_here = in_job and not dist.is_initialized()
+    if in_job:
+        workers = join_job()
+    for preset in tqdm(presets, desc=f"train {workload_name}", disable=None if is_reporting_rank() else True):
+        if in_job:
+            results = shared_view(worker(dist.get_rank(), workers, task, preset, steps, batch, lr, seed))
+        else:
+            results = run_local(workers, worker, task, preset, steps, batch, lr, seed, timeout=3600,
+                                namespaces=namespaces)
         first = results[0]
         identical = len({r["digest"] for r in results}) == 1
         modeled_comm_s = steps * first["bytes_per_step"] * 8 / link
@@ -115,6 +124,9 @@ def run(workload_name: str, presets: list[str], workers: int, steps: int, batch:
         })
         curves[preset] = {"losses": first["losses"], "cumulative_bytes": first["cumulative_bytes"],
                           "elapsed_s": [max(times) for times in zip(*(r["elapsed_s"] for r in results), strict=True)]}
+    if joined_here:
+        dist.barrier()
+        dist.destroy_process_group()
     dense_bytes = next((r["bytes_per_step"] for r in rows if r["preset"] == "dense"), None)
     for row in rows:
         row["compression_ratio"] = dense_bytes / row["bytes_per_step"] if dense_bytes and row["bytes_per_step"] else 1.0
@@ -131,10 +143,44 @@ def run(workload_name: str, presets: list[str], workers: int, steps: int, batch:
         seconds = row["time_to_target_s"]
         row["speedup_to_target"] = dense_time / seconds if seconds and dense_time else None
     return {"benchmark": "train", "workload": workload_name, "workers": workers, "steps": steps, "lr": lr,
+            "launcher": "torchrun" if in_job else "local",
             "bandwidth": bandwidth, "target_loss": target, "rows": rows, "curves": curves}
 
 
 TARGET_SLACK = 0.05
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is one rank of a torchrun (torch.distributed.run) job."""
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def join_job() -> int:
+    """Join the torchrun job's process group (gloo) if not joined yet; returns its world size."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist.get_world_size()
+
+
+def is_reporting_rank() -> bool:
+    """Rank 0 of a torchrun job, or the parent of local workers."""
+    return int(os.environ.get("RANK", "0")) == 0 if launched_by_torchrun() else True
+
+
+def shared_view(mine: dict[str, Any]) -> list[dict[str, Any]]:
+    """What `run` needs of every rank's result, gathered as tensors (no pickling): each rank's wall
+    time, per-step elapsed times and parameter digest; rank 0's full result stands first."""
+    world = dist.get_world_size()
+    numbers = torch.tensor([mine["wall_s"], *mine["elapsed_s"]], dtype=torch.float64)
+    gathered = [torch.empty_like(numbers) for _ in range(world)]
+    dist.all_gather(gathered, numbers)
+    digest = torch.frombuffer(bytearray(bytes.fromhex(mine["digest"])), dtype=torch.uint8)
+    digests = [torch.empty_like(digest) for _ in range(world)]
+    dist.all_gather(digests, digest)
+    views = [{**mine, "wall_s": float(n[0]), "elapsed_s": n[1:].tolist(), "digest": d.numpy().tobytes().hex()}
+             for n, d in zip(gathered, digests, strict=True)]
+    views[0] = {**mine, **{key: views[0][key] for key in ("wall_s", "elapsed_s", "digest")}}
+    return views
 
 
 def smoothed(losses: list[float]) -> list[float]:
