@@ -53,6 +53,13 @@ def test_train_reports_time_to_a_given_target_loss(tmp_path, capsys):
     assert 0 < row["time_to_target_s"] <= row["wall_s"] and row["modeled_time_to_target_s"] > 0
 
 
+def test_presets_may_be_specs_with_commas_inside_parentheses(tmp_path):
+    out = tmp_path / "specs.json"
+    spec = "dgc(ratio=0.01,warmup=2)+dgc_momentum(momentum=0.9,nesterov=true)+rle+fp32+allgather"
+    assert main(["train", "--workers", "2", "--steps", "8", "--presets", f"dgc,{spec}", "--json", str(out)]) == 0
+    assert [row["preset"] for row in json.loads(out.read_text())["rows"]] == ["dense", "dgc", spec]
+
+
 def test_train_rejects_an_unknown_preset_before_starting_workers(capsys):
     assert main(["train", "--presets", "nonsense", "--steps", "1"]) == 2
     assert "unknown component 'nonsense'" in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import sys
 from collections.abc import Sequence
 
@@ -212,7 +213,7 @@ def _train(args: argparse.Namespace) -> int:
     from sparsecomm.integration.presets import available_presets
     from sparsecomm.train import runner
 
-    presets = [p.strip() for p in args.presets.split(",")] if args.presets else available_presets()
+    presets = [p.strip() for p in re.split(r",(?![^()]*\))", args.presets)] if args.presets else available_presets()
     if "dense" not in presets:
         presets = ["dense", *presets]
     in_job = runner.launched_by_torchrun()
