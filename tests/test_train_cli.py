@@ -53,6 +53,21 @@ def test_train_reports_time_to_a_given_target_loss(tmp_path, capsys):
     assert 0 < row["time_to_target_s"] <= row["wall_s"] and row["modeled_time_to_target_s"] > 0
 
 
+def test_several_seeds_report_the_metric_mean_and_spread(tmp_path, capsys):
+    out = tmp_path / "seeds.json"
+    assert main(["train", "--workers", "2", "--steps", "10", "--presets", "dgc", "--seed", "0,1", "--json",
+                 str(out)]) == 0
+    assert "over seeds 0, 1" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["seeds"] == [0, 1] and len(result["runs"]) == 2
+    for i, row in enumerate(result["rows"]):
+        per_seed = [run["rows"][i]["final_metric"] for run in result["runs"]]
+        assert row["final_metric_mean"] == pytest.approx(sum(per_seed) / 2)
+        assert row["final_metric"] == per_seed[0]
+    dense, dgc = result["rows"]
+    assert dgc["metric_vs_dense"] == pytest.approx(dgc["final_metric_mean"] - dense["final_metric_mean"])
+
+
 def test_presets_may_be_specs_with_commas_inside_parentheses(tmp_path):
     out = tmp_path / "specs.json"
     spec = "dgc(ratio=0.01,warmup=2)+dgc_momentum(momentum=0.9,nesterov=true)+rle+fp32+allgather"

@@ -33,6 +33,16 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _seed_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seeds (integers) separated by commas, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("give at least one seed")
+    return values
+
+
 def _positive_int(text: str) -> int:
     value = int(float(text))
     if value < 1:
@@ -96,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=_positive_int, default=300)
     train.add_argument("--batch", type=_positive_int, default=32, help="per-worker batch size")
     train.add_argument("--lr", type=float, default=None, help="learning rate (default: the workload's)")
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--seed", type=_seed_list, default=[0],
+                       help="seed, or comma-separated seeds: the metric is then reported as mean ± std over them")
     train.add_argument("--bandwidth", default="1gbit", help="link rate for the modeled communication time")
     train.add_argument("--shaped", metavar="RATE", help="run the workers on a link shaped to RATE (needs root)")
     train.add_argument("--target-loss", type=float, default=None,
@@ -229,8 +240,10 @@ def _train(args: argparse.Namespace) -> int:
                 namespaces = stack.enter_context(ShapedNetwork(args.workers, args.shaped)).namespaces
             else:
                 print(f"sparsecomm: shaped-link run skipped ({why}); training on loopback", file=sys.stderr)
-        result = runner.run(args.workload, presets, args.workers, args.steps, args.batch, args.lr, args.seed,
-                            args.shaped if namespaces else args.bandwidth, namespaces, args.target_loss)
+        runs = [runner.run(args.workload, presets, args.workers, args.steps, args.batch, args.lr, seed,
+                           args.shaped if namespaces else args.bandwidth, namespaces, args.target_loss)
+                for seed in args.seed]
+    result = runner.over_seeds(runs, args.seed)
     result["link"] = args.shaped if namespaces else ("the torchrun job's network" if in_job else "loopback")
     if not runner.is_reporting_rank():
         return 0  # in a torchrun job, rank 0 reports
@@ -240,6 +253,12 @@ def _train(args: argparse.Namespace) -> int:
         "preset", "metric_name", "final_metric", "test_loss", "bytes_per_step", "compression_ratio", "wall_s",
         "compute_s", "encode_s", "communicate_s", "decode_s", "modeled_s", "ranks_identical",
     ]))
+    if len(args.seed) > 1:
+        print(f"\n{result['rows'][0]['metric_name']} over seeds {', '.join(map(str, args.seed))} (the table above: "
+              f"seed {args.seed[0]})\n")
+        print(format_table(result["rows"], [
+            "preset", "final_metric_mean", "final_metric_std", "metric_vs_dense", "final_metric_by_seed",
+        ]))
     if result["target_loss"] is not None:
         print(f"\ntime to a smoothed training loss of {result['target_loss']:.4g} (never reached: -)\n")
         print(format_table(result["rows"], [

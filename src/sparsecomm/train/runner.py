@@ -150,6 +150,25 @@ def run(workload_name: str, presets: list[str], workers: int, steps: int, batch:
 TARGET_SLACK = 0.05
 
 
+def over_seeds(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
+    """One result from runs that differ only in seed: the first run's rows and curves, each row with
+    its metric's mean, standard deviation and per-seed values, and every run kept under ``runs``."""
+    result = dict(runs[0])
+    by_preset = [[run["rows"][i]["final_metric"] for run in runs] for i in range(len(result["rows"]))]
+    dense = next((values for row, values in zip(result["rows"], by_preset, strict=True) if row["preset"] == "dense"),
+                 None)
+    rows = []
+    for row, values in zip(result["rows"], by_preset, strict=True):
+        metric = torch.tensor(values, dtype=torch.float64)
+        mean = float(metric.mean())
+        rows.append({**row, "final_metric_mean": mean,
+                     "final_metric_std": float(metric.std()) if len(values) > 1 else 0.0,
+                     "final_metric_by_seed": " ".join(f"{v:.4g}" for v in values),
+                     "metric_vs_dense": mean - float(torch.tensor(dense).mean()) if dense else None})
+    result.update(rows=rows, seeds=seeds, runs=runs if len(runs) > 1 else [])
+    return result
+
+
 def launched_by_torchrun() -> bool:
     """Whether this process is one rank of a torchrun (torch.distributed.run) job."""
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
