@@ -164,7 +164,7 @@ def over_seeds(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
         rows.append({**row, "final_metric_mean": mean,
                      "final_metric_std": float(metric.std()) if len(values) > 1 else 0.0,
                      "final_metric_by_seed": " ".join(f"{v:.4g}" for v in values),
-                     "metric_vs_dense": mean - float(torch.tensor(dense).mean()) if dense else None})
+                     "metric_vs_dense": mean - float(torch.tensor(dense, dtype=torch.float64).mean()) if dense else None})
     result.update(rows=rows, seeds=seeds, runs=runs if len(runs) > 1 else [])
     return result
 
