@@ -154,17 +154,17 @@ def over_seeds(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
     """One result from runs that differ only in seed: the first run's rows and curves, each row with
     its metric's mean, standard deviation and per-seed values, and every run kept under ``runs``."""
     result = dict(runs[0])
-    by_preset = [[run["rows"][i]["final_metric"] for run in runs] for i in range(len(result["rows"]))]
-    dense = next((values for row, values in zip(result["rows"], by_preset, strict=True) if row["preset"] == "dense"),
-                 None)
+    by_preset = [torch.tensor([run["rows"][i]["final_metric"] for run in runs], dtype=torch.float64)
+                 for i in range(len(result["rows"]))]
+    dense = next((float(values.mean()) for row, values in zip(result["rows"], by_preset, strict=True)
+                  if row["preset"] == "dense"), None)
     rows = []
     for row, values in zip(result["rows"], by_preset, strict=True):
-        metric = torch.tensor(values, dtype=torch.float64)
-        mean = float(metric.mean())
+        mean = float(values.mean())
         rows.append({**row, "final_metric_mean": mean,
-                     "final_metric_std": float(metric.std()) if len(values) > 1 else 0.0,
-                     "final_metric_by_seed": " ".join(f"{v:.4g}" for v in values),
-                     "metric_vs_dense": mean - float(torch.tensor(dense, dtype=torch.float64).mean()) if dense else None})
+                     "final_metric_std": float(values.std()) if len(values) > 1 else 0.0,
+                     "final_metric_by_seed": " ".join(f"{float(v):.4g}" for v in values),
+                     "metric_vs_dense": mean - dense if dense is not None else None})
     result.update(rows=rows, seeds=seeds, runs=runs if len(runs) > 1 else [])
     return result
 
