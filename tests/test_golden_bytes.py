@@ -23,7 +23,7 @@ GRAD = sc.SparseGradient(
 CASES = {
     **{f"{name}+fp32": (name, "fp32") for name in
        ["raw", "raw(bits=64)", "bitmap", "rle", "delta_binary", "huffman", "rice", "rice(parameter=2)",
-        "bloom(policy=p0)", "bloom(policy=p2,fpr=0.1)"]},
+        "bloom(policy=p0)", "bloom(policy=p2,fpr=0.1)", "skcompress", "skcompress(coder=ans,keys=rice)"]},
     **{f"raw+{name}": ("raw", name) for name in
        ["fp16", "bf16", "qsgd", "qsgd(bits=2,bucket=4)", "deflate", "deflate(shuffle=false)", "zstd",
         "polyfit(degree=2,segments=2)", "dexp"]},
@@ -59,7 +59,7 @@ def test_golden_payloads_still_decode(case):
         assert decoded.nnz == len(indices)
         return
     assert decoded.indices.tolist() == indices
-    if case.startswith(("raw+polyfit", "raw+dexp")):
+    if case.startswith(("raw+polyfit", "raw+dexp", "skcompress")):
         assert bool((decoded.values * torch.tensor(values) >= 0).all())  # a fit never flips a sign
     elif not case.startswith("raw+qsgd"):
         assert decoded.values.tolist() == values

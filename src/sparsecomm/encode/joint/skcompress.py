@@ -38,7 +38,7 @@ from sparsecomm.errors import PayloadError, SparseCommError
 from sparsecomm.registry import INDEX_CODECS
 
 _HEAD = struct.Struct("<QH")
-_GROUP = struct.Struct("<HHI")
+_GROUP = np.dtype([("first_bin", "<u2"), ("end_bin", "<u2"), ("keys", "<u4")])
 _DELTA_SIZES = np.array([1, 2, 4, 8])
 MAX_BINS = (1 << 16) - 2
 KEY_CODINGS = ("bytes", "rice")
@@ -131,8 +131,9 @@ class SKCompress(IndexCodec):
         previous[_group_starts(key_counts)[key_counts > 0]] = -1
         deltas = (keys - previous).astype(np.uint64)
         head = [_HEAD.pack(seed, splits.size), splits.astype("<f4").tobytes(), bytes([layout.groups])]
-        head += [_GROUP.pack(int(lo), int(hi), int(count))
-                 for lo, hi, count in zip(edges[:-1], edges[1:], key_counts, strict=True)]
+        groups = np.empty(layout.groups, dtype=_GROUP)
+        groups["first_bin"], groups["end_bin"], groups["keys"] = edges[:-1], edges[1:], key_counts
+        head.append(groups.tobytes())
         cells_block = encode_symbols(cells, int(layout.widths.max()), self.coder)
         return b"".join([*head, cells_block, self._encode_deltas(deltas)])
 
@@ -168,11 +169,11 @@ class SKCompress(IndexCodec):
         if not np.isfinite(splits).all() or (np.diff(splits) < 0).any():
             raise PayloadError("skcompress splits are not finite and ascending")
         n_groups = data[offset - 1]
-        if len(data) < offset + n_groups * _GROUP.size:
+        if len(data) < offset + n_groups * _GROUP.itemsize:
             raise PayloadError("skcompress groups are truncated")
-        groups = np.array([_GROUP.unpack_from(data, offset + i * _GROUP.size) for i in range(n_groups)],
-                          dtype=np.int64).reshape(-1, 3)  # a loop over at most 255 groups
-        offset += n_groups * _GROUP.size
+        table = np.frombuffer(data, dtype=_GROUP, count=n_groups, offset=offset)
+        groups = np.stack([table[field].astype(np.int64) for field in ("first_bin", "end_bin", "keys")], axis=1)
+        offset += n_groups * _GROUP.itemsize
         edges = np.append(groups[:, 0], groups[-1, 1]) if n_groups else np.zeros(1, dtype=np.int64)
         if (n_groups == 0 or edges[0] != 0 or edges[-1] != n_splits - 1 or (groups[1:, 0] != groups[:-1, 1]).any()
                 or (groups[:, 1] <= groups[:, 0]).any()):
