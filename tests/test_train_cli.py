@@ -9,6 +9,12 @@ import pytest
 
 from sparsecomm.cli.main import main
 
+@pytest.fixture(autouse=True)
+def _in_a_temporary_directory(tmp_path, monkeypatch):
+    """`sparsecomm train` writes its plot to the working directory by default: keep it out of the tree."""
+    monkeypatch.chdir(tmp_path)
+
+
 ROW_FIELDS = {"preset", "metric_name", "final_metric", "bytes_per_step", "compression_ratio", "wall_s",
               "compute_s", "encode_s", "communicate_s", "decode_s", "modeled_s", "ranks_identical"}
 
