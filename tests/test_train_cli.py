@@ -9,6 +9,7 @@ import pytest
 
 from sparsecomm.cli.main import main
 
+
 @pytest.fixture(autouse=True)
 def _in_a_temporary_directory(tmp_path, monkeypatch):
     """`sparsecomm train` writes its plot to the working directory by default: keep it out of the tree."""
