@@ -23,24 +23,24 @@ def _densities(text: str) -> list[float]:
     return values
 
 
-def _int_list(text: str) -> list[int]:
+def _integers(text: str, minimum: int | None) -> list[int]:
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError("each value must be >= 1")
+    if not values:
+        raise argparse.ArgumentTypeError("give at least one value")
+    if minimum is not None and min(values) < minimum:
+        raise argparse.ArgumentTypeError(f"each value must be >= {minimum}")
     return values
+
+
+def _int_list(text: str) -> list[int]:
+    return _integers(text, minimum=1)
 
 
 def _seed_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seeds (integers) separated by commas, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("give at least one seed")
-    return values
+    return _integers(text, minimum=None)
 
 
 def _positive_int(text: str) -> int:
