@@ -7,7 +7,8 @@ import argparse
 import contextlib
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from sparsecomm.cli.table import format_table, write_json
 from sparsecomm.errors import SparseCommError
@@ -179,8 +180,13 @@ def _bench_codecs(args: argparse.Namespace) -> int:
     ]))
     for row in result["refused"]:
         print(f"refused at density {row['density']}: {row['index_codec']}/{row['value_codec']}: {row['error']}")
+    return _save(args, result, codecs_bench.plot)
+
+
+def _save(args: argparse.Namespace, result: dict[str, Any], plot: Callable[[dict[str, Any], str], None]) -> int:
+    """The ``--plot`` PNG and the ``--json`` file a command was asked for."""
     if args.plot:
-        codecs_bench.plot(result, args.plot)
+        plot(result, args.plot)
         print(f"\nplot: {args.plot}")
     if args.json:
         write_json(args.json, result)
@@ -264,12 +270,7 @@ def _train(args: argparse.Namespace) -> int:
         print(format_table(result["rows"], [
             "preset", "steps_to_target", "time_to_target_s", "speedup_to_target", "modeled_time_to_target_s",
         ]))
-    if args.plot:
-        runner.plot(result, args.plot)
-        print(f"\nplot: {args.plot}")
-    if args.json:
-        write_json(args.json, result)
-    return 0
+    return _save(args, result, runner.plot)
 
 
 def _calibrate(args: argparse.Namespace) -> int:
