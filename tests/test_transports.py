@@ -2,12 +2,16 @@
 dense all_reduce of the same inputs, every rank gets the same bits, empty selections never hang,
 mismatched ranks fail clearly, and the sketch transport is unbiased."""
 
+import os
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import sparsecomm as sc
 from sparsecomm.launch import WorkerError, run_local
+from sparsecomm.transport.cost_model import set_cost_model
 from sparsecomm.transport.streams import Stream
 
 EXACT = ["allgather", "dense", "auto", "auto(explore=0)", "sparse_allreduce(algorithm=ssar_rd)",
@@ -133,6 +137,19 @@ def test_a_failing_worker_reports_its_rank_and_traceback():
         run_local(2, _fail_on_rank_one)
 
 
+def test_a_failed_worker_does_not_leave_the_others_waiting_until_the_timeout():
+    # rank 0 waits in a barrier for rank 1, which raised: run_local stops it after a short grace
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="rank one fails"):
+        run_local(2, _fail_on_rank_one_while_rank_zero_waits, timeout=600)
+    assert time.monotonic() - start < 120
+
+
+def test_a_worker_that_dies_without_reporting_is_named():
+    with pytest.raises(WorkerError, match="rank 1: exited with code 3"):
+        run_local(2, _die_on_rank_one, timeout=600)
+
+
 def test_worker_results_are_copies_that_outlive_the_worker():
     # A tensor passed through torch's shared-memory pickler lives in a file descriptor of the worker;
     # if the worker exits first, reading it fails. Results must arrive by value instead.
@@ -140,6 +157,18 @@ def test_worker_results_are_copies_that_outlive_the_worker():
     for rank, tensor in enumerate(results):
         assert not tensor.is_shared()
         torch.testing.assert_close(tensor, torch.arange(1000, dtype=torch.float32) + rank)
+
+
+def _fail_on_rank_one_while_rank_zero_waits(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ValueError("rank one fails")
+    dist.barrier()
+
+
+def _die_on_rank_one(rank: int, world: int) -> None:
+    if rank == 1:
+        os._exit(3)
+    dist.barrier()
 
 
 def _return_a_tensor(rank: int, world: int) -> torch.Tensor:
@@ -260,3 +289,37 @@ def run_local_single_out_mismatch():
     from sparsecomm.transport.base import output_buffer
 
     output_buffer(torch.zeros(3), 4, torch.float32)
+
+
+def auto_collectives_per_call(rank: int, world: int) -> dict:
+    from sparsecomm.transport import collectives
+
+    calls = []
+    gather, all_to_all = collectives._all_gather_single, dist.all_to_all_single
+
+    def counted(function):
+        def call(*args, **kwargs):
+            calls[-1] += 1
+            return function(*args, **kwargs)
+        return call
+
+    collectives._all_gather_single, dist.all_to_all_single = counted(gather), counted(all_to_all)
+    set_cost_model(sc.CostModel())
+    grad = contribution(rank, world, "random")
+    reference = grad.clone()
+    dist.all_reduce(reference)
+    transport, chosen, exact = sc.parse_spec("auto(explore=0)").transport, [], True
+    for _ in range(3):
+        calls.append(0)
+        context = sc.ReduceContext()
+        exact &= torch.equal(transport.allreduce(sc.SparseGradient.from_dense(grad), context=context), reference)
+        chosen.append(context.chosen)
+    return {"calls": calls, "chosen": chosen, "exact": exact}
+
+
+def test_auto_that_keeps_choosing_allgather_sends_sizes_on_its_agreement_step():
+    # first call: agreement, size exchange, data; later calls: the agreement carries the sizes
+    for result in run_local(2, auto_collectives_per_call):
+        assert result["chosen"] == ["allgather"] * 3
+        assert result["calls"] == [3, 2, 2]
+        assert result["exact"]

@@ -4,8 +4,9 @@
 
 Workers are spawned (not forked), join a gloo group through a file store in a private temporary
 directory, and send back their return value (pickled by value, so tensors survive the worker's exit)
-or their traceback. A worker that raises makes
-`run_local` raise `WorkerError` naming the rank; one that hangs past ``timeout`` is killed.
+or their traceback. A worker that raises or dies makes `run_local` raise `WorkerError` naming the
+rank; the others get ``FAILURE_GRACE_S`` to report, then are killed (they would otherwise wait in
+a collective for the failed rank). Workers still running after ``timeout`` are killed too.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+FAILURE_GRACE_S = 5.0
+"""after a worker fails, how long the others get to report before they are stopped"""
 
 
 class WorkerError(RuntimeError):
@@ -48,31 +52,36 @@ def run_local(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
         for process in processes:
             process.start()
         collected: dict[int, Any] = {}
-        failures: list[str] = []
+        failures: dict[int, str] = {}
         deadline = time.monotonic() + timeout
         try:
             while len(collected) + len(failures) < world_size:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    if failures:  # the others are stuck waiting for the failed rank: stop them
+                        break
                     raise WorkerError(f"workers timed out after {timeout:.0f} s; finished: {sorted(collected)}")
                 try:
                     rank, ok, value = results.get(timeout=min(remaining, 1.0))
                 except queue_module.Empty:
-                    dead = [r for r, p in enumerate(processes) if p.exitcode not in (None, 0) and r not in collected]
-                    if dead and not failures:
-                        failures.append(f"rank {dead[0]} exited with code {processes[dead[0]].exitcode}")
+                    for dead, process in enumerate(processes):
+                        if process.exitcode not in (None, 0) and dead not in collected and dead not in failures:
+                            failures[dead] = f"rank {dead}: exited with code {process.exitcode} before reporting"
+                    if failures:
+                        deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
                     continue
                 if ok:
                     collected[rank] = pickle.loads(value)
                 else:
-                    failures.append(f"rank {rank}:\n{value}")
+                    failures[rank] = f"rank {rank}:\n{value}"
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         finally:
             for process in processes:
                 process.join(timeout=5 if not failures else 1)
                 if process.is_alive():
                     process.kill()
         if failures:
-            raise WorkerError("\n".join(failures))
+            raise WorkerError("\n".join(failures[rank] for rank in sorted(failures)))
         return [collected[rank] for rank in range(world_size)]
 
 

@@ -25,9 +25,9 @@ from sparsecomm.encode.value.floats import Float32Values
 from sparsecomm.errors import SparseCommError
 from sparsecomm.registry import TRANSPORTS
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.transport.allgather import AllgatherTransport
+from sparsecomm.transport.allgather import AllgatherTransport, payload_of
 from sparsecomm.transport.base import ReduceContext, Transport, as_sparse
-from sparsecomm.transport.collectives import Group, agree, fingerprint, world
+from sparsecomm.transport.collectives import Group, agreement, fingerprint, world
 from sparsecomm.transport.cost_model import CostModel, load_cost_model
 from sparsecomm.transport.dense import DenseTransport
 from sparsecomm.transport.sparse_allreduce import SparseAllreduce
@@ -81,6 +81,8 @@ class Tuning:
 
 
 _TUNINGS: dict[tuple, Tuning] = {}
+_LAST_RUN: dict[tuple, str] = {}
+"""per stream (group, N, value size, P, auto's settings): the transport its last call ran"""
 
 
 def size_class(group: Group, numel: int, nnz: int, isize: int, workers: int, settings: tuple) -> tuple:
@@ -114,17 +116,26 @@ class AutoTransport(Transport):
         _, workers = world(group)
         model = load_cost_model()
         isize = sparse.values.element_size()
-        max_nnz = agree(group, sparse.numel, fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype,
-                                                         model.fingerprint()), sparse.nnz,
-                        nonfinite=context.nonfinite)
+        stream_key = (id(group), sparse.numel, isize, workers, self.to_spec())
+        # When the last call of this stream ran allgather, this one likely will too: encode first, so
+        # the agreement step carries the payload sizes and allgather needs no size exchange of its own
+        saved_payload = context.payload
+        if _LAST_RUN.get(stream_key) == "allgather":
+            context.payload = payload_of(sparse, group, context)
+        max_nnz, sizes = agreement(group, sparse.numel, fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype,
+                                                                    model.fingerprint()), sparse.nnz,
+                                   nonfinite=context.nonfinite,
+                                   nbytes=len(context.payload) if context.payload is not None else 0)
         best, costs = choose(model, workers, sparse.numel, max_nnz, isize,
                              estimated_payload_bytes_per_nnz(context, sparse.numel, max_nnz))
         context.extra.update({f"predicted {name} ms": 1e3 * cost for name, cost in costs.items()})
-        context.agreed_nnz = max_nnz  # the chosen transport need not run the agreement step again
+        context.agreed_nnz, context.agreed_sizes = max_nnz, sizes  # the chosen transport needs no agreement step
         try:
-            return self._run(sparse, group, context, out, best, costs, workers, isize, max_nnz)
+            result = self._run(sparse, group, context, out, best, costs, workers, isize, max_nnz)
+            _LAST_RUN[stream_key] = context.chosen
+            return result
         finally:
-            context.agreed_nnz = None
+            context.agreed_nnz, context.agreed_sizes, context.payload = None, None, saved_payload
 
     def _run(self, sparse: SparseGradient, group: Group, context: ReduceContext, out: torch.Tensor | None,
              best: str, costs: dict[str, float], workers: int, isize: int, max_nnz: int) -> torch.Tensor:

@@ -36,12 +36,14 @@ class ReduceContext:
     value_codec: ValueCodec | None = None
     seed: int = 0
     step: int = 0
-    payload: bytes | None = None
+    payload: bytes | torch.Tensor | None = None
     """this rank's payload, when the pipeline already encoded it (``allgather`` then sends it as is)"""
     nonfinite: bool = False
     """this rank's input was non-finite: every rank raises at the agreement step"""
     agreed_nnz: int | None = None
     """set by a caller that already ran the agreement step (``auto``): the largest nnz over ranks"""
+    agreed_sizes: list[int] | None = None
+    """set with ``agreed_nnz`` when that step also carried every rank's ``payload`` size"""
     bytes_sent: int = 0
     chosen: str = ""
     extra: dict[str, float] = field(default_factory=dict)

@@ -27,7 +27,7 @@ def agree(group: Group, grad_numel: int, config: int, nnz: int = 0, nonfinite: b
     rank passes the same tensor size and configuration fingerprint and that no rank flagged a
     non-finite gradient — raising `SparseCommError` on all ranks otherwise, so none is left hanging
     in a later collective — and returns the largest ``nnz`` of any rank."""
-    return int(_agreement_table(group, grad_numel, config, nnz, nonfinite, 0)[:, 2].max())
+    return agreement(group, grad_numel, config, nnz, nonfinite)[0]
 
 
 def agree_and_gather_sizes(group: Group, grad_numel: int, config: int, nbytes: int,
@@ -35,6 +35,16 @@ def agree_and_gather_sizes(group: Group, grad_numel: int, config: int, nbytes: i
     """`agree`, carrying each rank's buffer size too: the same single collective also serves as
     `allgather_bytes`' size exchange. Returns every rank's ``nbytes``, for ``counts=``."""
     return _agreement_table(group, grad_numel, config, 0, nonfinite, nbytes)[:, 4].tolist()
+
+
+def agreement(group: Group, grad_numel: int, config: int, nnz: int = 0, nonfinite: bool = False,
+              nbytes: int = 0) -> tuple[int, list[int] | None]:
+    """`agree` that may also carry this rank's buffer size (``nbytes`` > 0): returns the largest
+    ``nnz`` and, when every rank sent a size, every rank's size (else None). All ranks see the same
+    table, so all of them get sizes or none does."""
+    table = _agreement_table(group, grad_numel, config, nnz, nonfinite, nbytes)
+    sizes = table[:, 4]
+    return int(table[:, 2].max()), sizes.tolist() if bool((sizes > 0).all()) else None
 
 
 def _agreement_table(group: Group, grad_numel: int, config: int, nnz: int, nonfinite: bool,
