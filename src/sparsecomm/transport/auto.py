@@ -9,6 +9,10 @@ later call uses the one with the lowest time seen (timing noise only ever adds, 
 the steadiest estimate): the model narrows the field, measurement decides. With
 ``explore=0`` the model's first choice is used directly. All ranks decide from agreed numbers
 (maxima over ranks) and a cost model checked to be the same, so they always choose alike.
+
+auto's agreement step stands in for the chosen transport's. When the call is expected to run
+``allgather``, the payload is encoded before it and the step carries the payload sizes too, so
+auto costs no collective more than the transport it picks.
 """
 
 from __future__ import annotations
@@ -81,8 +85,9 @@ class Tuning:
 
 
 _TUNINGS: dict[tuple, Tuning] = {}
-_LAST_RUN: dict[tuple, str] = {}
-"""per stream (group, N, value size, P, auto's settings): the transport its last call ran"""
+_EXPECTED: dict[tuple, str] = {}
+"""per stream (group, N, value size, P, auto's settings): what its next call will run if its size
+class stays the same (the same on every rank: it is derived from agreed numbers only)"""
 
 
 def size_class(group: Group, numel: int, nnz: int, isize: int, workers: int, settings: tuple) -> tuple:
@@ -111,16 +116,18 @@ class AutoTransport(Transport):
 
     def allreduce(self, grad: SparseGradient | torch.Tensor, group: Group = None,
                   context: ReduceContext | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        start = time.perf_counter()
         sparse = as_sparse(grad)
         context = context or ReduceContext()
         _, workers = world(group)
         model = load_cost_model()
         isize = sparse.values.element_size()
-        stream_key = (id(group), sparse.numel, isize, workers, self.to_spec())
-        # When the last call of this stream ran allgather, this one likely will too: encode first, so
-        # the agreement step carries the payload sizes and allgather needs no size exchange of its own
+        stream = (id(group), sparse.numel, isize, workers, self.to_spec())
+        # When this call will likely run allgather (it is what the stream's size class would run
+        # next), encode first: the agreement step then carries the payload sizes, and allgather
+        # needs no size exchange of its own
         saved_payload = context.payload
-        if _LAST_RUN.get(stream_key) == "allgather":
+        if _EXPECTED.get(stream) == "allgather":
             context.payload = payload_of(sparse, group, context)
         max_nnz, sizes = agreement(group, sparse.numel, fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype,
                                                                     model.fingerprint()), sparse.nnz,
@@ -131,31 +138,33 @@ class AutoTransport(Transport):
         context.extra.update({f"predicted {name} ms": 1e3 * cost for name, cost in costs.items()})
         context.agreed_nnz, context.agreed_sizes = max_nnz, sizes  # the chosen transport needs no agreement step
         try:
-            result = self._run(sparse, group, context, out, best, costs, workers, isize, max_nnz)
-            _LAST_RUN[stream_key] = context.chosen
+            result, _EXPECTED[stream] = self._run(sparse, group, context, out, best, costs, workers, isize, max_nnz,
+                                                  start)
             return result
         finally:
             context.agreed_nnz, context.agreed_sizes, context.payload = None, None, saved_payload
 
     def _run(self, sparse: SparseGradient, group: Group, context: ReduceContext, out: torch.Tensor | None,
-             best: str, costs: dict[str, float], workers: int, isize: int, max_nnz: int) -> torch.Tensor:
+             best: str, costs: dict[str, float], workers: int, isize: int, max_nnz: int,
+             start: float) -> tuple[torch.Tensor, str]:
+        """The sum, and what the next call of this size class will run."""
         if self.explore == 0:
-            return build(best).allreduce(sparse, group, context, out)
+            return build(best).allreduce(sparse, group, context, out), best
         key = size_class(group, sparse.numel, max_nnz, isize, workers, (self.explore, self.shortlist))
         if key not in _TUNINGS:
             ranked = sorted(costs, key=costs.__getitem__)
             _TUNINGS[key] = Tuning([n for n in ranked if costs[n] <= self.shortlist * costs[best]][:MAX_SHORTLIST])
         tuning = _TUNINGS[key]
         if tuning.chosen is not None:
-            return build(tuning.chosen).allreduce(sparse, group, context, out)
+            return build(tuning.chosen).allreduce(sparse, group, context, out), tuning.chosen
         name = tuning.next_to_try(self.explore)
         assert name is not None
-        start = time.perf_counter()
         result = build(name).allreduce(sparse, group, context, out)
+        # the whole call is timed, agreement and encoding included, on the slowest rank
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's time, on every rank
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
         tuning.record(name, float(elapsed), self.explore)
-        return result
+        return result, tuning.chosen or tuning.next_to_try(self.explore) or name
 
 
 def exploring_calls(transport: Transport) -> int:
