@@ -5,8 +5,9 @@ The α-β cost model (`sparsecomm.transport.cost_model`) ranks them from N, the 
 rank, P and the measured codec speed, and shortlists those predicted within ``shortlist`` × the
 best (at most three). With ``explore`` > 0, the first calls of each size class (N, nnz to half an
 octave, P) run each shortlisted transport ``explore`` times, timing the slowest rank, and every
-later call uses the one with the lowest time seen (timing noise only ever adds, so the minimum is
-the steadiest estimate): the model narrows the field, measurement decides. With
+later call uses the one with the lowest median time (a spike in a few trials does not move it, and
+it is the steady-state figure a training loop sees): the model narrows the field, measurement
+decides. With
 ``explore=0`` the model's first choice is used directly. All ranks decide from agreed numbers
 (maxima over ranks) and a cost model checked to be the same, so they always choose alike.
 
@@ -18,6 +19,7 @@ auto costs no collective more than the transport it picks.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -81,7 +83,7 @@ class Tuning:
     def record(self, name: str, seconds: float, trials: int) -> None:
         self.seconds.setdefault(name, []).append(seconds)
         if self.next_to_try(trials) is None:
-            self.chosen = min(self.candidates, key=lambda c: min(self.seconds[c]))
+            self.chosen = min(self.candidates, key=lambda c: statistics.median(self.seconds[c]))
 
 
 _TUNINGS: dict[tuple, Tuning] = {}
