@@ -48,3 +48,11 @@ def test_empty_gradient():
     grad = SparseGradient.from_dense(torch.zeros(0))
     assert grad.nnz == 0 and grad.numel == 0 and grad.density == 0.0
     assert grad.to_dense().shape == (0,)
+
+
+def test_sorted_orders_indices_and_keeps_each_value_with_its_index():
+    unsorted = sc.SparseGradient(torch.tensor([9, 2, 5]), torch.tensor([0.9, 0.2, 0.5]), (10,))
+    ordered = unsorted.sorted()
+    assert ordered.indices.tolist() == [2, 5, 9] and ordered.values.tolist() == pytest.approx([0.2, 0.5, 0.9])
+    assert ordered.sorted() is ordered  # already ascending: nothing to do
+    assert torch.equal(ordered.to_dense(), unsorted.to_dense())

@@ -91,7 +91,10 @@ class SparseGradient:
         return torch.sparse_coo_tensor(coords, self.values, self.shape, check_invariants=True).coalesce()
 
     def sorted(self) -> SparseGradient:
-        """The same entries with indices in ascending order."""
+        """The same entries with indices in ascending order (``self`` when they already are, as a
+        threshold's selection is: one comparison pass instead of a sort and two gathers)."""
+        if self.nnz < 2 or bool((self.indices[1:] > self.indices[:-1]).all()):
+            return self
         order = torch.argsort(self.indices)
         return SparseGradient(self.indices[order], self.values[order], self.shape)
 
