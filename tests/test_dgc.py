@@ -97,3 +97,16 @@ def test_presets_whose_parts_are_missing_say_so():
             sc.resolve(name)
     for name in available:
         sc.resolve(name)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_tensors_sent_uncompressed_get_the_same_momentum_as_sgd_would_give_them(nesterov):
+    m, averages = 0.9, [torch.tensor([1.0, -2.0]), torch.tensor([0.5, 4.0])]
+    feedback = sc.parse_spec(f"topk(k=1)+dgc_momentum(momentum={m},nesterov={str(nesterov).lower()})+raw+fp32").feedback
+    state: dict = {}
+    steps = [feedback.update_uncompressed(g, state) for g in averages]
+    sgd_buffer = [averages[0], m * averages[0] + averages[1]]  # torch.optim.SGD's momentum buffer
+    expected = [g + m * b for g, b in zip(averages, sgd_buffer, strict=True)] if nesterov else sgd_buffer
+    for got, want in zip(steps, expected, strict=True):
+        torch.testing.assert_close(got, want)
+    assert torch.equal(averages[0], torch.tensor([1.0, -2.0]))  # the average itself is left alone

@@ -243,3 +243,32 @@ def test_statistics_are_readable_from_the_state_and_double_momentum_is_flagged()
     assert summary["select_s"] > 0 and summary["transport_s"] > 0 and summary["decode_s"] > 0
     (steps, sent, dense, path), = result["tensors"].values()
     assert steps == 5 and path == "compressed" and dense == 5 * 4 * sum(p.numel() for p in mlp(0).parameters())
+
+
+def dgc_on_uncompressed_tensors(rank: int, world: int) -> list[torch.Tensor]:
+    steps = []
+    reducer = None
+    for step in range(3):
+        small = torch.full((10,), float(rank + step))  # below dense_below: sent by a plain all_reduce
+        rows = torch.tensor([[rank, 2 + step]])  # embedding-style sparse rows, sent exactly
+        sparse = torch.sparse_coo_tensor(rows, torch.ones(2, 3) * (rank + 1), (5, 3), check_invariants=True)
+        reducer = sc.allreduce_gradients([("small", small), ("embedding", sparse)], "dgc", reducer)
+        steps.append((small.clone(), sparse.to_dense()))
+    return steps
+
+
+def test_dgc_gives_tensors_it_sends_uncompressed_the_momentum_the_optimizer_leaves_out():
+    m, world = 0.9, 2
+    results = run_local(world, dgc_on_uncompressed_tensors)
+    small_buffer, embedding_buffer = torch.zeros(10), torch.zeros(5, 3)
+    for step in range(3):
+        small_average = torch.full((10,), sum(rank + step for rank in range(world)) / world)
+        embedding_average = torch.zeros(5, 3)
+        for rank in range(world):
+            embedding_average[[rank, 2 + step]] += (rank + 1) / world
+        small_buffer = m * small_buffer + small_average  # what SGD(momentum=0.9) would step with
+        embedding_buffer = m * embedding_buffer + embedding_average
+        for rank in range(world):
+            small, embedding = results[rank][step]
+            torch.testing.assert_close(small, small_buffer)
+            torch.testing.assert_close(embedding, embedding_buffer)

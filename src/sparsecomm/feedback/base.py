@@ -20,6 +20,12 @@ class Feedback(Component):
         """Record that ``sent`` (indices and the values the receivers will decode) left."""
         raise NotImplementedError
 
+    def update_uncompressed(self, averaged: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+        """The update for a tensor the reducer sends without this pipeline (small tensors, sparse
+        embedding rows), given its average over ranks: the average itself, unless this feedback
+        owns something the optimizer lacks (DGC's momentum). Never modifies ``averaged``."""
+        return averaged
+
 
 def subtract_sent(accumulated: torch.Tensor, sent: SparseGradient) -> torch.Tensor:
     """accumulated[sent] −= sent values, in place (exactly zero there when values were sent losslessly);

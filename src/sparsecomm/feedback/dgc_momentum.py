@@ -11,6 +11,10 @@ momentum would be applied on top; `sparsecomm.check_optimizer` warns about it). 
 rescales this tensor's gradient to L2 norm at most ``clip``·``world_size``^(−1/2) before it is
 accumulated (the global threshold ``clip`` split evenly over the ranks' gradients); 0 turns it off.
 With a lossy value codec, v keeps what quantization lost (error feedback) instead of being zeroed.
+
+Tensors the reducer sends uncompressed (small ones, sparse embedding rows) get the same momentum
+after the average over ranks (`update_uncompressed`), as an SGD optimizer's momentum would give
+them: the optimizer has none, so without it they would train with none.
 """
 
 from __future__ import annotations
@@ -63,3 +67,15 @@ class DGCMomentum(Feedback):
         indices = subtract_sent(accumulated, sent)
         if self.masking:
             state["momentum"].view(-1)[indices] = 0
+
+    def update_uncompressed(self, averaged: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+        """Momentum on an averaged gradient, as SGD applies it: u ← m·u + g, step u (Nesterov:
+        u ← m·(u + g), step u + g). Every rank holds the same average, so the same u."""
+        velocity: torch.Tensor | None = state.get("momentum")
+        if velocity is None or velocity.shape != averaged.shape or velocity.dtype != averaged.dtype:
+            velocity = state["momentum"] = torch.zeros_like(averaged)
+        if self.nesterov:
+            velocity.add_(averaged).mul_(self.momentum)
+            return velocity + averaged
+        velocity.mul_(self.momentum).add_(averaged)
+        return velocity.clone()

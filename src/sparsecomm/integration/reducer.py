@@ -9,6 +9,8 @@ contributions with the pipeline's transport, and averages over the ranks. Rules:
 - Sparse COO gradients (``nn.Embedding(sparse=True)``) are already sparse: all their rows are sent
   exactly (no sparsifier, no feedback) through the pipeline's transport, or ``allgather`` if that is
   ``dense``; the result is a sparse COO tensor again.
+- Tensors sent these two uncompressed ways still get what the feedback owns in place of the
+  optimizer: with ``dgc_momentum``, the same momentum, applied to their average over ranks.
 - Non-finite input follows the pipeline's ``nonfinite`` policy; under ``"raise"`` every rank raises
   together (the flag rides on the transport's agreement step), none is left waiting.
 - At construction all ranks check they have the same spec, seed, options and world size.
@@ -101,6 +103,8 @@ class GradientReducer:
         self.pipeline = Pipeline(self.spec, seed=seed, nonfinite=nonfinite, world_size=self.world_size)
         self.stats = ReducerStats()
         self._calls = 0
+        self._uncompressed: dict[str, dict[str, Any]] = {}
+        """per tensor sent uncompressed: the feedback's state for `Feedback.update_uncompressed`"""
         agree(group, self.world_size, fingerprint(format_spec(self.spec), seed, nonfinite, dense_below, average))
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
         self.async_group = dist.new_group(ranks=ranks)
@@ -120,6 +124,7 @@ class GradientReducer:
         stats.dense_bytes += tensor.numel() * 4
         start = time.perf_counter()
         transport, contribution, context = self._prepare(key, tensor, stats)
+        path = stats.path
         stats.select_s += time.perf_counter() - start
         submitted = time.perf_counter()
         # the sum lands in the gradient's own storage: the local stages above already copied what they use
@@ -137,6 +142,8 @@ class GradientReducer:
                 stats.bytes_sent += context.bytes_sent
                 if self.average:
                     total = total.div_(self.world_size) if out is not None and total is out else total / self.world_size
+                if path != "compressed":
+                    total = self.spec.feedback.update_uncompressed(total, self._uncompressed.setdefault(key, {}))
                 if tensor.is_sparse:
                     result.set_result(total.to_sparse(sparse_dim=tensor.sparse_dim()).coalesce())
                 else:
@@ -178,9 +185,13 @@ class GradientReducer:
 
     # -- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"pipeline": self.pipeline.state_dict(), "calls": self._calls, "steps": self.stats.steps}
+        return {"pipeline": self.pipeline.state_dict(), "calls": self._calls, "steps": self.stats.steps,
+                "uncompressed": {key: {name: value.clone() for name, value in state.items()}
+                                 for key, state in self._uncompressed.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.pipeline.load_state_dict(state["pipeline"])
         self._calls = state["calls"]
         self.stats.steps = state["steps"]
+        self._uncompressed = {key: {name: value.clone() for name, value in saved.items()}
+                              for key, saved in state.get("uncompressed", {}).items()}
