@@ -272,3 +272,15 @@ def test_dgc_gives_tensors_it_sends_uncompressed_the_momentum_the_optimizer_leav
             small, embedding = results[rank][step]
             torch.testing.assert_close(small, small_buffer)
             torch.testing.assert_close(embedding, embedding_buffer)
+
+
+@pytest.mark.parametrize("shape, sparse_dim", [((7, 3), 1), ((4, 5, 2), 2), ((6,), 1), ((5, 3), 2)])
+def test_reduced_sparse_gradients_are_the_nonzero_rows_torch_would_give(shape, sparse_dim):
+    from sparsecomm.integration.reducer import nonzero_rows
+
+    dense = torch.zeros(shape)
+    dense.view(-1)[torch.tensor([0, 2, dense.numel() - 1])] = torch.tensor([1.0, -2.0, 4.0])
+    for tensor in (dense, torch.zeros(shape)):
+        ours, torchs = nonzero_rows(tensor, sparse_dim), tensor.to_sparse(sparse_dim=sparse_dim).coalesce()
+        assert ours.is_coalesced() and ours.sparse_dim() == sparse_dim
+        assert torch.equal(ours.indices(), torchs.indices()) and torch.equal(ours.values(), torchs.values())

@@ -21,6 +21,7 @@ rank), in submission order, so they never interleave with the caller's collectiv
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,6 +90,18 @@ class ReducerStats:
         }
 
 
+def nonzero_rows(dense: torch.Tensor, sparse_dim: int) -> torch.Tensor:
+    """A coalesced sparse COO tensor of ``dense``'s nonzero slices over its first ``sparse_dim``
+    dimensions — what ``dense.to_sparse(sparse_dim)`` returns, built from one mask pass and one
+    gather (torch's conversion costs tens of µs per row on CPU)."""
+    leading = dense.shape[:sparse_dim]
+    flat = dense.reshape(math.prod(leading), -1)
+    rows = (flat != 0).any(1).nonzero().squeeze(1)
+    indices = torch.stack(torch.unravel_index(rows, leading)) if sparse_dim > 1 else rows[None]
+    values = flat[rows].reshape((len(rows), *dense.shape[sparse_dim:]))
+    return torch.sparse_coo_tensor(indices, values, dense.shape, is_coalesced=True, check_invariants=False)
+
+
 class GradientReducer:
     """Averages gradients over ``group`` with the pipeline named by ``spec`` (a spec or a preset)."""
 
@@ -145,7 +158,7 @@ class GradientReducer:
                 if path != "compressed":
                     total = self.spec.feedback.update_uncompressed(total, self._uncompressed.setdefault(key, {}))
                 if tensor.is_sparse:
-                    result.set_result(total.to_sparse(sparse_dim=tensor.sparse_dim()).coalesce())
+                    result.set_result(nonzero_rows(total, tensor.sparse_dim()))
                 else:
                     result.set_result(total.reshape(tensor.shape).to(tensor.dtype))
             except BaseException as err:  # noqa: BLE001 - handed to the waiter
