@@ -4,6 +4,7 @@ bound and the model's prediction (α, β measured in the same run)."""
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from dataclasses import replace
@@ -93,10 +94,10 @@ def worker(rank: int, world: int, numel: int, densities: list[float], transports
         out = torch.empty(numel)  # one result buffer, reused: no transport pays for a fresh 4·N bytes
         names = list(built)
         for round_index in range(repeat):
-            # round-robin, so slow spells hit every transport alike; rotated each round, so no transport
-            # always runs right after the same heavy one (its freed memory makes the next call pay)
-            shift = round_index % len(names)
-            for text in names[shift:] + names[:shift]:
+            # every transport once per round, so slow spells hit all alike; in a fresh order each
+            # round (the same on every rank), so none always runs right after the same heavy one,
+            # whose freed memory and cold caches the next call pays for
+            for text in random.Random(round_index).sample(names, len(names)):
                 transport = built[text]
                 ms, result = timed_call(transport, grad, contexts[text], out)
                 samples[text].append(ms)
