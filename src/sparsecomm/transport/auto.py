@@ -7,9 +7,8 @@ best (at most three). With ``explore`` > 0, the first calls of each size class (
 octave, P) run each shortlisted transport ``explore`` times, timing the slowest rank, and every
 later call uses the one with the lowest median time (a spike in a few trials does not move it, and
 it is the steady-state figure a training loop sees): the model narrows the field, measurement
-decides. With
-``explore=0`` the model's first choice is used directly. All ranks decide from agreed numbers
-(maxima over ranks) and a cost model checked to be the same, so they always choose alike.
+decides. With ``explore=0`` the model's first choice is used directly. All ranks decide from agreed
+numbers (maxima over ranks) and a cost model checked to be the same, so they always choose alike.
 
 auto's agreement step stands in for the chosen transport's. When the call is expected to run
 ``allgather``, the payload is encoded before it and the step carries the payload sizes too, so
