@@ -124,11 +124,15 @@ class AutoTransport(Transport):
         model = load_cost_model()
         isize = sparse.values.element_size()
         stream = (id(group), sparse.numel, isize, workers, self.to_spec())
-        # When this call will likely run allgather (it is what the stream's size class would run
-        # next), encode first: the agreement step then carries the payload sizes, and allgather
-        # needs no size exchange of its own
+        expected = _EXPECTED.get(stream)  # what the stream's size class would run next
+        # Sparse transports sort the indices before their agreement step; sorting after it (once
+        # all ranks are in step) measured 10% slower at 1.6M nnz, so auto sorts first too
+        if expected != "dense":
+            sparse = sparse.sorted()
+        # Likewise allgather encodes before its agreement step, which then carries the payload
+        # sizes: allgather needs no size exchange of its own
         saved_payload = context.payload
-        if _EXPECTED.get(stream) == "allgather":
+        if expected == "allgather":
             context.payload = payload_of(sparse, group, context)
         max_nnz, sizes = agreement(group, sparse.numel, fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype,
                                                                     model.fingerprint()), sparse.nnz,
