@@ -300,7 +300,7 @@ def auto_collectives_per_call(rank: int, world: int) -> dict:
     from sparsecomm.transport import collectives
 
     calls = []
-    gather, all_to_all = collectives._all_gather_single, dist.all_to_all_single
+    gather, all_to_all, point_to_point = collectives._all_gather_single, dist.all_to_all_single, dist.batch_isend_irecv
 
     def counted(function):
         def call(*args, **kwargs):
@@ -309,6 +309,7 @@ def auto_collectives_per_call(rank: int, world: int) -> dict:
         return call
 
     collectives._all_gather_single, dist.all_to_all_single = counted(gather), counted(all_to_all)
+    dist.batch_isend_irecv = counted(point_to_point)
     set_cost_model(sc.CostModel())
     grad = contribution(rank, world, "random")
     reference = grad.clone()

@@ -55,13 +55,6 @@ def predicted(model: CostModel, text: str, workers: int, numel: int, nnz: int, c
     return algorithms[algorithm] if algorithm != "auto" else min(algorithms.values())
 
 
-def warm_up(transport: Transport, grad: SparseGradient, context: ReduceContext) -> None:
-    """One untimed call — and, for ``auto``, the calls it spends exploring, so what is timed is its
-    steady state, as in a training loop."""
-    for _ in range(exploring_calls(transport) + 1):
-        transport.allreduce(grad, context=replace(context, extra={}))
-
-
 def timed_call(transport: Transport, grad: SparseGradient, context: ReduceContext,
                out: torch.Tensor) -> tuple[float, torch.Tensor]:
     """The slowest rank's time (ms) of one call into a reused ``out``, on every rank."""
@@ -71,6 +64,15 @@ def timed_call(transport: Transport, grad: SparseGradient, context: ReduceContex
     elapsed = torch.tensor([time.perf_counter() - start])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed) * 1e3, result
+
+
+def warm_up(transport: Transport, grad: SparseGradient, context: ReduceContext, out: torch.Tensor) -> None:
+    """One untimed call — and, for ``auto``, the calls it spends exploring, so what is timed is its
+    steady state, as in a training loop. They run as the timed calls do (after a barrier, into the
+    same reused ``out``): auto's trials must see what the timed calls will see, or it tunes for
+    conditions that are gone (a fresh 4·N-byte result each call, say)."""
+    for _ in range(exploring_calls(transport) + 1):
+        timed_call(transport, grad, replace(context, extra={}), out)
 
 
 def worker(rank: int, world: int, numel: int, densities: list[float], transports: list[str], repeat: int,
@@ -87,11 +89,11 @@ def worker(rank: int, world: int, numel: int, densities: list[float], transports
         contexts = {text: ReduceContext(index_codec=INDEX_CODECS.create(index_codec),
                                         value_codec=VALUE_CODECS.create(value_codec), seed=seed)
                     for text in transports}
+        out = torch.empty(numel)  # one result buffer, reused: no transport pays for a fresh 4·N bytes
         for text, transport in built.items():
-            warm_up(transport, grad, contexts[text])
+            warm_up(transport, grad, contexts[text], out)
         samples: dict[str, list[float]] = {text: [] for text in transports}
         errors: dict[str, float] = {}
-        out = torch.empty(numel)  # one result buffer, reused: no transport pays for a fresh 4·N bytes
         names = list(built)
         for round_index in range(repeat):
             # every transport once per round, so slow spells hit all alike; in a fresh order each

@@ -67,42 +67,52 @@ def _agreement_table(group: Group, grad_numel: int, config: int, nnz: int, nonfi
     return table
 
 
-PAD_SLACK = 1.25
-
-
 def allgather_bytes(buffer: torch.Tensor, group: Group, counts: list[int] | None = None) -> list[torch.Tensor]:
-    """Variable-length allgather of a 1-D uint8 tensor: every rank gets every rank's buffer.
-    gloo has no allgatherv, so sizes go first (unless ``counts`` already holds them); then, if
-    padding to the largest wastes at most 25%, one all_gather of padded buffers, else an uneven
-    all_to_all_single."""
-    _, size = world(group)
+    """Variable-length allgather of a 1-D uint8 tensor: every rank gets every rank's buffer (its
+    own is ``buffer`` itself). gloo has no allgatherv, so sizes go first (unless ``counts`` already
+    holds them), then the buffers, point to point (see `transfer`)."""
+    rank, size = world(group)
     if size == 1:
         return [buffer]
     if counts is None:
         sizes = torch.zeros(size, dtype=torch.int64)
         _all_gather_single(sizes, torch.tensor([buffer.numel()], dtype=torch.int64), group=group)
         counts = sizes.tolist()
-    largest = max(counts)
-    if largest * size <= PAD_SLACK * sum(counts) + 4096:  # near-equal sizes: pad, one plain all_gather
-        padded = buffer if buffer.numel() == largest else torch.cat(
-            [buffer, torch.zeros(largest - buffer.numel(), dtype=torch.uint8)])
-        gathered = torch.empty(largest * size, dtype=torch.uint8)
-        _all_gather_single(gathered, padded, group=group)
-        return [gathered[r * largest : r * largest + n] for r, n in enumerate(counts)]
-    received = torch.empty(sum(counts), dtype=torch.uint8)
-    dist.all_to_all_single(received, buffer.repeat(size), counts, [buffer.numel()] * size, group=group)
-    return list(torch.split(received, counts))
+    received = [buffer if r == rank else torch.empty(n, dtype=torch.uint8) for r, n in enumerate(counts)]
+    transfer(receives={r: t for r, t in enumerate(received) if r != rank},
+             sends={r: buffer for r in range(size) if r != rank}, group=group)
+    return received
 
 
 def alltoall_bytes(chunks: list[torch.Tensor], group: Group) -> list[torch.Tensor]:
     """Uneven all-to-all: ``chunks[r]`` goes to rank r; returns what each rank sent here."""
-    _, size = world(group)
+    rank, size = world(group)
     send_counts = torch.tensor([c.numel() for c in chunks], dtype=torch.int64)
     recv_counts = torch.empty(size, dtype=torch.int64)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
-    received = torch.empty(int(recv_counts.sum()), dtype=torch.uint8)
-    dist.all_to_all_single(received, torch.cat(chunks), recv_counts.tolist(), send_counts.tolist(), group=group)
-    return list(torch.split(received, recv_counts.tolist()))
+    received = [chunks[r] if r == rank else torch.empty(n, dtype=torch.uint8)
+                for r, n in enumerate(recv_counts.tolist())]
+    transfer(receives={r: t for r, t in enumerate(received) if r != rank},
+             sends={r: c for r, c in enumerate(chunks) if r != rank}, group=group)
+    return received
+
+
+def transfer(receives: dict[int, torch.Tensor], sends: dict[int, torch.Tensor], group: Group) -> None:
+    """Point-to-point transfers with peers (keyed by rank in ``group``; empty tensors skipped, as
+    their peers skip them too), all in flight at once, every receive posted before any send.
+
+    On gloo the order decides whether the two directions of a link overlap: two ranks swapping
+    12.8 MB over 1 Gbit/s took 113–212 ms with the sends posted first and 106–118 ms with the
+    receives first; all_to_all_single and all_gather of 6.4 MB to a peer took 54–112 and 53–86 ms,
+    this 52–58 ms. Sends start with the next rank up, so that no rank is everyone's first."""
+    rank, size = world(group)
+    ops = [dist.P2POp(dist.irecv, tensor, _global(peer, group), group)
+           for peer, tensor in sorted(receives.items(), key=lambda item: (rank - item[0]) % size) if tensor.numel()]
+    ops += [dist.P2POp(dist.isend, tensor, _global(peer, group), group)
+            for peer, tensor in sorted(sends.items(), key=lambda item: (item[0] - rank) % size) if tensor.numel()]
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
 
 
 def exchange_bytes(buffer: torch.Tensor, peer: int, group: Group) -> torch.Tensor:
@@ -139,11 +149,4 @@ def _global(peer: int, group: Group) -> int:
 
 
 def _sendrecv(send: torch.Tensor, recv: torch.Tensor, peer: int, group: Group) -> None:
-    ops = []
-    if send.numel():
-        ops.append(dist.P2POp(dist.isend, send, _global(peer, group), group))
-    if recv.numel():
-        ops.append(dist.P2POp(dist.irecv, recv, _global(peer, group), group))
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
+    transfer(receives={peer: recv}, sends={peer: send}, group=group)
