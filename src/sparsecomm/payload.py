@@ -197,12 +197,9 @@ def _codec_from_wire(registry: Registry, text: str, kind: type[CodecT]) -> Codec
 
 
 def _sorted_unique(grad: SparseGradient) -> tuple[np.ndarray, torch.Tensor]:
+    grad = grad.sorted()  # torch's sort: 1.6M indices in 20 ms, numpy's stable argsort 155 ms
     indices = grad.indices.detach().cpu().numpy().astype(np.int64, copy=False)
     values = grad.values.detach().cpu()
-    if indices.size and not (np.diff(indices) > 0).all():
-        order = np.argsort(indices, kind="stable")
-        indices = indices[order]
-        values = values[torch.from_numpy(order)]
     if indices.size:
         if (np.diff(indices) == 0).any():
             dup = int(indices[1:][np.diff(indices) == 0][0])

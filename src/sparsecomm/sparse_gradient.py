@@ -95,8 +95,8 @@ class SparseGradient:
         threshold's selection is: one comparison pass instead of a sort and two gathers)."""
         if self.nnz < 2 or bool((self.indices[1:] > self.indices[:-1]).all()):
             return self
-        order = torch.argsort(self.indices)
-        return SparseGradient(self.indices[order], self.values[order], self.shape)
+        indices, order = torch.sort(self.indices, stable=True)  # stable: radix sort on CPU, the fastest here
+        return SparseGradient(indices, self.values[order], self.shape)
 
     def to(self, device: torch.device | str) -> SparseGradient:
         return SparseGradient(self.indices.to(device), self.values.to(device), self.shape)
