@@ -237,19 +237,19 @@ def auto_choices(rank: int, world: int) -> list:
     grad = contribution(rank, world, "random", numel=50_000, nnz=500)
     transport = sc.parse_spec("auto(explore=2)").transport
     chosen = []
-    for _ in range(9):
+    for _ in range(20):
         context = sc.ReduceContext()
         transport.allreduce(grad, context=context)
         chosen.append(context.chosen)
     (tuning,) = _TUNINGS.values()
-    return [chosen, tuning.candidates, tuning.chosen]
+    return [chosen, tuning.candidates, tuning.chosen, sum(map(len, tuning.seconds.values()))]
 
 
 def test_auto_explores_its_shortlist_then_keeps_the_fastest_on_every_rank():
     results = run_local(3, auto_choices)
     assert all(r == results[0] for r in results)  # every rank explored and chose alike
-    chosen, candidates, winner = results[0]
-    explored = 2 * len(candidates)
+    chosen, candidates, winner, explored = results[0]
+    assert 2 * len(candidates) <= explored <= 2 * len(candidates) + 2 * 2 * 2  # a near-tie: 2 finalists to 6 each
     assert 1 <= len(candidates) <= 3 and winner in candidates
     assert {c.replace("dense(dtype=fp32)", "dense") for c in chosen[:explored]} <= set(candidates) | {"dense"}
     assert len(set(chosen[explored:])) == 1  # settled
@@ -268,6 +268,20 @@ def test_tuning_keeps_the_lowest_median_time():
     # b's 9.0 was a spike (median 2.0 beats a's 3.0); c's one fast trial does not make it the fastest
     assert tuning.chosen == "b"
     assert tuning.next_to_try(3) is None
+
+
+def test_tuning_breaks_a_near_tie_with_more_trials_of_the_two_best():
+    from sparsecomm.transport.auto import Tuning
+
+    tuning = Tuning(["a", "b", "c"])
+    for name, seconds in [("a", 1.00), ("b", 1.05), ("c", 3.0), ("a", 1.00), ("b", 1.05), ("c", 3.0)]:
+        tuning.record(name, seconds, 2)
+    assert tuning.chosen is None and tuning.finalists == ["a", "b"]  # 5% apart after 2 trials each
+    for _ in range(4):  # to 3 × 2 trials each, interleaved; b is the faster one after all
+        for name, seconds in [("a", 1.20), ("b", 0.90)]:
+            assert tuning.next_to_try(2) == name
+            tuning.record(name, seconds, 2)
+    assert tuning.chosen == "b" and tuning.next_to_try(2) is None
 
 
 def into_out(rank: int, world: int) -> bool:

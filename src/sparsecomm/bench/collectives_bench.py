@@ -66,6 +66,28 @@ def timed_call(transport: Transport, grad: SparseGradient, context: ReduceContex
     return float(elapsed) * 1e3, result
 
 
+CONTENDER_FACTOR = 2.0
+EXTRA_ROUNDS_BUDGET_S = 10.0
+MAX_ROUNDS_FACTOR = 5
+
+
+def close_contenders(medians: dict[str, float], built: dict[str, Transport]) -> list[str]:
+    """The transports within `CONTENDER_FACTOR` of the fastest, and ``auto`` always: where a
+    ranking is close, and auto's choice matters, a call takes a few ms and ±20% noise, so they get
+    more rounds (below)."""
+    fastest = min(medians.values())
+    return [text for text, ms in medians.items() if ms <= CONTENDER_FACTOR * fastest or built[text].name == "auto"]
+
+
+def extra_rounds(contenders: list[str], samples: dict[str, list[float]], repeat: int) -> int:
+    """Rounds of only the contenders after the first ``repeat`` rounds of all: as many as fit in
+    `EXTRA_ROUNDS_BUDGET_S`, up to `MAX_ROUNDS_FACTOR` × ``repeat`` rounds in all. Derived from the
+    slowest rank's times, so equal on every rank."""
+    round_s = sum(statistics.median(samples[text]) for text in contenders) / 1e3
+    fitting = int(EXTRA_ROUNDS_BUDGET_S / max(round_s, 1e-9))
+    return max(0, min(fitting, (MAX_ROUNDS_FACTOR - 1) * repeat))
+
+
 def warm_up(transport: Transport, grad: SparseGradient, context: ReduceContext, out: torch.Tensor) -> None:
     """One untimed call — and, for ``auto``, the calls it spends exploring, so what is timed is its
     steady state, as in a training loop. They run as the timed calls do (after a barrier, into the
@@ -94,26 +116,30 @@ def worker(rank: int, world: int, numel: int, densities: list[float], transports
             warm_up(transport, grad, contexts[text], out)
         samples: dict[str, list[float]] = {text: [] for text in transports}
         errors: dict[str, float] = {}
-        names = list(built)
-        for round_index in range(repeat):
-            # every transport once per round, so slow spells hit all alike; in a fresh order each
-            # round (the same on every rank), so none always runs right after the same heavy one,
-            # whose freed memory and cold caches the next call pays for
-            for text in random.Random(round_index).sample(names, len(names)):
-                transport = built[text]
-                ms, result = timed_call(transport, grad, contexts[text], out)
-                samples[text].append(ms)
-                errors[text] = float((result - reference).abs().max()) / max(scale, 1e-30)
+
+        names, rounds = list(built), range(repeat)
+        for phase in ("every transport", "close contenders"):
+            if phase == "close contenders":
+                names = close_contenders({text: statistics.median(samples[text]) for text in built}, built)
+                rounds = range(repeat, repeat + extra_rounds(names, samples, repeat))
+            for round_index in rounds:
+                # every transport once per round, so slow spells hit all alike; in a fresh order each
+                # round (the same on every rank), so none always runs right after the same heavy one,
+                # whose freed memory and cold caches the next call pays for
+                for text in random.Random(round_index).sample(names, len(names)):
+                    ms, result = timed_call(built[text], grad, contexts[text], out)
+                    samples[text].append(ms)
+                    errors[text] = float((result - reference).abs().max()) / max(scale, 1e-30)
         measured: dict[str, float] = {}
         for text, transport in built.items():
             context, error = contexts[text], errors[text]
             ms = statistics.median(samples[text])
-            sent = torch.tensor([context.bytes_sent / repeat])
+            sent = torch.tensor([context.bytes_sent / len(samples[text])])
             dist.all_reduce(sent, op=dist.ReduceOp.MAX)
             measured[text] = ms
             rows.append({
                 "transport": transport.to_spec(), "algorithm": context.chosen, "workers": world, "numel": numel,
-                "density": density, "ms": ms,
+                "density": density, "ms": ms, "samples": len(samples[text]),
                 "predicted_ms": 1e3 * predicted(model, text, world, numel, grad.nnz, context),
                 "bound_ms": 1e3 * model.lower_bound(world, numel, grad.nnz),
                 "bytes_sent_per_rank": int(sent), "max_rel_error": error, "exact": error <= 1e-5,

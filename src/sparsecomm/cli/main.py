@@ -93,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     collectives.add_argument("--transport", action="append", metavar="SPEC", help="a transport spec (repeatable)")
     collectives.add_argument("--codecs", default="rice/fp32",
                              help="index/value codecs for allgather (default %(default)s)")
-    collectives.add_argument("--repeat", type=_positive_int, default=3)
+    collectives.add_argument("--repeat", type=_positive_int, default=3,
+                             help="rounds of every transport; those within 2x of the fastest, and auto, get up to "
+                                  "5x as many (default %(default)s)")
     collectives.add_argument("--seed", type=int, default=0)
     collectives.add_argument("--json", metavar="PATH", help="write the results as JSON")
 
@@ -213,13 +215,13 @@ def _bench_collectives(args: argparse.Namespace) -> int:
                                        index_codec, value_codec, args.seed)
         results.append(result)
         print(f"\ncollectives on {result['shaped']}: numel={args.numel:,} workers={args.workers} "
-              f"codecs={args.codecs} repeat={args.repeat} (ms: slowest rank, median)")
+              f"codecs={args.codecs} repeat={args.repeat} (ms: slowest rank, median of its samples)")
         for world, model in result["cost_models"].items():
             print(f"  P={world}: alpha={model['alpha'] * 1e6:.0f} us, beta={1 / model['beta'] / 1e6:.0f} MB/s")
         print()
         print(format_table(result["rows"], [
-            "workers", "density", "transport", "algorithm", "ms", "dense_ms", "speedup_vs_dense", "predicted_ms",
-            "bound_ms", "ratio_to_bound", "bytes_sent_per_rank", "exact",
+            "workers", "density", "transport", "algorithm", "ms", "samples", "dense_ms", "speedup_vs_dense",
+            "predicted_ms", "bound_ms", "ratio_to_bound", "bytes_sent_per_rank", "exact",
         ]))
     if args.json:
         write_json(args.json, results[0] if len(results) == 1 else {"benchmark": "collectives", "runs": results})

@@ -6,9 +6,11 @@ rank, P and the measured codec speed, and shortlists those predicted within ``sh
 best (at most three). With ``explore`` > 0, the first calls of each size class (N, nnz to half an
 octave, P) run each shortlisted transport ``explore`` times, timing the slowest rank, and every
 later call uses the one with the lowest median time (a spike in a few trials does not move it, and
-it is the steady-state figure a training loop sees): the model narrows the field, measurement
-decides. With ``explore=0`` the model's first choice is used directly. All ranks decide from agreed
-numbers (maxima over ranks) and a cost model checked to be the same, so they always choose alike.
+it is the steady-state figure a training loop sees); the two best, when their medians are within
+15%, run on to three times as many trials first. The model narrows the field, measurement
+decides. With ``explore=0`` the model's first choice is used directly. All ranks decide from
+agreed numbers (maxima over ranks) and a cost model checked to be the same, so they always choose
+alike.
 
 auto's agreement step stands in for the chosen transport's. When the call is expected to run
 ``allgather``, the payload is encoded before it and the step carries the payload sizes too, so
@@ -67,22 +69,43 @@ def choose(model: CostModel, workers: int, numel: int, nnz: int, isize: int,
     return min(costs, key=costs.__getitem__), costs
 
 
+CLOSE = 1.15
+"""a runner-up whose median is within this factor of the leader's is a near-tie: both get more trials"""
+TIE_BREAK_TRIALS = 3
+"""in a near-tie, the two finalists run up to this many times ``explore`` trials each"""
+
+
 @dataclass
 class Tuning:
-    """What auto has measured for one size class (the same on every rank)."""
+    """What auto has measured for one size class (the same on every rank).
+
+    Every candidate runs ``trials`` times, interleaved. When the two best medians are within
+    `CLOSE`, a handful of noisy samples cannot order them: those two run on, interleaved, to
+    `TIE_BREAK_TRIALS` × ``trials`` each, and the lower median of all their trials wins."""
 
     candidates: list[str]
     seconds: dict[str, list[float]] = field(default_factory=dict)
     chosen: str | None = None
+    finalists: list[str] | None = None
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.seconds[name])
 
     def next_to_try(self, trials: int) -> str | None:
-        pending = [c for c in self.candidates if len(self.seconds.get(c, [])) < trials]
+        pool, target = (self.candidates, trials) if self.finalists is None else (
+            self.finalists, TIE_BREAK_TRIALS * trials)
+        pending = [c for c in pool if len(self.seconds.get(c, [])) < target]
         return min(pending, key=lambda c: len(self.seconds.get(c, []))) if pending else None
 
     def record(self, name: str, seconds: float, trials: int) -> None:
         self.seconds.setdefault(name, []).append(seconds)
-        if self.next_to_try(trials) is None:
-            self.chosen = min(self.candidates, key=lambda c: statistics.median(self.seconds[c]))
+        if self.next_to_try(trials) is not None:
+            return
+        ranked = sorted(self.finalists or self.candidates, key=self.median)
+        if self.finalists is None and len(ranked) > 1 and self.median(ranked[1]) <= CLOSE * self.median(ranked[0]):
+            self.finalists = ranked[:2]
+        else:
+            self.chosen = ranked[0]
 
 
 _TUNINGS: dict[tuple, Tuning] = {}
@@ -175,5 +198,5 @@ class AutoTransport(Transport):
 def exploring_calls(transport: Transport) -> int:
     """How many calls per size class ``transport`` may spend exploring (0 if it never does)."""
     if isinstance(transport, AutoTransport):
-        return transport.explore * MAX_SHORTLIST
+        return transport.explore * (MAX_SHORTLIST + 2 * (TIE_BREAK_TRIALS - 1))
     return 0
