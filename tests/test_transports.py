@@ -284,6 +284,19 @@ def test_tuning_breaks_a_near_tie_with_more_trials_of_the_two_best():
     assert tuning.chosen == "b" and tuning.next_to_try(2) is None
 
 
+def test_tuning_keeps_the_models_ranking_where_medians_are_noise_apart():
+    from sparsecomm.transport.auto import Tuning
+
+    tuning = Tuning(["a", "b"])  # the model ranks a first
+    for name, seconds in [("a", 1.04), ("b", 1.00)] * 6:  # 4% apart, after the near-tie trials too
+        tuning.record(name, seconds, 2)
+    assert tuning.chosen == "a"
+    tuning = Tuning(["a", "b"])
+    for name, seconds in [("a", 1.08), ("b", 1.00)] * 6:  # 8% apart: measurement overrules the model
+        tuning.record(name, seconds, 2)
+    assert tuning.chosen == "b"
+
+
 def into_out(rank: int, world: int) -> bool:
     grad = contribution(rank, world, "random")
     reference = grad.clone()

@@ -7,10 +7,10 @@ best (at most three). With ``explore`` > 0, the first calls of each size class (
 octave, P) run each shortlisted transport ``explore`` times, timing the slowest rank, and every
 later call uses the one with the lowest median time (a spike in a few trials does not move it, and
 it is the steady-state figure a training loop sees); the two best, when their medians are within
-15%, run on to three times as many trials first. The model narrows the field, measurement
-decides. With ``explore=0`` the model's first choice is used directly. All ranks decide from
-agreed numbers (maxima over ranks) and a cost model checked to be the same, so they always choose
-alike.
+15%, run on to three times as many trials first, and within 5% the model's ranking stands. The
+model narrows the field, measurement decides. With ``explore=0`` the model's first choice is used
+directly. All ranks decide from agreed numbers (maxima over ranks) and a cost model checked to be
+the same, so they always choose alike.
 
 auto's agreement step stands in for the chosen transport's. When the call is expected to run
 ``allgather``, the payload is encoded before it and the step carries the payload sizes too, so
@@ -73,6 +73,9 @@ CLOSE = 1.15
 """a runner-up whose median is within this factor of the leader's is a near-tie: both get more trials"""
 TIE_BREAK_TRIALS = 3
 """in a near-tie, the two finalists run up to this many times ``explore`` trials each"""
+INDISTINGUISHABLE = 1.05
+"""medians within this factor are noise apart (auto's trials run back to back, a training loop's
+calls do not: that alone shifted two transports 4% against each other): the model's ranking decides"""
 
 
 @dataclass
@@ -81,7 +84,8 @@ class Tuning:
 
     Every candidate runs ``trials`` times, interleaved. When the two best medians are within
     `CLOSE`, a handful of noisy samples cannot order them: those two run on, interleaved, to
-    `TIE_BREAK_TRIALS` × ``trials`` each, and the lower median of all their trials wins."""
+    `TIE_BREAK_TRIALS` × ``trials`` each. The lowest median wins, unless a candidate the model
+    ranks higher (``candidates`` is in the model's order) is within `INDISTINGUISHABLE` of it."""
 
     candidates: list[str]
     seconds: dict[str, list[float]] = field(default_factory=dict)
@@ -102,10 +106,12 @@ class Tuning:
         if self.next_to_try(trials) is not None:
             return
         ranked = sorted(self.finalists or self.candidates, key=self.median)
-        if self.finalists is None and len(ranked) > 1 and self.median(ranked[1]) <= CLOSE * self.median(ranked[0]):
+        fastest = self.median(ranked[0])
+        if self.finalists is None and len(ranked) > 1 and self.median(ranked[1]) <= CLOSE * fastest:
             self.finalists = ranked[:2]
         else:
-            self.chosen = ranked[0]
+            self.chosen = next(c for c in self.candidates  # the model's order
+                               if c in ranked and self.median(c) <= INDISTINGUISHABLE * fastest)
 
 
 _TUNINGS: dict[tuple, Tuning] = {}
