@@ -68,7 +68,7 @@ def timed_call(transport: Transport, grad: SparseGradient, context: ReduceContex
 
 CONTENDER_FACTOR = 2.0
 EXTRA_ROUNDS_BUDGET_S = 10.0
-MAX_ROUNDS_FACTOR = 5
+MAX_ROUNDS_FACTOR = 20
 
 
 def close_contenders(medians: dict[str, float], built: dict[str, Transport]) -> list[str]:

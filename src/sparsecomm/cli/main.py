@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                              help="index/value codecs for allgather (default %(default)s)")
     collectives.add_argument("--repeat", type=_positive_int, default=3,
                              help="rounds of every transport; those within 2x of the fastest, and auto, get up to "
-                                  "5x as many (default %(default)s)")
+                                  "20x as many (default %(default)s)")
     collectives.add_argument("--seed", type=int, default=0)
     collectives.add_argument("--json", metavar="PATH", help="write the results as JSON")
 

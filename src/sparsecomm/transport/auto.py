@@ -7,7 +7,7 @@ best (at most three). With ``explore`` > 0, the first calls of each size class (
 octave, P) run each shortlisted transport ``explore`` times, timing the slowest rank, and every
 later call uses the one with the lowest median time (a spike in a few trials does not move it, and
 it is the steady-state figure a training loop sees); the two best, when their medians are within
-15%, run on to three times as many trials first, and within 5% the model's ranking stands. The
+15%, run on to five times as many trials first, and within 5% the model's ranking stands. The
 model narrows the field, measurement decides. With ``explore=0`` the model's first choice is used
 directly. All ranks decide from agreed numbers (maxima over ranks) and a cost model checked to be
 the same, so they always choose alike.
@@ -71,7 +71,7 @@ def choose(model: CostModel, workers: int, numel: int, nnz: int, isize: int,
 
 CLOSE = 1.15
 """a runner-up whose median is within this factor of the leader's is a near-tie: both get more trials"""
-TIE_BREAK_TRIALS = 3
+TIE_BREAK_TRIALS = 5
 """in a near-tie, the two finalists run up to this many times ``explore`` trials each"""
 INDISTINGUISHABLE = 1.05
 """medians within this factor are noise apart (auto's trials run back to back, a training loop's
