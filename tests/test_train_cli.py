@@ -32,7 +32,9 @@ def test_train_runs_each_preset_next_to_dense_and_reports_it(tmp_path, capsys):
         assert row.keys() >= ROW_FIELDS and row["ranks_identical"] and row["metric_name"] == "accuracy"
         assert 0 <= row["final_metric"] <= 100 and row["wall_s"] > 0
     assert rows["dense"]["compression_ratio"] == 1.0
-    assert rows["dgc"]["compression_ratio"] >= 100  # 99.9% sparsity on a 166k-parameter model
+    # 99.9% sparsity on the two large weights (164k entries); the biases and the 2,560-entry output
+    # layer (under dense_below) go whole: 3,338 + 164 of 166k entries
+    assert rows["dgc"]["compression_ratio"] >= 25
     assert rows["dense"]["final_metric"] > 50  # 40 steps are enough to learn digits well past chance
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(result["curves"]) == {"dense", "dgc", "sparcml"}

@@ -11,7 +11,6 @@ import torch.distributed as dist
 
 import sparsecomm as sc
 from sparsecomm.launch import WorkerError, run_local
-from sparsecomm.transport.cost_model import set_cost_model
 from sparsecomm.transport.streams import Stream
 
 EXACT = ["allgather", "dense", "auto", "auto(explore=0)", "sparse_allreduce(algorithm=ssar_rd)",
@@ -40,21 +39,23 @@ def contribution(rank: int, world: int, overlap: str, numel: int = 20_000, nnz: 
 
 def exact_scenarios(rank: int, world: int) -> dict:
     errors, digests = {}, {}
+    session = sc.TransportSession()
     for overlap in OVERLAPS:
         grad = contribution(rank, world, overlap)
         reference = grad.clone()
         dist.all_reduce(reference)
         for text in EXACT:
             transport = sc.parse_spec(text).transport
-            context = sc.ReduceContext(index_codec=sc.INDEX_CODECS.create("rice"))
-            result = transport.allreduce(sc.SparseGradient.from_dense(grad), context=context)
-            asynchronous = transport.allreduce_async(sc.SparseGradient.from_dense(grad)).wait()
+            request = sc.Request(index_codec=sc.INDEX_CODECS.create("rice"))
+            result = transport.allreduce(sc.SparseGradient.from_dense(grad), request=request, session=session)
+            asynchronous = transport.reduce_async(sc.SparseGradient.from_dense(grad), session=session).wait().total
             errors[(overlap, text)] = float((result - reference).abs().max())
             if text == "auto":  # exploring: consecutive calls may sum in another order
                 torch.testing.assert_close(asynchronous, result, rtol=0, atol=1e-5)
             else:
                 assert torch.equal(asynchronous, result), (overlap, text)
             digests[(overlap, text)] = result.numpy().tobytes()
+    session.close()
     gathered = [None] * world
     dist.all_gather_object(gathered, digests)
     identical = all(g == gathered[0] for g in gathered)
@@ -77,7 +78,7 @@ def lossy_scenarios(rank: int, world: int) -> dict:
     out = {}
     for bits in (8, 4):
         transport = sc.parse_spec(f"sparse_allreduce(algorithm=dsar_sa,qsgd_bits={bits},bucket=1024)").transport
-        result = transport.allreduce(grad, context=sc.ReduceContext(seed=1))
+        result = transport.allreduce(grad, request=sc.Request(seed=1))
         out[bits] = float((result - reference).norm() / reference.norm())
     return out
 
@@ -111,7 +112,7 @@ def sketch_trials(rank: int, world: int, ratio: float, rows: int, trials: int) -
     reference = grad.clone()
     dist.all_reduce(reference)
     transport = sc.parse_spec(f"sketch_allreduce(ratio={ratio},rows={rows})").transport
-    outputs = torch.stack([transport.allreduce(grad, context=sc.ReduceContext(step=t)) for t in range(trials)])
+    outputs = torch.stack([transport.allreduce(grad, request=sc.Request(step=t)) for t in range(trials)])
     return {"outputs": outputs, "reference": reference}
 
 
@@ -232,16 +233,13 @@ def test_cost_model_switches_algorithms_where_the_formulas_say():
 
 
 def auto_choices(rank: int, world: int) -> list:
-    from sparsecomm.transport.auto import _TUNINGS
-
     grad = contribution(rank, world, "random", numel=50_000, nnz=500)
     transport = sc.parse_spec("auto(explore=2)").transport
     chosen = []
-    for _ in range(30):
-        context = sc.ReduceContext()
-        transport.allreduce(grad, context=context)
-        chosen.append(context.chosen)
-    (tuning,) = _TUNINGS.values()
+    with sc.TransportSession() as session:
+        for _ in range(30):
+            chosen.append(transport.reduce(grad, session=session).record.transport)
+    (tuning,) = session.tunings.values()
     return [chosen, tuning.candidates, tuning.chosen, sum(map(len, tuning.seconds.values()))]
 
 
@@ -256,7 +254,7 @@ def test_auto_explores_its_shortlist_then_keeps_the_fastest_on_every_rank():
 
 
 def test_tuning_keeps_the_lowest_median_time():
-    from sparsecomm.transport.auto import Tuning
+    from sparsecomm.transport.tuning import Tuning
 
     tuning = Tuning(["a", "b", "c"])
     trials = [("a", 3.0), ("b", 9.0), ("c", 1.0), ("a", 3.0), ("b", 2.0), ("c", 5.0), ("a", 3.0), ("b", 2.0),
@@ -271,7 +269,7 @@ def test_tuning_keeps_the_lowest_median_time():
 
 
 def test_tuning_breaks_a_near_tie_with_more_trials_of_the_two_best():
-    from sparsecomm.transport.auto import Tuning
+    from sparsecomm.transport.tuning import Tuning
 
     tuning = Tuning(["a", "b", "c"])
     for name, seconds in [("a", 1.00), ("b", 1.05), ("c", 3.0), ("a", 1.00), ("b", 1.05), ("c", 3.0)]:
@@ -285,7 +283,7 @@ def test_tuning_breaks_a_near_tie_with_more_trials_of_the_two_best():
 
 
 def test_tuning_keeps_the_models_ranking_where_medians_are_noise_apart():
-    from sparsecomm.transport.auto import Tuning
+    from sparsecomm.transport.tuning import Tuning
 
     tuning = Tuning(["a", "b"])  # the model ranks a first
     for name, seconds in [("a", 1.04), ("b", 1.00)] * 10:  # 4% apart, after the near-tie trials too
@@ -324,10 +322,10 @@ def run_local_single_out_mismatch():
 
 
 def auto_collectives_per_call(rank: int, world: int) -> dict:
-    from sparsecomm.transport import collectives
+    from sparsecomm.transport import agreement, collectives
 
     calls = []
-    gather, all_to_all, point_to_point = collectives._all_gather_single, dist.all_to_all_single, dist.batch_isend_irecv
+    gather, all_to_all, point_to_point = collectives.all_gather_single, dist.all_to_all_single, dist.batch_isend_irecv
 
     def counted(function):
         def call(*args, **kwargs):
@@ -335,18 +333,18 @@ def auto_collectives_per_call(rank: int, world: int) -> dict:
             return function(*args, **kwargs)
         return call
 
-    collectives._all_gather_single, dist.all_to_all_single = counted(gather), counted(all_to_all)
-    dist.batch_isend_irecv = counted(point_to_point)
-    set_cost_model(sc.CostModel())
+    collectives.all_gather_single = agreement.all_gather_single = counted(gather)
+    dist.all_to_all_single, dist.batch_isend_irecv = counted(all_to_all), counted(point_to_point)
+    session = sc.TransportSession(sc.CostModel())
     grad = contribution(rank, world, "random")
     reference = grad.clone()
     dist.all_reduce(reference)
     transport, chosen, exact = sc.parse_spec("auto(explore=0)").transport, [], True
     for _ in range(3):
         calls.append(0)
-        context = sc.ReduceContext()
-        exact &= torch.equal(transport.allreduce(sc.SparseGradient.from_dense(grad), context=context), reference)
-        chosen.append(context.chosen)
+        reduction = transport.reduce(sc.SparseGradient.from_dense(grad), session=session)
+        exact &= torch.equal(reduction.total, reference)
+        chosen.append(reduction.record.transport)
     return {"calls": calls, "chosen": chosen, "exact": exact}
 
 

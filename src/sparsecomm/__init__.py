@@ -6,7 +6,7 @@ named by one spec string such as ``"topk(ratio=0.01)+residual+rice+fp16"``.
 
 from sparsecomm import components as _components  # noqa: F401  (fills the registries)
 from sparsecomm.errors import PayloadError, SparseCommError, SpecError
-from sparsecomm.integration.ddp_hook import register_ddp_hook
+from sparsecomm.integration.ddp_hook import ddp_comm_hook, register_ddp_hook
 from sparsecomm.integration.gradients import allreduce_gradients, check_optimizer
 from sparsecomm.integration.presets import PRESETS, available_presets, resolve
 from sparsecomm.integration.reducer import GradientReducer
@@ -15,8 +15,11 @@ from sparsecomm.pipeline import Pipeline
 from sparsecomm.registry import FEEDBACKS, INDEX_CODECS, SPARSIFIERS, TRANSPORTS, VALUE_CODECS
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.spec import PipelineSpec, format_spec, parse_spec
-from sparsecomm.transport.base import ReduceContext, Transport
+from sparsecomm.transport.agreement import agree
+from sparsecomm.transport.base import Transport
 from sparsecomm.transport.cost_model import CostModel, load_cost_model
+from sparsecomm.transport.request import Agreement, CallRecord, Reduction, Request
+from sparsecomm.transport.session import TransportSession
 
 __version__ = "0.1.0"
 
@@ -35,7 +38,11 @@ __all__ = [
     "PipelineSpec",
     "SparseCommError",
     "SparseGradient",
-    "ReduceContext",
+    "Reduction",
+    "Request",
+    "Agreement",
+    "CallRecord",
+    "TransportSession",
     "SpecError",
     "Transport",
     "allreduce_gradients",
@@ -49,5 +56,7 @@ __all__ = [
     "parse_spec",
     "read_info",
     "register_ddp_hook",
+    "ddp_comm_hook",
+    "agree",
     "resolve",
 ]

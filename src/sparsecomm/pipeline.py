@@ -8,11 +8,16 @@ with per-tensor state.
 Non-finite gradients are handled before anything enters residuals or momenta, by ``nonfinite``:
 ``"raise"`` (default) refuses the step, ``"skip"`` sends nothing from this tensor this step and
 leaves its state untouched, ``"zero"`` replaces NaN/±Inf entries by 0 and goes on.
+
+A step may cover several named tensors laid out in one flat buffer (a DDP bucket): each `Segment`
+keeps its own state — residual, momentum, step — and is sparsified on its own, and the step sends
+one payload for all of them. So state follows its tensor, whatever buffer it arrives in.
 """
 
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +28,7 @@ from sparsecomm.encode.base import codecs_lossless
 from sparsecomm.errors import SparseCommError
 from sparsecomm.payload import decode, encode
 from sparsecomm.sparse_gradient import SparseGradient
+from sparsecomm.sparsify.nonzero import Nonzero
 from sparsecomm.spec import PipelineSpec, format_spec, parse_spec
 
 NONFINITE_POLICIES = ("raise", "skip", "zero")
@@ -40,7 +46,7 @@ def screen_nonfinite(values: torch.Tensor, policy: str) -> tuple[torch.Tensor | 
 
 @dataclass
 class StepReport:
-    """What the last step of one tensor did."""
+    """What the last step of one tensor did (``payload_bytes``: the payload it travelled in)."""
 
     selected: int
     target: int | None
@@ -55,13 +61,24 @@ class TensorState:
 
     step: int = 0
     feedback: dict[str, Any] = field(default_factory=dict)
-    generator: torch.Generator | None = None
     last: StepReport | None = None
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A named tensor at ``[start, start + numel)`` of a flat buffer. ``whole``: send its gradient
+    as it is — every nonzero, no feedback — for tensors too small to be worth selecting (their
+    caller applies `Feedback.update_uncompressed` to the average)."""
+
+    key: str
+    start: int
+    numel: int
+    whole: bool = False
 
 
 @dataclass
 class StepOutput:
-    """This rank's contribution for one tensor: the entries to send (values as the receivers will
+    """This rank's contribution for one step: the entries to send (values as the receivers will
     see them after decoding the payload), the payload, and whether the input was non-finite."""
 
     selection: SparseGradient
@@ -69,12 +86,23 @@ class StepOutput:
     nonfinite: bool = False
 
 
+def seeded_generator(device: torch.device, *words: int) -> torch.Generator:
+    """A generator on ``device`` seeded from ``words`` (mixed, so nearby words give unrelated streams)."""
+    seed = int(np.random.SeedSequence([w & 0xFFFFFFFF for w in words]).generate_state(2, np.uint32).view(np.uint64)[0])
+    return torch.Generator(device=device).manual_seed(seed >> 1)
+
+
+def key_hash(key: str) -> int:
+    return zlib.crc32(key.encode())
+
+
 class Pipeline:
     """feedback → sparsify → encode for a stream of gradients, keyed by tensor name.
 
     Randomness comes from generators seeded from (``seed``, key, step), so every rank that builds
-    the same pipeline with the same seed makes the same random choices; the global RNG is never used.
-    ``world_size`` feeds DGC's local clipping threshold.
+    the same pipeline with the same seed makes the same random choices, and a resumed run the same
+    as an uninterrupted one; the global RNG is never used. ``world_size`` feeds DGC's local clipping
+    threshold.
     """
 
     def __init__(self, spec: str | PipelineSpec, seed: int = 0, nonfinite: str = "raise", world_size: int = 1) -> None:
@@ -102,36 +130,50 @@ class Pipeline:
         assert output.payload is not None
         return output.payload
 
-    def step(self, grad: torch.Tensor, key: str = "", make_payload: bool | None = None) -> StepOutput:
-        """One step for one tensor: feedback, sparsify, encode (if ``make_payload``, by default when
-        the transport carries payloads), then feedback learns what receivers will see."""
+    def step(self, grad: torch.Tensor, key: str = "", make_payload: bool | None = None,
+             segments: Sequence[Segment] | None = None) -> StepOutput:
+        """One step: feedback, sparsify, encode (if ``make_payload``, by default when the transport
+        carries payloads), then feedback learns what receivers will see. ``grad`` is one tensor
+        named ``key``, or with ``segments`` a flat buffer of named tensors (``key`` then names the
+        buffer)."""
         make_payload = self.sends_payloads if make_payload is None else make_payload
-        state = self.states.setdefault(key, TensorState())
-        screened, must_raise = screen_nonfinite(grad.detach(), self.nonfinite)
+        flat = grad.detach().reshape(-1)
+        # one tensor keeps its shape in its state; a buffer's segments are flat
+        shapes = [grad.shape] if segments is None else [torch.Size([s.numel]) for s in segments]
+        segments = segments or (Segment(key, 0, flat.numel()),)
+        screened, must_raise = screen_nonfinite(flat, self.nonfinite)
         if screened is None:
+            for segment in segments:
+                self.states.setdefault(segment.key, TensorState()).last = StepReport(0, None, segment.numel, 0, True)
             empty = SparseGradient(torch.zeros(0, dtype=torch.int64, device=grad.device),
                                    torch.zeros(0, dtype=grad.dtype, device=grad.device), grad.shape)
-            state.last = StepReport(0, None, grad.numel(), 0, nonfinite=True)
             return StepOutput(empty, None, nonfinite=must_raise)
-        grad = screened
         spec = self.spec
-        key_hash = zlib.crc32(key.encode())
-        if state.generator is None or state.generator.device != grad.device:
-            state.generator = torch.Generator(device=grad.device).manual_seed((self.seed << 32) ^ key_hash)
-        state.feedback["world_size"] = self.world_size
-        accumulated = spec.feedback.accumulate(grad, state.feedback)
-        sparsifier = spec.sparsifier.at_step(state.step)
-        selection: SparseGradient = sparsifier.sparsify(accumulated, state.generator)
+        states = [self.states.setdefault(segment.key, TensorState()) for segment in segments]
+        accumulated, parts, targets = [], [], []
+        for segment, state, shape in zip(segments, states, shapes, strict=True):
+            state.feedback["world_size"] = self.world_size
+            piece = screened[segment.start:segment.start + segment.numel].view(shape)
+            accumulated.append(piece if segment.whole else spec.feedback.accumulate(piece, state.feedback))
+            sparsifier = Nonzero() if segment.whole else spec.sparsifier.at_step(state.step)
+            generator = seeded_generator(grad.device, self.seed, key_hash(segment.key), state.step)
+            parts.append(sparsifier.sparsify(accumulated[-1], generator))
+            targets.append(sparsifier.target_count(segment.numel))
+        selection = join(parts, segments, grad.shape)
         payload = None
         if make_payload:
-            rng = np.random.default_rng([self.seed, key_hash, state.step])
-            payload = encode(selection, spec.index_codec, spec.value_codec, rng=rng, dense=accumulated)
+            rng = np.random.default_rng([self.seed, key_hash(key), states[0].step])
+            dense = accumulated[0] if len(accumulated) == 1 else torch.cat([a.reshape(-1) for a in accumulated])
+            payload = encode(selection, spec.index_codec, spec.value_codec, rng=rng, dense=dense)
             if not codecs_lossless(spec.index_codec, spec.value_codec):
                 selection = decode(payload, device=grad.device)  # feedback sees what receivers see
-        spec.feedback.update(accumulated, selection, state.feedback)
-        state.step += 1
-        state.last = StepReport(selection.nnz, sparsifier.target_count(grad.numel()), grad.numel(),
-                                len(payload) if payload is not None else 0)
+                parts = split(selection, segments)
+        for segment, state, acc, part, target in zip(segments, states, accumulated, parts, targets, strict=True):
+            if not segment.whole:
+                spec.feedback.update(acc, part, state.feedback)
+            state.step += 1
+            state.last = StepReport(part.nnz, target if not segment.whole else part.nnz, segment.numel,
+                                    len(payload) if payload is not None else 0)
         return StepOutput(selection, payload)
 
     def state_dict(self) -> dict[str, Any]:
@@ -139,12 +181,8 @@ class Pipeline:
             "spec": format_spec(self.spec),
             "seed": self.seed,
             "tensors": {
-                key: {
-                    "step": s.step,
-                    "feedback": {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.feedback.items()},
-                    "generator": None if s.generator is None else s.generator.get_state(),
-                    "device": None if s.generator is None else str(s.generator.device),
-                }
+                key: {"step": s.step,
+                      "feedback": {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.feedback.items()}}
                 for key, s in self.states.items()
             },
         }
@@ -154,11 +192,28 @@ class Pipeline:
             raise SparseCommError(
                 f"state is for {state['spec']!r} seed {state['seed']}, this pipeline is {self!r}"
             )
-        self.states = {}
-        for key, saved in state["tensors"].items():
-            feedback = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in saved["feedback"].items()}
-            tensor_state = TensorState(step=saved["step"], feedback=feedback)
-            if saved["generator"] is not None:
-                tensor_state.generator = torch.Generator(device=saved.get("device") or "cpu")
-                tensor_state.generator.set_state(saved["generator"])
-            self.states[key] = tensor_state
+        self.states = {
+            key: TensorState(step=saved["step"], feedback={k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                                           for k, v in saved["feedback"].items()})
+            for key, saved in state["tensors"].items()
+        }
+
+
+def join(parts: Sequence[SparseGradient], segments: Sequence[Segment], shape: torch.Size) -> SparseGradient:
+    """The segments' selections as one selection of the flat buffer (of ``shape``)."""
+    if len(parts) == 1:
+        return parts[0] if parts[0].shape == shape else SparseGradient(parts[0].indices, parts[0].values, shape)
+    indices = torch.cat([part.indices + segment.start for part, segment in zip(parts, segments, strict=True)])
+    return SparseGradient(indices, torch.cat([part.values for part in parts]), shape)
+
+
+def split(selection: SparseGradient, segments: Sequence[Segment]) -> list[SparseGradient]:
+    """A selection of the flat buffer (sorted indices) cut back into the segments' own selections."""
+    if len(segments) == 1:
+        return [selection]
+    starts = torch.tensor([segment.start for segment in segments] + [segments[-1].start + segments[-1].numel],
+                          device=selection.indices.device)
+    bounds = torch.searchsorted(selection.indices, starts).tolist()
+    return [SparseGradient(selection.indices[lo:hi] - segment.start, selection.values[lo:hi],
+                           torch.Size([segment.numel]))
+            for segment, lo, hi in zip(segments, bounds[:-1], bounds[1:], strict=True)]

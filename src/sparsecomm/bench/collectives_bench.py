@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -19,8 +18,10 @@ from sparsecomm.registry import INDEX_CODECS, VALUE_CODECS
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.spec import parse_spec
 from sparsecomm.transport.auto import choose, estimated_payload_bytes_per_nnz, exploring_calls
-from sparsecomm.transport.base import ReduceContext, Transport
-from sparsecomm.transport.cost_model import CostModel, set_cost_model
+from sparsecomm.transport.base import Transport
+from sparsecomm.transport.cost_model import CostModel
+from sparsecomm.transport.request import CallRecord, Request
+from sparsecomm.transport.session import TransportSession
 
 DEFAULT_TRANSPORTS = [
     "dense", "allgather", "sparse_allreduce(algorithm=ssar_rd)", "sparse_allreduce(algorithm=ssar_sa)",
@@ -37,33 +38,33 @@ def contribution(rank: int, numel: int, density: float, seed: int) -> SparseGrad
     return SparseGradient(indices, torch.randn(nnz, generator=generator), torch.Size([numel]))
 
 
-def predicted(model: CostModel, text: str, workers: int, numel: int, nnz: int, context: ReduceContext) -> float:
+def predicted(model: CostModel, text: str, workers: int, numel: int, nnz: int, request: Request) -> float:
     transport = parse_spec(text).transport
     name = transport.name
     if name == "dense":
         return model.dense(workers, numel)
     if name == "allgather":
-        return model.allgather(workers, numel, nnz, estimated_payload_bytes_per_nnz(context, numel, nnz))
+        return model.allgather(workers, numel, nnz, estimated_payload_bytes_per_nnz(request, numel, nnz))
     if name == "sketch_allreduce":
         return model.sketch(workers, numel, nnz, transport.ratio, transport.block,  # type: ignore[attr-defined]
                             transport.rows)  # type: ignore[attr-defined]
     if name == "auto":
-        best, costs = choose(model, workers, numel, nnz, 4, estimated_payload_bytes_per_nnz(context, numel, nnz))
+        best, costs = choose(model, workers, numel, nnz, 4, estimated_payload_bytes_per_nnz(request, numel, nnz))
         return costs[best]  # the model's first choice
     algorithms = model.sparse_algorithms(workers, numel, nnz, 4, transport.qsgd_bits)  # type: ignore[attr-defined]
     algorithm = transport.algorithm  # type: ignore[attr-defined]
     return algorithms[algorithm] if algorithm != "auto" else min(algorithms.values())
 
 
-def timed_call(transport: Transport, grad: SparseGradient, context: ReduceContext,
-               out: torch.Tensor) -> tuple[float, torch.Tensor]:
+def timed_call(transport: Transport, grad: SparseGradient, request: Request, out: torch.Tensor,
+               session: TransportSession) -> tuple[float, torch.Tensor, CallRecord]:
     """The slowest rank's time (ms) of one call into a reused ``out``, on every rank."""
     dist.barrier()
     start = time.perf_counter()
-    result = transport.allreduce(grad, context=context, out=out)
+    reduction = transport.reduce(grad, request=request, out=out, session=session)
     elapsed = torch.tensor([time.perf_counter() - start])
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed) * 1e3, result
+    return float(elapsed) * 1e3, reduction.total, reduction.record
 
 
 CONTENDER_FACTOR = 2.0
@@ -88,19 +89,28 @@ def extra_rounds(contenders: list[str], samples: dict[str, list[float]], repeat:
     return max(0, min(fitting, (MAX_ROUNDS_FACTOR - 1) * repeat))
 
 
-def warm_up(transport: Transport, grad: SparseGradient, context: ReduceContext, out: torch.Tensor) -> None:
+def warm_up(transport: Transport, grad: SparseGradient, request: Request, out: torch.Tensor,
+            session: TransportSession) -> None:
     """One untimed call — and, for ``auto``, the calls it spends exploring, so what is timed is its
     steady state, as in a training loop. They run as the timed calls do (after a barrier, into the
     same reused ``out``): auto's trials must see what the timed calls will see, or it tunes for
     conditions that are gone (a fresh 4·N-byte result each call, say)."""
     for _ in range(exploring_calls(transport) + 1):
-        timed_call(transport, grad, replace(context, extra={}), out)
+        timed_call(transport, grad, request, out, session)
 
 
 def worker(rank: int, world: int, numel: int, densities: list[float], transports: list[str], repeat: int,
            index_codec: str, value_codec: str, seed: int) -> dict[str, Any]:
     model = calibrate_group(rank, world)
-    set_cost_model(model)
+    with TransportSession(model) as session:
+        return {"rows": measure(rank, world, numel, densities, transports, repeat, index_codec, value_codec, seed,
+                                model, session), "model": model.__dict__}
+
+
+def measure(rank: int, world: int, numel: int, densities: list[float], transports: list[str], repeat: int,
+            index_codec: str, value_codec: str, seed: int, model: CostModel,
+            session: TransportSession) -> list[dict[str, Any]]:
+    """One table row per transport and density."""
     rows: list[dict[str, Any]] = []
     for density in densities:
         grad = contribution(rank, numel, density, seed)
@@ -108,12 +118,13 @@ def worker(rank: int, world: int, numel: int, densities: list[float], transports
         dist.all_reduce(reference)
         scale = float(reference.abs().max())
         built = {text: parse_spec(text).transport for text in transports}
-        contexts = {text: ReduceContext(index_codec=INDEX_CODECS.create(index_codec),
-                                        value_codec=VALUE_CODECS.create(value_codec), seed=seed)
-                    for text in transports}
+        request = Request(key=f"density {density}", seed=seed, index_codec=INDEX_CODECS.create(index_codec),
+                          value_codec=VALUE_CODECS.create(value_codec))
+        bytes_sent = dict.fromkeys(transports, 0)
+        chosen = dict.fromkeys(transports, "")
         out = torch.empty(numel)  # one result buffer, reused: no transport pays for a fresh 4·N bytes
-        for text, transport in built.items():
-            warm_up(transport, grad, contexts[text], out)
+        for transport in built.values():
+            warm_up(transport, grad, request, out, session)
         samples: dict[str, list[float]] = {text: [] for text in transports}
         errors: dict[str, float] = {}
 
@@ -127,20 +138,22 @@ def worker(rank: int, world: int, numel: int, densities: list[float], transports
                 # round (the same on every rank), so none always runs right after the same heavy one,
                 # whose freed memory and cold caches the next call pays for
                 for text in random.Random(round_index).sample(names, len(names)):
-                    ms, result = timed_call(built[text], grad, contexts[text], out)
+                    ms, result, record = timed_call(built[text], grad, request, out, session)
                     samples[text].append(ms)
+                    bytes_sent[text] += record.bytes_sent
+                    chosen[text] = record.transport
                     errors[text] = float((result - reference).abs().max()) / max(scale, 1e-30)
         measured: dict[str, float] = {}
         for text, transport in built.items():
-            context, error = contexts[text], errors[text]
+            error = errors[text]
             ms = statistics.median(samples[text])
-            sent = torch.tensor([context.bytes_sent / len(samples[text])])
+            sent = torch.tensor([bytes_sent[text] / len(samples[text])])
             dist.all_reduce(sent, op=dist.ReduceOp.MAX)
             measured[text] = ms
             rows.append({
-                "transport": transport.to_spec(), "algorithm": context.chosen, "workers": world, "numel": numel,
+                "transport": transport.to_spec(), "algorithm": chosen[text], "workers": world, "numel": numel,
                 "density": density, "ms": ms, "samples": len(samples[text]),
-                "predicted_ms": 1e3 * predicted(model, text, world, numel, grad.nnz, context),
+                "predicted_ms": 1e3 * predicted(model, text, world, numel, grad.nnz, request),
                 "bound_ms": 1e3 * model.lower_bound(world, numel, grad.nnz),
                 "bytes_sent_per_rank": int(sent), "max_rel_error": error, "exact": error <= 1e-5,
             })
@@ -149,7 +162,7 @@ def worker(rank: int, world: int, numel: int, densities: list[float], transports
             row["allgather_ms"] = measured.get("allgather", float("nan"))
             row["speedup_vs_dense"] = row["dense_ms"] / row["ms"] if row["ms"] > 0 else float("inf")
             row["ratio_to_bound"] = row["ms"] / row["bound_ms"] if row["bound_ms"] > 0 else float("nan")
-    return {"rows": rows, "model": model.__dict__}
+    return rows
 
 
 def run(workers: list[int], numel: int, densities: list[float], transports: list[str] | None = None,

@@ -1,5 +1,5 @@
-"""`allreduce_gradients`: average named gradients over ranks in place, without DDP — for custom
-training loops and sparse embedding gradients."""
+"""`allreduce_gradients`: average named gradients over ranks in place, without DDP — a convenience
+over `GradientReducer.allreduce_` for custom training loops and sparse embedding gradients."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from sparsecomm.errors import SparseCommError
 from sparsecomm.integration.reducer import DENSE_BELOW, GradientReducer
 from sparsecomm.spec import PipelineSpec
 
@@ -16,17 +17,17 @@ from sparsecomm.spec import PipelineSpec
 def allreduce_gradients(named_gradients: Iterable[tuple[str, torch.Tensor]], spec_or_preset: str | PipelineSpec,
                         state: GradientReducer | None = None, *, group: dist.ProcessGroup | None = None,
                         seed: int = 0, nonfinite: str = "raise", dense_below: int = DENSE_BELOW) -> GradientReducer:
-    """Replace each gradient by its average over ranks (dense in place; sparse COO by ``copy_``),
-    all tensors in flight at once. Pass the returned state back in on the next step."""
-    reducer = state or GradientReducer(spec_or_preset, group=group, seed=seed, nonfinite=nonfinite,
-                                       dense_below=dense_below)
-    pending = [(tensor, reducer.reduce_async(name, tensor)) for name, tensor in named_gradients]
-    for tensor, future in pending:
-        averaged = future.wait()
-        if averaged is not tensor:
-            tensor.copy_(averaged)
-    reducer.step_done()
-    return reducer
+    """Replace each gradient by its average over ranks (see `GradientReducer.allreduce_`). Pass
+    the returned reducer back in as ``state`` on the next step; a ``state`` built with other
+    arguments raises `SparseCommError` rather than silently ignoring them."""
+    if state is None:
+        state = GradientReducer(spec_or_preset, group=group, seed=seed, nonfinite=nonfinite, dense_below=dense_below)
+    else:
+        state.check_matches(spec_or_preset, seed, nonfinite, dense_below)
+        if group is not None and group is not state.group:
+            raise SparseCommError("the state passed reduces over another process group than group=")
+    state.allreduce_(named_gradients)
+    return state
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, reducer: GradientReducer) -> None:

@@ -1,11 +1,16 @@
 """`GradientReducer`: reduces named gradients over a process group with one pipeline — the engine
-behind the DDP hook and `allreduce_gradients`.
+behind the DDP hook (`sparsecomm.ddp_comm_hook`) and custom loops (`GradientReducer.allreduce_`).
 
 Per tensor (or DDP bucket) it runs the pipeline locally (feedback → sparsify → encode), sums the
 contributions with the pipeline's transport, and averages over the ranks. Rules:
 
+- State belongs to parameters, not to buffers: a DDP bucket is cut into its parameters (from
+  ``GradBucket.parameters()`` and where each gradient sits in the bucket), each sparsified with its
+  own residual or momentum, all sent together. DDP's bucket rebuild after the first step, or a
+  fresh DDP after a resume, changes which parameters share a bucket, never whose state is whose.
 - Dense tensors with fewer than ``dense_below`` elements (biases, norms, small last buckets) go
-  through a plain fp32 all_reduce with no feedback: compressing them saves nothing.
+  through a plain fp32 all_reduce with no feedback: compressing them saves nothing. Inside a
+  compressed bucket, such parameters are sent whole (every nonzero, no feedback).
 - Sparse COO gradients (``nn.Embedding(sparse=True)``) are already sparse: all their rows are sent
   exactly (no sparsifier, no feedback) through the pipeline's transport, or ``allgather`` if that is
   ``dense``; the result is a sparse COO tensor again.
@@ -13,31 +18,42 @@ contributions with the pipeline's transport, and averages over the ranks. Rules:
   optimizer: with ``dgc_momentum``, the same momentum, applied to their average over ranks.
 - Non-finite input follows the pipeline's ``nonfinite`` policy; under ``"raise"`` every rank raises
   together (the flag rides on the transport's agreement step), none is left waiting.
+- Every call's agreement step carries the tensor's key and call number: ranks that pass different
+  tensors, orders or counts get `SparseCommError` naming the key, never a sum of the wrong tensors.
 - At construction all ranks check they have the same spec, seed, options and world size.
 
 Asynchronous calls run their collectives on a process group of their own (created here, on every
-rank), in submission order, so they never interleave with the caller's collectives.
+rank) on the reducer's `TransportSession` thread, in submission order, so they never interleave
+with the caller's collectives. The reducer owns all runtime state — per-parameter pipeline state,
+auto's measurements, call counters, the worker thread — checkpoints it with ``state_dict()`` and
+releases it with ``close()`` (or ``with``).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from sparsecomm.errors import SparseCommError
 from sparsecomm.integration.presets import resolve
-from sparsecomm.pipeline import Pipeline, screen_nonfinite
+from sparsecomm.pipeline import Pipeline, Segment, screen_nonfinite
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.spec import PipelineSpec, format_spec
+from sparsecomm.transport.agreement import agree
 from sparsecomm.transport.allgather import AllgatherTransport
-from sparsecomm.transport.base import ReduceContext, Transport
-from sparsecomm.transport.collectives import agree, fingerprint
+from sparsecomm.transport.base import Transport
+from sparsecomm.transport.collectives import fingerprint
 from sparsecomm.transport.dense import DenseTransport
+from sparsecomm.transport.request import Reduction, Request
+from sparsecomm.transport.session import TransportSession
 
 DENSE_BELOW = 4096
 
@@ -103,60 +119,155 @@ def nonzero_rows(dense: torch.Tensor, sparse_dim: int) -> torch.Tensor:
 
 
 class GradientReducer:
-    """Averages gradients over ``group`` with the pipeline named by ``spec`` (a spec or a preset)."""
+    """Averages gradients over ``group`` with the pipeline named by ``spec`` (a spec or a preset).
+
+    Args:
+        spec: a preset name (``"dgc"``) or a pipeline spec string, or a parsed `PipelineSpec`.
+        group: the process group (default: ``model``'s if it is a DDP model, else the world).
+        seed: seeds every random choice; all ranks must pass the same.
+        nonfinite: ``"raise"``, ``"skip"`` or ``"zero"`` (see the module docstring).
+        dense_below: tensors (and DDP buckets) with fewer elements go by plain all_reduce.
+        average: divide the sum by the world size.
+        model: the model (DDP or its module) whose parameter names key the per-parameter state;
+            needed as a DDP hook state.
+
+    Example::
+
+        reducer = sc.GradientReducer("dgc", model=ddp_model)
+        ddp_model.register_comm_hook(reducer, sc.ddp_comm_hook)
+    """
 
     def __init__(self, spec: str | PipelineSpec, group: dist.ProcessGroup | None = None, seed: int = 0,
-                 nonfinite: str = "raise", dense_below: int = DENSE_BELOW, average: bool = True) -> None:
+                 nonfinite: str = "raise", dense_below: int = DENSE_BELOW, average: bool = True,
+                 model: nn.Module | None = None) -> None:
         if not dist.is_initialized():
             raise SparseCommError("torch.distributed is not initialised: call init_process_group first")
+        if group is None and model is not None:
+            group = getattr(model, "process_group", None)
         self.spec = resolve(spec)
         self.group = group
         self.world_size = dist.get_world_size(group)
-        self.seed, self.dense_below, self.average = seed, dense_below, average
+        self.seed, self.nonfinite, self.dense_below, self.average = seed, nonfinite, dense_below, average
         self.pipeline = Pipeline(self.spec, seed=seed, nonfinite=nonfinite, world_size=self.world_size)
         self.stats = ReducerStats()
-        self._calls = 0
+        self.session = TransportSession()
+        module = getattr(model, "module", model)
+        self._names = {id(p): name for name, p in module.named_parameters()} if module is not None else {}
+        """parameter object → its name in the model, for DDP buckets"""
+        self._calls: dict[str, int] = {}
+        """per stream key: calls so far (the agreement step checks every rank is at the same call)"""
+        self._in_flight: list[torch.futures.Future] = []
         self._uncompressed: dict[str, dict[str, Any]] = {}
         """per tensor sent uncompressed: the feedback's state for `Feedback.update_uncompressed`"""
-        agree(group, self.world_size, fingerprint(format_spec(self.spec), seed, nonfinite, dense_below, average))
+        agree(group, Request(key="GradientReducer configuration"), self.world_size,
+              fingerprint(format_spec(self.spec), seed, nonfinite, dense_below, average))
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
         self.async_group = dist.new_group(ranks=ranks)
 
     def __repr__(self) -> str:
         return f"GradientReducer({format_spec(self.spec)!r}, world_size={self.world_size}, seed={self.seed})"
 
+    def check_matches(self, spec: str | PipelineSpec, seed: int, nonfinite: str, dense_below: int) -> None:
+        """Raise unless this reducer was built with these arguments."""
+        asked = (format_spec(resolve(spec)), seed, nonfinite, dense_below)
+        mine = (format_spec(self.spec), self.seed, self.nonfinite, self.dense_below)
+        if asked != mine:
+            raise SparseCommError(f"the state passed is a reducer for (spec, seed, nonfinite, dense_below) = {mine}, "
+                                  f"but the call asks for {asked}; build a new reducer to change them")
+
+    # -- custom loops -------------------------------------------------------------------------
+    def allreduce_(self, named_gradients: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """One step of a custom loop: replace each gradient by its average over ranks (dense in
+        place; sparse COO by ``copy_``). Tensors are matched across ranks by name — every rank must
+        pass the same names, in any order, or every rank raises `SparseCommError`."""
+        named = sorted(named_gradients, key=lambda item: item[0])
+        names = [name for name, _ in named]
+        if len(set(names)) != len(names):
+            raise SparseCommError(f"gradient names repeat: {sorted({n for n in names if names.count(n) > 1})}")
+        agree(self.group, Request(key="gradients " + ", ".join(names), call=self.stats.steps), len(names), 0)
+        pending = [(tensor, self.reduce_async(name, tensor)) for name, tensor in named]
+        self.finish_step()
+        for tensor, future in pending:
+            averaged = future.wait()
+            if averaged is not tensor:
+                tensor.copy_(averaged)
+
+    def finish_step(self) -> None:
+        """Wait for this step's calls, count the step, and raise the first error any call met."""
+        in_flight, self._in_flight = self._in_flight, []
+        errors = []
+        for future in in_flight:
+            try:
+                future.wait()
+            except BaseException as err:  # noqa: BLE001 - raised below, after every call ended
+                errors.append(err)
+        self.stats.steps += 1
+        if errors:
+            raise errors[0]
+
     # -- reducing -----------------------------------------------------------------------------
     def reduce(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         """The average over ranks of ``tensor`` (same shape and kind), synchronously."""
-        return self.reduce_async(key, tensor).wait()
+        future = self.reduce_async(key, tensor)
+        self._in_flight.remove(future)
+        return future.wait()
 
-    def reduce_async(self, key: str, tensor: torch.Tensor) -> torch.futures.Future:
-        """Local stages now; the collective on a worker thread; a future of the average."""
-        stats = self.stats.tensors.setdefault(key, TensorStats())
+    def reduce_async(self, key: str, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """Local stages now; the collective on the worker thread; a future of the average."""
+        return self._submit(key, tensor, None)
+
+    def reduce_bucket_async(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """A DDP bucket: its parameters' state found by name (see `ddp_comm_hook`)."""
+        buffer = bucket.buffer()
+        parameters = bucket.parameters()
+        if not self._names:
+            raise SparseCommError("a GradientReducer used as a DDP hook state needs model= (its parameter names key "
+                                  "each parameter's residual and momentum)")
+        names = []
+        for parameter in parameters:
+            if id(parameter) not in self._names:
+                raise SparseCommError(f"a DDP bucket holds a parameter of shape {tuple(parameter.shape)} that is not "
+                                      "in the model given to the GradientReducer")
+            names.append(self._names[id(parameter)])
+        layout = zlib.crc32("\0".join(names).encode())
+        key = f"bucket {bucket.index()} [{names[0]} … {names[-1]}, {len(names)} parameters, layout {layout:08x}]"
+        if buffer.is_sparse:
+            return self._submit(key, buffer, [Segment(names[0], 0, buffer.numel())], stats_key=names[0])
+        base = buffer.data_ptr()
+        segments = [Segment(name, (grad.data_ptr() - base) // buffer.element_size(), grad.numel(),
+                            whole=grad.numel() < self.dense_below)
+                    for name, grad in zip(names, bucket.gradients(), strict=True)]
+        return self._submit(key, buffer, segments, stats_key=f"bucket{bucket.index()}")
+
+    def _submit(self, key: str, tensor: torch.Tensor, segments: list[Segment] | None,
+                stats_key: str | None = None) -> torch.futures.Future[torch.Tensor]:
+        stats = self.stats.tensors.setdefault(stats_key or key, TensorStats())
         stats.steps += 1
         stats.dense_bytes += tensor.numel() * 4
         start = time.perf_counter()
-        transport, contribution, context = self._prepare(key, tensor, stats)
-        path = stats.path
+        request = Request(key=key, call=self._calls.get(key, 0), seed=self.seed, step=self.stats.steps,
+                          index_codec=self.spec.index_codec, value_codec=self.spec.value_codec)
+        self._calls[key] = request.call + 1
+        transport, contribution, request, path = self._prepare(key, tensor, segments, request)
+        stats.path = path
         stats.select_s += time.perf_counter() - start
         submitted = time.perf_counter()
         # the sum lands in the gradient's own storage: the local stages above already copied what they use
         out = tensor if not tensor.is_sparse and tensor.is_contiguous() and tensor.device.type == "cpu" else None
-        future = transport.allreduce_async(contribution, self.async_group, context, out)
-
+        future = transport.reduce_async(contribution, self.async_group, request, out, self.session)
         result: torch.futures.Future = torch.futures.Future()
 
-        def finish(done: torch.futures.Future) -> None:
+        def finish(done: torch.futures.Future[Reduction]) -> None:
             # not Future.then: it would wrap a SparseCommError in a RuntimeError
             try:
-                total = done.wait()
+                reduction = done.wait()
                 stats.transport_s += time.perf_counter() - submitted
-                stats.decode_s += context.extra.get("decode_s", 0.0)
-                stats.bytes_sent += context.bytes_sent
+                stats.decode_s += reduction.record.decode_s
+                stats.bytes_sent += reduction.record.bytes_sent
+                total = reduction.total
                 if self.average:
                     total = total.div_(self.world_size) if out is not None and total is out else total / self.world_size
-                if path != "compressed":
-                    total = self.spec.feedback.update_uncompressed(total, self._uncompressed.setdefault(key, {}))
+                total = self._update_uncompressed(total, key, segments, whole_only=path == "compressed")
                 if tensor.is_sparse:
                     result.set_result(nonzero_rows(total, tensor.sparse_dim()))
                 else:
@@ -165,46 +276,69 @@ class GradientReducer:
                 result.set_exception(err)
 
         future.add_done_callback(finish)
+        self._in_flight.append(result)
         return result
 
-    def step_done(self) -> None:
-        """Count one optimisation step (for bytes per step)."""
-        self.stats.steps += 1
+    def _update_uncompressed(self, total: torch.Tensor, key: str, segments: list[Segment] | None,
+                             whole_only: bool) -> torch.Tensor:
+        """What the feedback owns for tensors sent without it (all of them, or a compressed
+        bucket's whole-sent parameters), applied to their averages."""
+        feedback = self.spec.feedback
+        if segments is None:
+            return total if whole_only else feedback.update_uncompressed(total, self._uncompressed.setdefault(key, {}))
+        flat = total.view(-1)
+        for segment in segments:
+            if whole_only and not segment.whole:
+                continue
+            part = flat[segment.start:segment.start + segment.numel]
+            updated = feedback.update_uncompressed(part, self._uncompressed.setdefault(segment.key, {}))
+            if updated is not part:
+                part.copy_(updated)
+        return total
 
-    def _prepare(self, key: str, tensor: torch.Tensor,
-                 stats: TensorStats) -> tuple[Transport, SparseGradient | torch.Tensor, ReduceContext]:
-        context = ReduceContext(index_codec=self.spec.index_codec, value_codec=self.spec.value_codec, seed=self.seed,
-                                step=self._calls)
-        self._calls += 1
+    def _prepare(self, key: str, tensor: torch.Tensor, segments: list[Segment] | None,
+                 request: Request) -> tuple[Transport, SparseGradient | torch.Tensor, Request, str]:
+        """(transport, this rank's contribution, the request, the path taken) for one call."""
         if tensor.is_sparse:
-            stats.path = "sparse"
             transport = self.spec.transport if self.spec.transport.name != "dense" else AllgatherTransport()
             sparse = SparseGradient.from_sparse_coo(tensor.detach())
-            values, context.nonfinite = screen_nonfinite(sparse.values, self.pipeline.nonfinite)
+            values, nonfinite = screen_nonfinite(sparse.values, self.pipeline.nonfinite)
+            request = replace(request, nonfinite=nonfinite)
             if values is None:
-                return transport, SparseGradient(sparse.indices[:0], sparse.values[:0], sparse.shape), context
-            return transport, SparseGradient(sparse.indices, values, sparse.shape), context
+                return transport, SparseGradient(sparse.indices[:0], sparse.values[:0], sparse.shape), request, "sparse"
+            return transport, SparseGradient(sparse.indices, values, sparse.shape), request, "sparse"
         if tensor.numel() < self.dense_below or self.spec.transport.name == "dense":
-            stats.path = "dense"
-            screened, context.nonfinite = screen_nonfinite(tensor.detach(), self.pipeline.nonfinite)
+            screened, nonfinite = screen_nonfinite(tensor.detach(), self.pipeline.nonfinite)
             dense = screened if screened is not None else torch.zeros_like(tensor)
             transport = self.spec.transport if self.spec.transport.name == "dense" else DenseTransport()
-            return transport, dense, context
-        stats.path = "compressed"
-        output = self.pipeline.step(tensor.reshape(-1), key)
-        context.nonfinite = output.nonfinite
-        context.payload = output.payload
-        return self.spec.transport, output.selection, context
+            return transport, dense, replace(request, nonfinite=nonfinite), "dense"
+        output = self.pipeline.step(tensor.reshape(-1) if segments else tensor, key, segments=segments)
+        request = replace(request, nonfinite=output.nonfinite, payload=output.payload)
+        return self.spec.transport, output.selection, request, "compressed"
 
-    # -- checkpoints --------------------------------------------------------------------------
+    # -- lifetime and checkpoints ---------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for calls in flight and stop the worker thread."""
+        self.session.close()
+
+    def __enter__(self) -> GradientReducer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def state_dict(self) -> dict[str, Any]:
-        return {"pipeline": self.pipeline.state_dict(), "calls": self._calls, "steps": self.stats.steps,
+        """Everything a resumed run needs to continue bit for bit: per-parameter (per-tensor)
+        pipeline and feedback state by name, call counters, steps and auto's measurements."""
+        return {"pipeline": self.pipeline.state_dict(), "calls": dict(self._calls), "steps": self.stats.steps,
                 "uncompressed": {key: {name: value.clone() for name, value in state.items()}
-                                 for key, state in self._uncompressed.items()}}
+                                 for key, state in self._uncompressed.items()},
+                "session": self.session.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.pipeline.load_state_dict(state["pipeline"])
-        self._calls = state["calls"]
+        self._calls = dict(state["calls"])
         self.stats.steps = state["steps"]
         self._uncompressed = {key: {name: value.clone() for name, value in saved.items()}
-                              for key, saved in state.get("uncompressed", {}).items()}
+                              for key, saved in state["uncompressed"].items()}
+        self.session.load_state_dict(state["session"])

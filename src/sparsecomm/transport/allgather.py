@@ -16,23 +16,26 @@ from sparsecomm.errors import SparseCommError
 from sparsecomm.payload import as_tensor, decode, encode
 from sparsecomm.registry import TRANSPORTS
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.transport.base import ReduceContext, Transport, as_sparse, deliver, output_buffer
-from sparsecomm.transport.collectives import Group, agree_and_gather_sizes, allgather_bytes, fingerprint, world
+from sparsecomm.transport.agreement import agree
+from sparsecomm.transport.base import Transport, as_sparse, deliver, output_buffer
+from sparsecomm.transport.collectives import Group, allgather_bytes, fingerprint, world
+from sparsecomm.transport.request import CallRecord, Reduction, Request
+from sparsecomm.transport.session import TransportSession
 
 
-def codecs_of(context: ReduceContext) -> tuple[IndexCodec, ValueCodec]:
+def codecs_of(request: Request) -> tuple[IndexCodec, ValueCodec]:
     """The pipeline's codecs, or rice indices and fp32 values."""
-    return context.index_codec or RiceIndices(), context.value_codec or Float32Values()
+    return request.index_codec or RiceIndices(), request.value_codec or Float32Values()
 
 
-def payload_of(sparse: SparseGradient, group: Group, context: ReduceContext) -> torch.Tensor:
+def payload_of(sparse: SparseGradient, group: Group, request: Request) -> torch.Tensor:
     """This rank's payload: the one the pipeline (or ``auto``) already encoded, else encoded here."""
-    if isinstance(context.payload, torch.Tensor):
-        return context.payload
-    if context.payload is not None:
-        return as_tensor(context.payload)
-    index_codec, value_codec = codecs_of(context)
-    return as_tensor(encode(sparse, index_codec, value_codec, rng=context.rng(world(group)[0])))
+    if isinstance(request.payload, torch.Tensor):
+        return request.payload
+    if request.payload is not None:
+        return as_tensor(request.payload)
+    index_codec, value_codec = codecs_of(request)
+    return as_tensor(encode(sparse, index_codec, value_codec, rng=request.rng(world(group)[0])))
 
 
 @TRANSPORTS.register("allgather")
@@ -40,28 +43,24 @@ def payload_of(sparse: SparseGradient, group: Group, context: ReduceContext) -> 
 class AllgatherTransport(Transport):
     carries_payloads = True
 
-    def allreduce(self, grad: SparseGradient | torch.Tensor, group: Group = None,
-                  context: ReduceContext | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def reduce(self, grad: SparseGradient | torch.Tensor, group: Group = None, request: Request | None = None,
+               out: torch.Tensor | None = None, session: TransportSession | None = None) -> Reduction:
         sparse = as_sparse(grad)
-        context = context or ReduceContext()
-        index_codec, value_codec = codecs_of(context)
+        request = request or Request()
+        index_codec, value_codec = codecs_of(request)
         config = fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype, index_codec.to_spec(),
                              value_codec.to_spec())
-        payload = payload_of(sparse, group, context)
-        counts: list[int] | None
-        if context.agreed_nnz is None:  # the agreement step rides on the size exchange
-            counts = agree_and_gather_sizes(group, sparse.numel, config, payload.numel(), context.nonfinite)
-        else:  # the caller (auto) already agreed, maybe carrying the sizes (else allgather_bytes swaps them)
-            counts = context.agreed_sizes
-        context.bytes_sent += payload.numel()
-        context.chosen = self.to_spec()
+        payload = payload_of(sparse, group, request)
+        # the agreement step carries the payload sizes (auto's may not have: then allgather_bytes swaps them)
+        counts = agree(group, request, sparse.numel, config, nbytes=payload.numel()).sizes
+        record = CallRecord(self.to_spec(), payload.numel())
         total = output_buffer(out, sparse.numel, sparse.dtype)
-        gathered = allgather_bytes(payload, group, counts)
+        gathered = allgather_bytes(payload, group, None if counts is None else list(counts))
         start = time.perf_counter()
         for buffer in gathered:
             received = decode(buffer)
             if received.shape != sparse.shape:
                 raise SparseCommError(f"a rank sent shape {tuple(received.shape)}, expected {tuple(sparse.shape)}")
             total.index_add_(0, received.indices, received.values.to(sparse.dtype))
-        context.extra["decode_s"] = context.extra.get("decode_s", 0.0) + time.perf_counter() - start
-        return deliver(total, sparse.shape, sparse.device, out)
+        record.decode_s = time.perf_counter() - start
+        return Reduction(deliver(total, sparse.shape, sparse.device, out), record)

@@ -1,55 +1,28 @@
 """The transport interface: sum one tensor over the ranks of a process group.
 
-``allreduce`` takes this rank's contribution (a `SparseGradient`, or a dense tensor) and returns
-the dense sum over all ranks, identical on every rank — written into ``out`` when one is given
-(reusing a buffer spares a fresh allocation of the whole tensor on every call; ``out`` may be
-the contribution's own tensor). ``allreduce_async`` does the same on a
-worker thread and returns a ``torch.futures.Future`` (for DDP communication hooks). Calls on one
-group are run in submission order, so ranks that submit in the same order stay in step; do not
-use that group from another thread at the same time.
+``reduce(grad, group, request, out, session)`` takes this rank's contribution (a `SparseGradient`,
+or a dense tensor) and returns a `Reduction`: the dense sum over all ranks, identical on every
+rank — written into ``out`` when one is given (reusing a buffer spares a fresh allocation of the
+whole tensor on every call; ``out`` may be the contribution's own tensor) — and the call's
+`CallRecord`. ``allreduce`` returns the sum alone. ``reduce_async`` runs the call on the
+session's worker thread and returns a ``torch.futures.Future``: calls of one session run in
+submission order, so ranks that submit in the same order stay in step (do not use that group
+from another thread at the same time). Without a session a call has nowhere to keep state: it
+runs synchronously, and ``auto`` uses its model's choice.
 """
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import ClassVar
 
-import numpy as np
 import torch
 
-from sparsecomm.encode.base import IndexCodec, ValueCodec
 from sparsecomm.errors import SparseCommError
 from sparsecomm.registry import Component
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.transport.collectives import Group, agree
-
-
-@dataclass
-class ReduceContext:
-    """What a transport may use besides the tensor: the pipeline's codecs (``allgather`` encodes
-    with them), the shared seed and step (stochastic parts derive their generators from them and
-    the rank), and a place to count what was sent."""
-
-    index_codec: IndexCodec | None = None
-    value_codec: ValueCodec | None = None
-    seed: int = 0
-    step: int = 0
-    payload: bytes | torch.Tensor | None = None
-    """this rank's payload, when the pipeline already encoded it (``allgather`` then sends it as is)"""
-    nonfinite: bool = False
-    """this rank's input was non-finite: every rank raises at the agreement step"""
-    agreed_nnz: int | None = None
-    """set by a caller that already ran the agreement step (``auto``): the largest nnz over ranks"""
-    agreed_sizes: list[int] | None = None
-    """set with ``agreed_nnz`` when that step also carried every rank's ``payload`` size"""
-    bytes_sent: int = 0
-    chosen: str = ""
-    extra: dict[str, float] = field(default_factory=dict)
-
-    def rng(self, rank: int) -> np.random.Generator:
-        return np.random.default_rng([self.seed, rank, self.step])
+from sparsecomm.transport.collectives import Group
+from sparsecomm.transport.request import Reduction, Request
+from sparsecomm.transport.session import TransportSession
 
 
 class Transport(Component):
@@ -59,29 +32,32 @@ class Transport(Component):
     carries_payloads: ClassVar[bool] = False
     """whether it sends the pipeline's encoded payloads (else it sends the selection its own way)"""
 
-    def allreduce(self, grad: SparseGradient | torch.Tensor, group: Group = None,
-                  context: ReduceContext | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def reduce(self, grad: SparseGradient | torch.Tensor, group: Group = None, request: Request | None = None,
+               out: torch.Tensor | None = None, session: TransportSession | None = None) -> Reduction:
         raise NotImplementedError
 
-    def allreduce_async(self, grad: SparseGradient | torch.Tensor, group: Group = None,
-                        context: ReduceContext | None = None, out: torch.Tensor | None = None) -> torch.futures.Future:
+    def allreduce(self, grad: SparseGradient | torch.Tensor, group: Group = None, request: Request | None = None,
+                  out: torch.Tensor | None = None, session: TransportSession | None = None) -> torch.Tensor:
+        """The sum over ranks alone (see `reduce`)."""
+        return self.reduce(grad, group, request, out, session).total
+
+    def reduce_async(self, grad: SparseGradient | torch.Tensor, group: Group = None, request: Request | None = None,
+                     out: torch.Tensor | None = None,
+                     session: TransportSession | None = None) -> torch.futures.Future[Reduction]:
+        """`reduce` on the session's worker thread (without a session: now, on this thread)."""
         future: torch.futures.Future = torch.futures.Future()
 
         def run() -> None:
             try:
-                future.set_result(self.allreduce(grad, group, context, out))
+                future.set_result(self.reduce(grad, group, request, out, session))
             except BaseException as err:  # noqa: BLE001 - handed to the waiter
                 future.set_exception(err)
 
-        _executor(group).submit(run)
+        if session is None:
+            run()
+        else:
+            session.submit(run)
         return future
-
-
-def agreed(group: Group, context: ReduceContext | None, numel: int, config: int, nnz: int = 0) -> int:
-    """The agreement step (`sparsecomm.transport.collectives.agree`), unless the caller already ran it."""
-    if context is not None and context.agreed_nnz is not None:
-        return context.agreed_nnz
-    return agree(group, numel, config, nnz, nonfinite=bool(context and context.nonfinite))
 
 
 def as_sparse(grad: SparseGradient | torch.Tensor) -> SparseGradient:
@@ -111,16 +87,3 @@ def deliver(total: torch.Tensor, shape: torch.Size, device: torch.device, out: t
     if total.data_ptr() != out.data_ptr():
         out.copy_(total.reshape(out.shape))
     return out
-
-
-_EXECUTORS: dict[int, ThreadPoolExecutor] = {}
-_EXECUTORS_LOCK = threading.Lock()
-
-
-def _executor(group: Group) -> ThreadPoolExecutor:
-    """One worker thread per process group: its collectives run in submission order."""
-    key = id(group)
-    with _EXECUTORS_LOCK:
-        if key not in _EXECUTORS:
-            _EXECUTORS[key] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparsecomm-transport")
-        return _EXECUTORS[key]

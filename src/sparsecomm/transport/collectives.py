@@ -7,8 +7,6 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from sparsecomm.errors import SparseCommError
-
 Group = dist.ProcessGroup | None
 
 
@@ -22,51 +20,6 @@ def fingerprint(*parts: object) -> int:
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
 
 
-def agree(group: Group, grad_numel: int, config: int, nnz: int = 0, nonfinite: bool = False) -> int:
-    """The first collective of every transport call: one fixed-size all_gather that checks every
-    rank passes the same tensor size and configuration fingerprint and that no rank flagged a
-    non-finite gradient — raising `SparseCommError` on all ranks otherwise, so none is left hanging
-    in a later collective — and returns the largest ``nnz`` of any rank."""
-    return agreement(group, grad_numel, config, nnz, nonfinite)[0]
-
-
-def agree_and_gather_sizes(group: Group, grad_numel: int, config: int, nbytes: int,
-                           nonfinite: bool = False) -> list[int]:
-    """`agree`, carrying each rank's buffer size too: the same single collective also serves as
-    `allgather_bytes`' size exchange. Returns every rank's ``nbytes``, for ``counts=``."""
-    return _agreement_table(group, grad_numel, config, 0, nonfinite, nbytes)[:, 4].tolist()
-
-
-def agreement(group: Group, grad_numel: int, config: int, nnz: int = 0, nonfinite: bool = False,
-              nbytes: int = 0) -> tuple[int, list[int] | None]:
-    """`agree` that may also carry this rank's buffer size (``nbytes`` > 0): returns the largest
-    ``nnz`` and, when every rank sent a size, every rank's size (else None). All ranks see the same
-    table, so all of them get sizes or none does."""
-    table = _agreement_table(group, grad_numel, config, nnz, nonfinite, nbytes)
-    sizes = table[:, 4]
-    return int(table[:, 2].max()), sizes.tolist() if bool((sizes > 0).all()) else None
-
-
-def _agreement_table(group: Group, grad_numel: int, config: int, nnz: int, nonfinite: bool,
-                     nbytes: int) -> torch.Tensor:
-    """Every rank's (numel, config, nnz, non-finite flag, nbytes), checked the same way on every rank."""
-    _, size = world(group)
-    record = torch.tensor([grad_numel, config, nnz, int(nonfinite), nbytes], dtype=torch.int64)
-    records = torch.zeros(size * record.numel(), dtype=torch.int64)
-    _all_gather_single(records, record, group=group)
-    table = records.view(size, record.numel())
-    if bool((table[:, 0] != grad_numel).any() | (table[:, 1] != config).any()):
-        raise SparseCommError(
-            "ranks disagree on tensor size or transport configuration "
-            f"(this rank: numel {grad_numel}, config {config:#x}; across ranks numel "
-            f"{int(table[:, 0].min())}..{int(table[:, 0].max())})"
-        )
-    if bool(table[:, 3].any()):
-        raise SparseCommError("a rank had a non-finite gradient (NaN or Inf) in this tensor; no rank applied it"
-                              + (" — including this one" if nonfinite else ""))
-    return table
-
-
 def allgather_bytes(buffer: torch.Tensor, group: Group, counts: list[int] | None = None) -> list[torch.Tensor]:
     """Variable-length allgather of a 1-D uint8 tensor: every rank gets every rank's buffer (its
     own is ``buffer`` itself). gloo has no allgatherv, so sizes go first (unless ``counts`` already
@@ -76,7 +29,7 @@ def allgather_bytes(buffer: torch.Tensor, group: Group, counts: list[int] | None
         return [buffer]
     if counts is None:
         sizes = torch.zeros(size, dtype=torch.int64)
-        _all_gather_single(sizes, torch.tensor([buffer.numel()], dtype=torch.int64), group=group)
+        all_gather_single(sizes, torch.tensor([buffer.numel()], dtype=torch.int64), group=group)
         counts = sizes.tolist()
     received = [buffer if r == rank else torch.empty(n, dtype=torch.uint8) for r, n in enumerate(counts)]
     transfer(receives={r: t for r, t in enumerate(received) if r != rank},
@@ -141,7 +94,7 @@ def recv_bytes(peer: int, group: Group) -> torch.Tensor:
 
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _global(peer: int, group: Group) -> int:

@@ -158,20 +158,9 @@ class CostModel:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
 
-_OVERRIDE: CostModel | None = None
-
-
-def set_cost_model(model: CostModel | None) -> None:
-    """Use ``model`` in this process from now on (None: back to files and defaults)."""
-    global _OVERRIDE
-    _OVERRIDE = model
-
-
 def load_cost_model(path: str | Path | None = None) -> CostModel:
-    """The model set by `set_cost_model`, else the calibrated model from ``path``,
-    $SPARSECOMM_COST_MODEL or the default cache file; else the built-in defaults."""
-    if _OVERRIDE is not None and path is None:
-        return _OVERRIDE
+    """The calibrated model from ``path``, $SPARSECOMM_COST_MODEL or the default cache file; else
+    the built-in defaults. (To use a model of your own, pass it to a `TransportSession`.)"""
     chosen = Path(path) if path else Path(os.environ.get("SPARSECOMM_COST_MODEL", DEFAULT_PATH))
     if not chosen.is_file():
         return CostModel()

@@ -10,8 +10,11 @@ import torch.distributed as dist
 from sparsecomm.errors import SparseCommError
 from sparsecomm.registry import TRANSPORTS
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.transport.base import ReduceContext, Transport, agreed, as_dense, deliver
+from sparsecomm.transport.agreement import agree
+from sparsecomm.transport.base import Transport, as_dense, deliver
 from sparsecomm.transport.collectives import Group, fingerprint
+from sparsecomm.transport.request import CallRecord, Reduction, Request
+from sparsecomm.transport.session import TransportSession
 
 WIRE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -29,10 +32,10 @@ class DenseTransport(Transport):
     def exact(self) -> bool:  # type: ignore[override]
         return self.dtype == "fp32"
 
-    def allreduce(self, grad: SparseGradient | torch.Tensor, group: Group = None,
-                  context: ReduceContext | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def reduce(self, grad: SparseGradient | torch.Tensor, group: Group = None, request: Request | None = None,
+               out: torch.Tensor | None = None, session: TransportSession | None = None) -> Reduction:
         dense = as_dense(grad)
-        agreed(group, context, dense.numel(), fingerprint(self.to_spec(), tuple(dense.shape), dense.dtype))
+        agree(group, request or Request(), dense.numel(), fingerprint(self.to_spec(), tuple(dense.shape), dense.dtype))
         wire_dtype = WIRE_DTYPES[self.dtype]
         in_place = (out is not None and wire_dtype == dense.dtype == out.dtype and out.device.type == "cpu"
                     and out.is_contiguous() and out.numel() == dense.numel())
@@ -44,9 +47,7 @@ class DenseTransport(Transport):
         else:
             wire = dense.detach().to(wire_dtype).contiguous().clone()
         dist.all_reduce(wire, group=group)
-        if context is not None:
-            context.bytes_sent += wire.numel() * wire.element_size()
-            context.chosen = self.to_spec()
+        record = CallRecord(self.to_spec(), wire.numel() * wire.element_size())
         if in_place:
-            return wire
-        return deliver(wire.to(dense.dtype).reshape(-1), dense.shape, dense.device, out)
+            return Reduction(wire, record)
+        return Reduction(deliver(wire.to(dense.dtype).reshape(-1), dense.shape, dense.device, out), record)

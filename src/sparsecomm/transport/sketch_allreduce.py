@@ -22,8 +22,11 @@ import torch.distributed as dist
 from sparsecomm.errors import SparseCommError
 from sparsecomm.registry import TRANSPORTS
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.transport.base import ReduceContext, Transport, agreed, as_sparse, deliver, output_buffer
+from sparsecomm.transport.agreement import agree
+from sparsecomm.transport.base import Transport, as_sparse, deliver, output_buffer
 from sparsecomm.transport.collectives import Group, fingerprint
+from sparsecomm.transport.request import CallRecord, Reduction, Request
+from sparsecomm.transport.session import TransportSession
 
 PRIME = (1 << 31) - 1
 HASH_CHUNK = 1 << 15
@@ -89,16 +92,17 @@ class SketchAllreduce(Transport):
     def columns(self, max_nnz: int) -> int:
         return max(1, math.ceil(self.ratio * max(max_nnz, 1) / self.rows))
 
-    def allreduce(self, grad: SparseGradient | torch.Tensor, group: Group = None,
-                  context: ReduceContext | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def reduce(self, grad: SparseGradient | torch.Tensor, group: Group = None, request: Request | None = None,
+               out: torch.Tensor | None = None, session: TransportSession | None = None) -> Reduction:
         sparse = as_sparse(grad)
+        request = request or Request()
         numel = sparse.numel
         if numel >= PRIME:
             raise SparseCommError(f"sketch_allreduce hashes indices below {PRIME}; tensor has {numel}")
         config = fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype)
-        max_nnz = agreed(group, context, numel, config, sparse.nnz)
+        max_nnz = agree(group, request, numel, config, sparse.nnz).max_nnz
         columns = self.columns(max_nnz)
-        hashes = SketchHashes(self.seed + (context.step if context else 0), self.rows)
+        hashes = SketchHashes(self.seed + request.step, self.rows)
         indices = sparse.indices.cpu()
         values = sparse.values.detach().cpu().to(torch.float32)
         sketch = torch.zeros(self.rows, columns, dtype=torch.float32)
@@ -111,9 +115,7 @@ class SketchAllreduce(Transport):
         bitmap = torch.from_numpy(np.packbits(marks))
         dist.all_reduce(sketch, op=dist.ReduceOp.SUM, group=group)
         dist.all_reduce(bitmap, op=dist.ReduceOp.BOR, group=group)
-        if context is not None:
-            context.bytes_sent += sketch.numel() * 4 + bitmap.numel()
-            context.chosen = self.to_spec()
+        record = CallRecord(self.to_spec(), sketch.numel() * 4 + bitmap.numel())
         marked = torch.from_numpy(np.flatnonzero(np.unpackbits(bitmap.numpy(), count=n_blocks)))
         positions = (marked[:, None] * self.block + torch.arange(self.block)).reshape(-1)
         positions = positions[positions < numel]
@@ -122,4 +124,4 @@ class SketchAllreduce(Transport):
         decoded = estimates.median(dim=0).values if self.rows > 1 else estimates[0]
         total = output_buffer(out, numel, sparse.dtype)
         total[positions] = decoded.to(sparse.dtype)
-        return deliver(total, sparse.shape, sparse.device, out)
+        return Reduction(deliver(total, sparse.shape, sparse.device, out), record)

@@ -24,7 +24,8 @@ from sparsecomm.encode.value.qsgd import QSGDValues
 from sparsecomm.errors import PayloadError, SparseCommError
 from sparsecomm.registry import TRANSPORTS
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.transport.base import ReduceContext, Transport, agreed, as_sparse, deliver, output_buffer
+from sparsecomm.transport.agreement import agree
+from sparsecomm.transport.base import Transport, as_sparse, deliver, output_buffer
 from sparsecomm.transport.collectives import (
     Group,
     allgather_bytes,
@@ -36,6 +37,8 @@ from sparsecomm.transport.collectives import (
     world,
 )
 from sparsecomm.transport.cost_model import load_cost_model
+from sparsecomm.transport.request import CallRecord, Reduction, Request
+from sparsecomm.transport.session import TransportSession
 from sparsecomm.transport.streams import Stream, sum_streams
 
 ALGORITHMS = ("auto", "ssar_rd", "ssar_sa", "dsar_sa")
@@ -59,40 +62,41 @@ class SparseAllreduce(Transport):
     def exact(self) -> bool:  # type: ignore[override]
         return self.qsgd_bits == 0
 
-    def allreduce(self, grad: SparseGradient | torch.Tensor, group: Group = None,
-                  context: ReduceContext | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def reduce(self, grad: SparseGradient | torch.Tensor, group: Group = None, request: Request | None = None,
+               out: torch.Tensor | None = None, session: TransportSession | None = None) -> Reduction:
         sparse = as_sparse(grad).sorted()
-        context = context or ReduceContext()
+        request = request or Request()
         rank, size = world(group)
-        model = load_cost_model() if self.algorithm == "auto" else None
-        max_nnz = agreed(group, context, sparse.numel, fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype,
-                                                         model.fingerprint() if model else 0), sparse.nnz)
+        model = (session.cost_model if session else load_cost_model()) if self.algorithm == "auto" else None
+        max_nnz = agree(group, request, sparse.numel, fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype,
+                                                                  model.fingerprint() if model else 0),
+                        sparse.nnz).max_nnz
         algorithm = self.algorithm
         if model is not None:
             algorithm = model.best_sparse_algorithm(size, sparse.numel, max_nnz, sparse.values.element_size(),
                                                     self.qsgd_bits)
-        context.chosen = f"sparse_allreduce(algorithm={algorithm})"
+        record = CallRecord(f"sparse_allreduce(algorithm={algorithm})")
         values = sparse.values.detach().cpu()
         stream = Stream.sparse(sparse.indices.cpu(), values, sparse.numel)
         total = output_buffer(out, sparse.numel, sparse.dtype)
         if algorithm == "ssar_rd":
-            recursive_doubling(stream, group, context, total)
+            recursive_doubling(stream, group, record, total)
         elif algorithm == "ssar_sa":
-            split_allgather(stream, group, context, total, dense_phase=False)
+            split_allgather(stream, group, request, record, total, dense_phase=False)
         else:
-            split_allgather(stream, group, context, total, dense_phase=True, qsgd_bits=self.qsgd_bits,
+            split_allgather(stream, group, request, record, total, dense_phase=True, qsgd_bits=self.qsgd_bits,
                             bucket=self.bucket)
-        return deliver(total, sparse.shape, sparse.device, out)
+        return Reduction(deliver(total, sparse.shape, sparse.device, out), record)
 
 
-def recursive_doubling(stream: Stream, group: Group, context: ReduceContext, total: torch.Tensor) -> None:
+def recursive_doubling(stream: Stream, group: Group, record: CallRecord, total: torch.Tensor) -> None:
     """Sums ``stream`` over the group into ``total`` (flat, zeroed)."""
     rank, size = world(group)
     base = 1 << (size.bit_length() - 1)  # largest power of two ≤ size
     if rank >= base:  # fold into rank - base, get the result back at the end
         partner = rank - base
         send_bytes(stream.to_bytes(), partner, group)
-        context.bytes_sent += stream.wire_bytes()
+        record.bytes_sent += stream.wire_bytes()
         Stream.from_bytes(recv_bytes(partner, group)).write_into(total)
         return
     if rank < size - base:
@@ -100,13 +104,13 @@ def recursive_doubling(stream: Stream, group: Group, context: ReduceContext, tot
     distance = 1
     while distance < base:
         wire = stream.to_bytes()
-        context.bytes_sent += wire.numel()
+        record.bytes_sent += wire.numel()
         received = Stream.from_bytes(exchange_bytes(wire, rank ^ distance, group))
         stream = stream + received
         distance <<= 1
     if rank < size - base:
         wire = stream.to_bytes()
-        context.bytes_sent += wire.numel()
+        record.bytes_sent += wire.numel()
         send_bytes(wire, rank + base, group)
     stream.write_into(total)
 
@@ -126,13 +130,13 @@ def split_by_range(stream: Stream, bounds: list[int]) -> list[Stream]:
     return parts
 
 
-def split_allgather(stream: Stream, group: Group, context: ReduceContext, out: torch.Tensor, dense_phase: bool,
-                    qsgd_bits: int = 0, bucket: int = 1024) -> None:
+def split_allgather(stream: Stream, group: Group, request: Request, record: CallRecord, out: torch.Tensor,
+                    dense_phase: bool, qsgd_bits: int = 0, bucket: int = 1024) -> None:
     """Sums ``stream`` over the group into ``out`` (flat, zeroed)."""
     rank, size = world(group)
     bounds = range_bounds(stream.length, size)
     outgoing = [part.to_bytes() for part in split_by_range(stream, bounds)]
-    context.bytes_sent += sum(b.numel() for r, b in enumerate(outgoing) if r != rank)
+    record.bytes_sent += sum(b.numel() for r, b in enumerate(outgoing) if r != rank)
     incoming = [Stream.from_bytes(b) for b in alltoall_bytes(outgoing, group)]
     for part in incoming:
         if (part.offset, part.length) != (bounds[rank], bounds[rank + 1] - bounds[rank]):
@@ -142,10 +146,10 @@ def split_allgather(stream: Stream, group: Group, context: ReduceContext, out: t
         mine = Stream(mine.length, mine.to_dense(), None, mine.offset)
     if dense_phase and qsgd_bits:
         codec = QSGDValues(bits=qsgd_bits, bucket=bucket)
-        wire = torch.from_numpy(np.frombuffer(codec.encode(mine.values, context.rng(rank)), dtype=np.uint8).copy())
+        wire = torch.from_numpy(np.frombuffer(codec.encode(mine.values, request.rng(rank)), dtype=np.uint8).copy())
     else:
         wire = mine.to_bytes()
-    context.bytes_sent += wire.numel() * (size - 1)
+    record.bytes_sent += wire.numel() * (size - 1)
     for owner, buffer in enumerate(allgather_bytes(wire, group)):
         lo, hi = bounds[owner], bounds[owner + 1]
         if dense_phase and qsgd_bits:

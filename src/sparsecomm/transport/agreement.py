@@ -1,0 +1,49 @@
+"""The agreement step: the first collective of every transport call.
+
+One fixed-size all_gather of every rank's (tensor size, configuration fingerprint, stream key, call
+number, nnz, non-finite flag, payload size). Every rank checks the same table, so either all of
+them go on — knowing the largest nnz and, when all sent one, every payload size — or all raise
+`SparseCommError`, none left hanging in a later collective. Because the stream's key and call
+number are in it, ranks that pass tensors in different orders or counts fail with the key named
+instead of summing the wrong tensors together.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparsecomm.errors import SparseCommError
+from sparsecomm.transport.collectives import Group, all_gather_single, world
+from sparsecomm.transport.request import Agreement, Request
+
+_NUMEL, _CONFIG, _KEY, _CALL, _NNZ, _NONFINITE, _NBYTES = range(7)
+SHOWN_KEY_CHARS = 160
+
+
+def agree(group: Group, request: Request, numel: int, config: int, nnz: int = 0, nbytes: int = 0) -> Agreement:
+    """Run the agreement step for one call (``nbytes`` > 0: carry this rank's payload size too),
+    unless the request already carries its outcome (a caller such as ``auto`` ran it)."""
+    if request.agreement is not None:
+        return request.agreement
+    _, size = world(group)
+    record = torch.tensor([numel, config, request.key_hash, request.call, nnz, int(request.nonfinite), nbytes],
+                          dtype=torch.int64)
+    table = torch.zeros(size, record.numel(), dtype=torch.int64)
+    all_gather_single(table.view(-1), record, group=group)
+    key = request.key if len(request.key) <= SHOWN_KEY_CHARS else request.key[:SHOWN_KEY_CHARS] + "…"
+    if bool((table[:, _KEY] != request.key_hash).any() | (table[:, _CALL] != request.call).any()):
+        raise SparseCommError(
+            f"ranks passed different tensors to the same collective: this rank passed {key!r} (call "
+            f"{request.call}), others a different key or call number — every rank must reduce the same "
+            "named tensors in the same order")
+    if bool((table[:, _NUMEL] != numel).any() | (table[:, _CONFIG] != config).any()):
+        raise SparseCommError(
+            f"ranks disagree on tensor size or transport configuration for {key!r} (this rank: numel "
+            f"{numel}, config {config:#x}; across ranks numel {int(table[:, _NUMEL].min())}.."
+            f"{int(table[:, _NUMEL].max())})")
+    if bool(table[:, _NONFINITE].any()):
+        raise SparseCommError(f"a rank had a non-finite gradient (NaN or Inf) in {key!r}; no rank applied it"
+                              + (" — including this one" if request.nonfinite else ""))
+    sizes = table[:, _NBYTES]
+    return Agreement(int(table[:, _NNZ].max()), tuple(sizes.tolist()) if bool((sizes > 0).all()) else None)
+

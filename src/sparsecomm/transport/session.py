@@ -1,0 +1,55 @@
+"""`TransportSession`: the runtime state transports keep between calls — the one worker thread
+that runs asynchronous calls in submission order, the cost model, and what ``auto`` has measured
+per size class. Its owner (a `GradientReducer`, a benchmark) checkpoints it and closes it; no
+transport keeps state anywhere else.
+
+    with TransportSession() as session:
+        future = transport.reduce_async(selection, group, request, session=session)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from sparsecomm.transport.cost_model import CostModel, load_cost_model
+from sparsecomm.transport.tuning import Tuning
+
+
+class TransportSession:
+    """State shared by the transport calls of one owner on one process group."""
+
+    def __init__(self, cost_model: CostModel | None = None) -> None:
+        self.cost_model = cost_model or load_cost_model()
+        self.tunings: dict[tuple, Tuning] = {}
+        """auto's measurements per size class (N, nnz class, value size, P, auto's settings)"""
+        self.expected: dict[tuple, str] = {}
+        """per stream (N, value size, P, auto's spec): what its next call runs if its size class stays"""
+        self._executor: ThreadPoolExecutor | None = None
+
+    def submit(self, task: Callable[[], None]) -> None:
+        """Run ``task`` on the session's worker thread, after every task submitted before it."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparsecomm-transport")
+        self._executor.submit(task)
+
+    def close(self) -> None:
+        """Wait for submitted calls, then stop the worker thread (a later call starts a new one)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    def __enter__(self) -> TransportSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tunings": [(key, tuning.state_dict()) for key, tuning in self.tunings.items()],
+                "expected": list(self.expected.items())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tunings = {tuple(key): Tuning.from_state_dict(saved) for key, saved in state["tunings"]}
+        self.expected = {tuple(key): name for key, name in state["expected"]}
