@@ -72,7 +72,8 @@ def test_ddp_with_the_dgc_preset_keeps_ranks_identical_and_tracks_dense_loss(wor
     # short runs of small models; parity on real workloads is measured by `sparsecomm train`.
     assert dgc[0]["loss"] <= dense[0]["loss"] + 0.3, (dgc[0]["loss"], dense[0]["loss"])
     assert dgc[0]["loss"] < 0.2 * initial
-    assert dgc[0]["stats"]["compression_ratio"] >= 100 * dense[0]["stats"]["compression_ratio"]
+    # 99.9% of the weights stay home; the 522 bias entries (under dense_below) go whole
+    assert dgc[0]["stats"]["compression_ratio"] >= 50 * dense[0]["stats"]["compression_ratio"]
 
 
 class EmbeddingModel(nn.Module):
@@ -197,7 +198,7 @@ def nonfinite_step(rank: int, world: int, policy: str) -> dict:
         if step == 1 and rank == 1:
             model[0].weight.grad[0, 0] = float("nan")
         try:
-            sc.allreduce_gradients([(n, p.grad) for n, p in model.named_parameters()], "unused", reducer)
+            reducer.allreduce_((n, p.grad) for n, p in model.named_parameters())
         except sc.SparseCommError as err:
             outcome = str(err)
             break
@@ -239,7 +240,7 @@ def test_statistics_are_readable_from_the_state_and_double_momentum_is_flagged()
     assert len(result["warnings"]) == 1 and "momentum is applied twice" in result["warnings"][0]
     summary = result["summary"]
     assert summary["steps"] == 5 and summary["bytes_per_step"] == summary["bytes_sent"] / 5
-    assert summary["compression_ratio"] > 100  # 99.9% sparsity on the one ~76k-element bucket
+    assert summary["compression_ratio"] > 50  # 99.9% sparsity on the weights; the 522 bias entries go whole
     assert summary["select_s"] > 0 and summary["transport_s"] > 0 and summary["decode_s"] > 0
     (steps, sent, dense, path), = result["tensors"].values()
     assert steps == 5 and path == "compressed" and dense == 5 * 4 * sum(p.numel() for p in mlp(0).parameters())
