@@ -6,14 +6,13 @@ import pytest
 import torch
 
 import sparsecomm as sc
-from sparsecomm.spec import parse_component
 
 SPARSIFIERS = ["topk(ratio=0.01)", "dgc(ratio=0.01)", "randomk(ratio=0.01)", "threshold(value=2.0)",
                "block_topk(ratio=0.01,block=32)", "bucketed_topk(k=2,bucket=64)", "nonzero"]
 
 
 def make(text):
-    return parse_component(sc.SPARSIFIERS, text)
+    return sc.SPARSIFIERS.parse(text)
 
 
 def laplace(numel, seed):

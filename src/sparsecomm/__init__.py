@@ -5,18 +5,20 @@ named by one spec string such as ``"topk(ratio=0.01)+residual+rice+fp16"``.
 """
 
 from sparsecomm import components as _components  # noqa: F401  (fills the registries)
+from sparsecomm.encode.base import INDEX_CODECS, VALUE_CODECS
 from sparsecomm.errors import PayloadError, SparseCommError, SpecError
+from sparsecomm.feedback.base import FEEDBACKS
 from sparsecomm.integration.ddp_hook import ddp_comm_hook, register_ddp_hook
 from sparsecomm.integration.gradients import allreduce_gradients, check_optimizer
 from sparsecomm.integration.presets import PRESETS, available_presets, resolve
 from sparsecomm.integration.reducer import GradientReducer
 from sparsecomm.payload import PayloadInfo, as_tensor, decode, encode, read_info
 from sparsecomm.pipeline import Pipeline
-from sparsecomm.registry import FEEDBACKS, INDEX_CODECS, SPARSIFIERS, TRANSPORTS, VALUE_CODECS
 from sparsecomm.sparse_gradient import SparseGradient
+from sparsecomm.sparsify.base import SPARSIFIERS
 from sparsecomm.spec import PipelineSpec, format_spec, parse_spec
 from sparsecomm.transport.agreement import agree
-from sparsecomm.transport.base import Transport
+from sparsecomm.transport.base import TRANSPORTS, Transport
 from sparsecomm.transport.cost_model import CostModel, load_cost_model
 from sparsecomm.transport.request import Agreement, CallRecord, Reduction, Request
 from sparsecomm.transport.session import TransportSession

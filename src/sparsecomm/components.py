@@ -1,17 +1,69 @@
-"""Imports every built-in component so the registries are full, and lists them by kind."""
+"""Every built-in component, loaded here and nowhere else (importing ``sparsecomm`` loads this module,
+so the registries are full before any spec is parsed or payload decoded). The classes are importable
+from here for IDE users: ``from sparsecomm.components import TopK, RiceIndices``."""
 
 from __future__ import annotations
 
-from sparsecomm import feedback, sparsify, transport  # noqa: F401  (registration side effects)
-from sparsecomm.encode import index, joint, value  # noqa: F401
-from sparsecomm.registry import FEEDBACKS, INDEX_CODECS, SPARSIFIERS, TRANSPORTS, VALUE_CODECS, Registry
+from sparsecomm.encode.index.bitmap import BitmapIndices
+from sparsecomm.encode.index.bloom import BloomIndices
+from sparsecomm.encode.index.delta_binary import DeltaBinaryIndices
+from sparsecomm.encode.index.huffman import HuffmanIndices
+from sparsecomm.encode.index.raw import RawIndices
+from sparsecomm.encode.index.rice import RiceIndices
+from sparsecomm.encode.index.rle import RunLengthIndices
+from sparsecomm.encode.joint.skcompress import SKCompress
+from sparsecomm.encode.value.deflate import DeflateValues
+from sparsecomm.encode.value.dexp import DoubleExponentialValues
+from sparsecomm.encode.value.floats import BFloat16Values, Float16Values, Float32Values
+from sparsecomm.encode.value.polyfit import PolyfitValues
+from sparsecomm.encode.value.qsgd import QSGDValues
+from sparsecomm.encode.value.zstd import ZstdValues
+from sparsecomm.feedback.dgc_momentum import DGCMomentum
+from sparsecomm.feedback.none import NoFeedback
+from sparsecomm.feedback.residual import Residual
+from sparsecomm.sparsify.block_topk import BlockTopK
+from sparsecomm.sparsify.bucketed_topk import BucketedTopK
+from sparsecomm.sparsify.dgc_threshold import DGCThreshold
+from sparsecomm.sparsify.nonzero import Nonzero
+from sparsecomm.sparsify.randomk import RandomK
+from sparsecomm.sparsify.threshold import Threshold
+from sparsecomm.sparsify.topk import TopK
+from sparsecomm.transport.allgather import AllgatherTransport
+from sparsecomm.transport.auto import AutoTransport
+from sparsecomm.transport.dense import DenseTransport
+from sparsecomm.transport.sketch_allreduce import SketchAllreduce
+from sparsecomm.transport.sparse_allreduce import SparseAllreduce
 
-
-def registries() -> dict[str, Registry]:
-    return {
-        "sparsifier": SPARSIFIERS,
-        "feedback": FEEDBACKS,
-        "index": INDEX_CODECS,
-        "value": VALUE_CODECS,
-        "transport": TRANSPORTS,
-    }
+__all__ = [
+    "AllgatherTransport",
+    "AutoTransport",
+    "BFloat16Values",
+    "BitmapIndices",
+    "BlockTopK",
+    "BloomIndices",
+    "BucketedTopK",
+    "DGCMomentum",
+    "DGCThreshold",
+    "DeflateValues",
+    "DeltaBinaryIndices",
+    "DenseTransport",
+    "DoubleExponentialValues",
+    "Float16Values",
+    "Float32Values",
+    "HuffmanIndices",
+    "NoFeedback",
+    "Nonzero",
+    "PolyfitValues",
+    "QSGDValues",
+    "RandomK",
+    "RawIndices",
+    "Residual",
+    "RiceIndices",
+    "RunLengthIndices",
+    "SKCompress",
+    "SketchAllreduce",
+    "SparseAllreduce",
+    "Threshold",
+    "TopK",
+    "ZstdValues",
+]

@@ -40,12 +40,11 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from sparsecomm.encode.base import IndexCodec, ValueCodec
+from sparsecomm.encode.base import INDEX_CODECS, VALUE_CODECS, IndexCodec, ValueCodec
 from sparsecomm.encode.value.dtypes import DTYPE_BY_CODE, FLOAT_DTYPES
 from sparsecomm.errors import PayloadError, SparseCommError, SpecError
-from sparsecomm.registry import INDEX_CODECS, VALUE_CODECS, Component, Registry
+from sparsecomm.registry import Component, Registry
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.spec import parse_component
 
 MAGIC = b"SPCM"
 FORMAT_VERSION = 1
@@ -183,7 +182,7 @@ def as_tensor(payload: bytes) -> torch.Tensor:
 
 # -- internals ----------------------------------------------------------------------------------
 def _as_codec(registry: Registry, codec: Component | str, kind: type[CodecT]) -> CodecT:
-    component = parse_component(registry, codec) if isinstance(codec, str) else codec
+    component = registry.parse(codec) if isinstance(codec, str) else codec
     if not isinstance(component, kind):
         raise SparseCommError(f"{component.name!r} is a {component.kind}, not a {registry.kind} codec")
     return component

@@ -11,8 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Generic, TypeVar
 
 from sparsecomm.errors import SpecError
-
-ParamValue = int | float | bool | str
+from sparsecomm.spec_grammar import ParamValue, format_stage, split_stages
 
 
 class Component:
@@ -32,8 +31,6 @@ class Component:
         return out
 
     def to_spec(self) -> str:
-        from sparsecomm.spec import format_stage
-
         return format_stage(self.name, self.params())
 
 
@@ -76,6 +73,14 @@ class Registry(Generic[C]):
             raise SpecError(
                 f"unknown {self.kind} {name!r}; valid names: {', '.join(self.names())}"
             ) from None
+
+    def parse(self, text: str) -> C:
+        """One stage of this kind from its text, e.g. ``VALUE_CODECS.parse("qsgd(bits=4)")``."""
+        stages = split_stages(text)
+        if len(stages) != 1:
+            raise SpecError(f"expected one {self.kind}, got {text!r}")
+        name, params = stages[0]
+        return self.create(name, params)
 
     def create(self, name: str, params: Mapping[str, ParamValue] | None = None) -> C:
         """An instance of ``name`` with ``params`` converted to the declared field types."""
@@ -132,12 +137,3 @@ def _coerce(value: ParamValue, annotation: Any, where: str) -> ParamValue:
             return value
     names = " or ".join(getattr(t, "__name__", str(t)) for t in allowed)
     raise SpecError(f"{where} must be {names}, got {value!r}")
-
-
-# The five kinds of pipeline stage. Component modules add themselves with ``@X.register(name)``;
-# ``sparsecomm.components`` imports them all.
-SPARSIFIERS: Registry = Registry("sparsifier")
-FEEDBACKS: Registry = Registry("feedback")
-INDEX_CODECS: Registry = Registry("index")
-VALUE_CODECS: Registry = Registry("value")
-TRANSPORTS: Registry = Registry("transport")

@@ -12,7 +12,7 @@ may decode to other indices than it was given, and P0 sends the gradient's true 
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,13 +21,11 @@ from tqdm import tqdm
 from sparsecomm.bench.bounds import subset_bits_per_index
 from sparsecomm.bench.sources import make_gradient
 from sparsecomm.bench.timing import time_ms
-from sparsecomm.encode.base import IndexCodec, ValueCodec
+from sparsecomm.encode.base import INDEX_CODECS, VALUE_CODECS
 from sparsecomm.errors import SparseCommError, SpecError
 from sparsecomm.payload import JOINT_VALUE_SPEC, decode, encode, read_info
-from sparsecomm.registry import INDEX_CODECS, VALUE_CODECS
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.sparsify.topk import TopK
-from sparsecomm.spec import parse_component
 
 REFERENCE_INDEX = "rice"
 REFERENCE_VALUE = "fp16"
@@ -67,8 +65,8 @@ SUITES = {"all": default_pairs, "deepreduce": lambda: list(DEEPREDUCE_PAIRS),
 def measure(selection: SparseGradient, index_text: str, value_text: str, repeat: int,
             dense: torch.Tensor | None = None) -> dict[str, Any]:
     """One (index codec, value codec) pair on one sparse gradient taken from ``dense``."""
-    index_codec = cast(IndexCodec, parse_component(INDEX_CODECS, index_text))
-    value_codec = cast(ValueCodec, parse_component(VALUE_CODECS, value_text))
+    index_codec = INDEX_CODECS.parse(index_text)
+    value_codec = VALUE_CODECS.parse(value_text)
     encode_ms, payload = time_ms(
         lambda: encode(selection, index_codec, value_codec, rng=np.random.default_rng(0), dense=dense), repeat
     )

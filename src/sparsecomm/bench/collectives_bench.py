@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm.bench.calibration import calibrate_group
+from sparsecomm.encode.base import INDEX_CODECS, VALUE_CODECS
 from sparsecomm.launch import run_local
-from sparsecomm.registry import INDEX_CODECS, VALUE_CODECS
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.spec import parse_spec
 from sparsecomm.transport.auto import choose, estimated_payload_bytes_per_nnz, exploring_calls

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, cast
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from sparsecomm.bench.sources import make_gradient
 from sparsecomm.bench.timing import time_ms
-from sparsecomm.registry import SPARSIFIERS
-from sparsecomm.sparsify.base import Sparsifier, count_from
+from sparsecomm.sparsify.base import SPARSIFIERS, count_from
 
 
 def default_sparsifiers(density: float, threshold: float) -> list[str]:
@@ -27,7 +26,6 @@ def default_sparsifiers(density: float, threshold: float) -> list[str]:
 
 def run(numel: int, density: float, source: str = "normal", repeat: int = 5, seed: int = 0,
         sparsifiers: list[str] | None = None) -> dict[str, Any]:
-    from sparsecomm.spec import parse_component
 
     grad = make_gradient(source, numel, seed)
     numel = grad.numel()
@@ -37,7 +35,7 @@ def run(numel: int, density: float, source: str = "normal", repeat: int = 5, see
     threshold = float(top_values.min())  # the absolute threshold that selects exactly k here
     rows = []
     for text in tqdm(sparsifiers or default_sparsifiers(density, threshold), desc="sparsifiers", disable=None):
-        sparsifier = cast(Sparsifier, parse_component(SPARSIFIERS, text))
+        sparsifier = SPARSIFIERS.parse(text)
         generator = torch.Generator().manual_seed(seed)
         ms, selection = time_ms(partial(sparsifier.sparsify, grad, generator), repeat)
         target = sparsifier.target_count(numel)

@@ -13,7 +13,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from sparsecomm.registry import Component
+from sparsecomm.registry import Component, Registry
 
 
 class IndexCodec(Component):
@@ -77,3 +77,9 @@ def codecs_lossless(index_codec: IndexCodec, value_codec: ValueCodec) -> bool:
     """Whether a payload with these codecs decodes to exactly what was encoded."""
     values_exact = index_codec.values_lossless if index_codec.codes_values else value_codec.lossless
     return index_codec.lossless and values_exact
+
+
+INDEX_CODECS: Registry[IndexCodec] = Registry("index")
+"""every index codec (joint codecs too), by name"""
+VALUE_CODECS: Registry[ValueCodec] = Registry("value")
+"""every value codec, by name"""

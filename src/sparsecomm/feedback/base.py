@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from sparsecomm.registry import Component
+from sparsecomm.registry import Component, Registry
 from sparsecomm.sparse_gradient import SparseGradient
 
 
@@ -34,3 +34,7 @@ def subtract_sent(accumulated: torch.Tensor, sent: SparseGradient) -> torch.Tens
     indices = sent.indices.to(flat.device)
     flat.index_put_((indices,), -sent.values.to(flat.device, flat.dtype), accumulate=True)
     return indices
+
+
+FEEDBACKS: Registry[Feedback] = Registry("feedback")
+"""every feedback, by name"""

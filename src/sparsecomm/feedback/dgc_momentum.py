@@ -26,8 +26,7 @@ from typing import Any
 import torch
 
 from sparsecomm.errors import SparseCommError
-from sparsecomm.feedback.base import Feedback, subtract_sent
-from sparsecomm.registry import FEEDBACKS
+from sparsecomm.feedback.base import FEEDBACKS, Feedback, subtract_sent
 from sparsecomm.sparse_gradient import SparseGradient
 
 

@@ -7,8 +7,7 @@ from typing import Any
 
 import torch
 
-from sparsecomm.feedback.base import Feedback
-from sparsecomm.registry import FEEDBACKS
+from sparsecomm.feedback.base import FEEDBACKS, Feedback
 from sparsecomm.sparse_gradient import SparseGradient
 
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from sparsecomm.errors import SparseCommError
-from sparsecomm.registry import Component
+from sparsecomm.registry import Component, Registry
 from sparsecomm.sparse_gradient import SparseGradient
 
 
@@ -77,3 +77,7 @@ def count_from(numel: int, ratio: float | None, k: int | None) -> int:
 def gather(tensor: torch.Tensor, indices: torch.Tensor) -> SparseGradient:
     flat = tensor.reshape(-1)
     return SparseGradient(indices, flat[indices], tensor.shape)
+
+
+SPARSIFIERS: Registry[Sparsifier] = Registry("sparsifier")
+"""every sparsifier, by name (``@SPARSIFIERS.register("name")`` adds one)"""

@@ -10,9 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from sparsecomm.errors import SparseCommError
-from sparsecomm.registry import SPARSIFIERS
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.sparsify.base import Sparsifier, check_ratio_or_count, count_from, gather
+from sparsecomm.sparsify.base import SPARSIFIERS, Sparsifier, check_ratio_or_count, count_from, gather
 
 
 @SPARSIFIERS.register("block_topk")

@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsecomm.registry import SPARSIFIERS
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.sparsify.base import Sparsifier
+from sparsecomm.sparsify.base import SPARSIFIERS, Sparsifier
 
 
 @SPARSIFIERS.register("nonzero")

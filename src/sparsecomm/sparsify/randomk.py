@@ -7,9 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsecomm.registry import SPARSIFIERS
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.sparsify.base import Sparsifier, check_ratio_or_count, count_from, gather
+from sparsecomm.sparsify.base import SPARSIFIERS, Sparsifier, check_ratio_or_count, count_from, gather
 
 
 @SPARSIFIERS.register("randomk")

@@ -9,9 +9,8 @@ import numpy as np
 import torch
 
 from sparsecomm.errors import SparseCommError
-from sparsecomm.registry import SPARSIFIERS
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.sparsify.base import Sparsifier, gather
+from sparsecomm.sparsify.base import SPARSIFIERS, Sparsifier, gather
 
 _CHUNK = 1 << 20  # elements per cache-sized block in the CPU pass
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsecomm.registry import SPARSIFIERS
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.sparsify.base import (
+    SPARSIFIERS,
     Sparsifier,
     check_ratio_or_count,
     check_warmup,

@@ -14,10 +14,9 @@ from sparsecomm.encode.index.rice import RiceIndices
 from sparsecomm.encode.value.floats import Float32Values
 from sparsecomm.errors import SparseCommError
 from sparsecomm.payload import as_tensor, decode, encode
-from sparsecomm.registry import TRANSPORTS
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.agreement import agree
-from sparsecomm.transport.base import Transport, as_sparse, deliver, output_buffer
+from sparsecomm.transport.base import TRANSPORTS, Transport, as_sparse, deliver, output_buffer
 from sparsecomm.transport.collectives import Group, allgather_bytes, fingerprint, world
 from sparsecomm.transport.request import CallRecord, Reduction, Request
 from sparsecomm.transport.session import TransportSession

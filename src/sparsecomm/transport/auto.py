@@ -31,11 +31,10 @@ import torch.distributed as dist
 from sparsecomm.encode.index.rice import RiceIndices
 from sparsecomm.encode.value.floats import Float32Values
 from sparsecomm.errors import SparseCommError
-from sparsecomm.registry import TRANSPORTS
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.agreement import agree
 from sparsecomm.transport.allgather import AllgatherTransport, payload_of
-from sparsecomm.transport.base import Transport, as_sparse
+from sparsecomm.transport.base import TRANSPORTS, Transport, as_sparse
 from sparsecomm.transport.collectives import Group, fingerprint, world
 from sparsecomm.transport.cost_model import CostModel, load_cost_model
 from sparsecomm.transport.dense import DenseTransport

@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 
 from sparsecomm.errors import SparseCommError
-from sparsecomm.registry import Component
+from sparsecomm.registry import Component, Registry
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.collectives import Group
 from sparsecomm.transport.request import Reduction, Request
@@ -87,3 +87,7 @@ def deliver(total: torch.Tensor, shape: torch.Size, device: torch.device, out: t
     if total.data_ptr() != out.data_ptr():
         out.copy_(total.reshape(out.shape))
     return out
+
+
+TRANSPORTS: Registry[Transport] = Registry("transport")
+"""every transport, by name"""

@@ -8,10 +8,9 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm.errors import SparseCommError
-from sparsecomm.registry import TRANSPORTS
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.agreement import agree
-from sparsecomm.transport.base import Transport, as_dense, deliver
+from sparsecomm.transport.base import TRANSPORTS, Transport, as_dense, deliver
 from sparsecomm.transport.collectives import Group, fingerprint
 from sparsecomm.transport.request import CallRecord, Reduction, Request
 from sparsecomm.transport.session import TransportSession

@@ -22,10 +22,9 @@ import torch
 
 from sparsecomm.encode.value.qsgd import QSGDValues
 from sparsecomm.errors import PayloadError, SparseCommError
-from sparsecomm.registry import TRANSPORTS
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.agreement import agree
-from sparsecomm.transport.base import Transport, as_sparse, deliver, output_buffer
+from sparsecomm.transport.base import TRANSPORTS, Transport, as_sparse, deliver, output_buffer
 from sparsecomm.transport.collectives import (
     Group,
     allgather_bytes,

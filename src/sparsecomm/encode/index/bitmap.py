@@ -6,10 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sparsecomm.encode.base import IndexCodec
+from sparsecomm.encode.base import INDEX_CODECS, IndexCodec
 from sparsecomm.encode.bits import nbytes_for_bits
 from sparsecomm.errors import PayloadError
-from sparsecomm.registry import INDEX_CODECS
 
 
 @INDEX_CODECS.register("bitmap")

@@ -21,12 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sparsecomm.encode.base import IndexCodec
+from sparsecomm.encode.base import INDEX_CODECS, IndexCodec
 from sparsecomm.encode.bits import nbytes_for_bits
 from sparsecomm.encode.index.bloom_filter import BloomFilter, filter_size
 from sparsecomm.encode.index.bloom_policies import POLICIES, choose
 from sparsecomm.errors import PayloadError, SparseCommError
-from sparsecomm.registry import INDEX_CODECS
 
 _HEAD = struct.Struct("<QQB")
 MAX_HASHES = 64

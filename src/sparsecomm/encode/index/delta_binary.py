@@ -8,10 +8,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sparsecomm.encode.base import IndexCodec
+from sparsecomm.encode.base import INDEX_CODECS, IndexCodec
 from sparsecomm.encode.bits import pack_fixed, unpack_fixed
 from sparsecomm.errors import PayloadError
-from sparsecomm.registry import INDEX_CODECS
 
 _SIZES = np.array([1, 2, 4, 8])
 

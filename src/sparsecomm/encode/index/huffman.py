@@ -12,11 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sparsecomm.encode.base import IndexCodec
+from sparsecomm.encode.base import INDEX_CODECS, IndexCodec
 from sparsecomm.encode.bits import pack_varwidth, unpack_varwidth
 from sparsecomm.encode.huffman_code import HuffmanCode
 from sparsecomm.errors import PayloadError
-from sparsecomm.registry import INDEX_CODECS
 
 _LEN = struct.Struct("<I")
 MAX_CLASS = 64

@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sparsecomm.encode.base import IndexCodec
+from sparsecomm.encode.base import INDEX_CODECS, IndexCodec
 from sparsecomm.errors import PayloadError, SparseCommError
-from sparsecomm.registry import INDEX_CODECS
 
 
 @INDEX_CODECS.register("raw")

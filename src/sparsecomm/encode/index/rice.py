@@ -15,10 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sparsecomm.encode.base import IndexCodec
+from sparsecomm.encode.base import INDEX_CODECS, IndexCodec
 from sparsecomm.encode.bits import nbytes_for_bits, pack_fixed, pack_unary, unpack_fixed, unpack_unary
 from sparsecomm.errors import PayloadError, SparseCommError
-from sparsecomm.registry import INDEX_CODECS
 
 MAX_PARAMETER = 48
 

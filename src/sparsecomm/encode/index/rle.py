@@ -8,9 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sparsecomm.encode.base import IndexCodec
+from sparsecomm.encode.base import INDEX_CODECS, IndexCodec
 from sparsecomm.errors import PayloadError
-from sparsecomm.registry import INDEX_CODECS
 
 ESCAPE = 0xFFFF
 

@@ -30,12 +30,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sparsecomm.encode.base import IndexCodec
+from sparsecomm.encode.base import INDEX_CODECS, IndexCodec
 from sparsecomm.encode.entropy import CODERS, decode_symbols, encode_symbols
 from sparsecomm.encode.index.rice import decode_gaps, encode_gaps
 from sparsecomm.encode.joint import minmax_sketch
 from sparsecomm.errors import PayloadError, SparseCommError
-from sparsecomm.registry import INDEX_CODECS
 
 _HEAD = struct.Struct("<QH")
 _GROUP = np.dtype([("first_bin", "<u2"), ("end_bin", "<u2"), ("keys", "<u4")])

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sparsecomm.encode.base import ValueCodec
+from sparsecomm.encode.base import VALUE_CODECS, ValueCodec
 from sparsecomm.encode.value.dtypes import tensor_bytes, tensor_from_bytes
 from sparsecomm.errors import PayloadError, SparseCommError
-from sparsecomm.registry import VALUE_CODECS
 
 MAX_EXPANSION = 1032  # Deflate's largest possible decompression ratio
 

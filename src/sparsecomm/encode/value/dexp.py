@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.polynomial import chebyshev
 
+from sparsecomm.encode.base import VALUE_CODECS
 from sparsecomm.encode.value.curve_fit import CurveFitValues, normalized_positions
 from sparsecomm.errors import PayloadError, SparseCommError
-from sparsecomm.registry import VALUE_CODECS
 
 RATE_GRID = np.array([-1024.0, -256.0, -64.0, -16.0, -8.0, -4.0, -2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0])
 EXPONENTIAL, POLYNOMIAL = 0, 1

@@ -11,10 +11,9 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from sparsecomm.encode.base import ValueCodec
+from sparsecomm.encode.base import VALUE_CODECS, ValueCodec
 from sparsecomm.encode.value.dtypes import tensor_bytes, tensor_from_bytes
 from sparsecomm.errors import SparseCommError
-from sparsecomm.registry import VALUE_CODECS
 
 
 class FloatValues(ValueCodec):

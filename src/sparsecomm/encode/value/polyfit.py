@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.polynomial import chebyshev
 
+from sparsecomm.encode.base import VALUE_CODECS
 from sparsecomm.encode.value.curve_fit import CurveFitValues, normalized_positions
 from sparsecomm.errors import PayloadError, SparseCommError
-from sparsecomm.registry import VALUE_CODECS
 
 
 def chord_cuts(curve: np.ndarray, segments: int, min_points: int) -> np.ndarray:

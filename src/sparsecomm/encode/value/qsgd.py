@@ -18,10 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sparsecomm.encode.base import ValueCodec
+from sparsecomm.encode.base import VALUE_CODECS, ValueCodec
 from sparsecomm.encode.bits import nbytes_for_bits, pack_fixed, unpack_fixed
 from sparsecomm.errors import PayloadError, SparseCommError
-from sparsecomm.registry import VALUE_CODECS
 
 
 @VALUE_CODECS.register("qsgd")

@@ -8,11 +8,10 @@ import numpy as np
 import torch
 import zstandard
 
-from sparsecomm.encode.base import ValueCodec
+from sparsecomm.encode.base import VALUE_CODECS, ValueCodec
 from sparsecomm.encode.value.deflate import shuffle_bytes, unshuffle_bytes
 from sparsecomm.encode.value.dtypes import tensor_bytes, tensor_from_bytes
 from sparsecomm.errors import PayloadError, SparseCommError
-from sparsecomm.registry import VALUE_CODECS
 
 MAX_EXPANSION = 1 << 16  # bound on the declared content size per input byte that we accept
 
