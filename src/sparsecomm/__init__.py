@@ -4,7 +4,7 @@ A pipeline is sparsify → feedback → encode (index codec + value codec) → t
 named by one spec string such as ``"topk(ratio=0.01)+residual+rice+fp16"``.
 """
 
-from sparsecomm import components as _components  # noqa: F401  (fills the registries)
+from sparsecomm import components  # every component, loaded in one place (fills the registries)
 from sparsecomm.encode.base import INDEX_CODECS, VALUE_CODECS
 from sparsecomm.errors import PayloadError, SparseCommError, SpecError
 from sparsecomm.feedback.base import FEEDBACKS
@@ -26,6 +26,7 @@ from sparsecomm.transport.session import TransportSession
 __version__ = "0.1.0"
 
 __all__ = [
+    "components",
     "PRESETS",
     "FEEDBACKS",
     "INDEX_CODECS",
