@@ -131,3 +131,30 @@ def test_multi_dimensional_gradients_use_flat_indices(text):
     selection = make(text).sparsify(grad, torch.Generator().manual_seed(0))
     assert selection.shape == (20, 30)
     assert torch.equal(selection.values, grad.reshape(-1)[selection.indices])
+
+
+COUNTED = [name for name in sc.SPARSIFIERS.names()
+           if issubclass(sc.SPARSIFIERS.get(name), sc.components.CountedSparsifier)]
+
+
+def test_every_count_based_sparsifier_shares_one_base():
+    assert set(COUNTED) >= {"topk", "dgc", "randomk", "block_topk", "bucketed_topk"}
+
+
+@pytest.mark.parametrize("name", COUNTED)
+@pytest.mark.parametrize("params", ["", "ratio=0.1,k=3", "ratio=0", "ratio=1.5", "k=-1", "k=3,warmup=2",
+                                    "ratio=0.1,warmup=-1"])
+def test_count_parameters_are_checked_alike(name, params):
+    with pytest.raises(sc.SpecError, match=name):
+        make(f"{name}({params})")
+
+
+@pytest.mark.parametrize("name", COUNTED)
+def test_warmup_schedules_every_count_based_sparsifier(name):
+    sparsifier = make(f"{name}(ratio=0.001,warmup=8)")
+    assert [sparsifier.at_step(step).ratio for step in (0, 2, 4, 6, 8)] == [0.25, 0.0625, 0.015625, 0.00390625,
+                                                                             0.001]
+    assert sparsifier.at_step(0).warmup == 0
+    grad = torch.randn(65536, generator=torch.Generator().manual_seed(1))
+    generator = torch.Generator().manual_seed(2)
+    assert sparsifier.at_step(0).sparsify(grad, generator).nnz > 8 * sparsifier.at_step(8).sparsify(grad, generator).nnz

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,12 +32,41 @@ WARMUP_STAGES = 4
 WARMUP_BASE = 0.25
 
 
-def with_warmup(sparsifier: Sparsifier, step: int) -> Sparsifier:
-    """``sparsifier`` (which has ``ratio`` and ``warmup`` fields) at ``step`` of its warm-up."""
-    ratio, warmup = getattr(sparsifier, "ratio", None), getattr(sparsifier, "warmup", 0)
-    if not warmup or ratio is None:
-        return sparsifier
-    return replace(sparsifier, ratio=warmup_ratio(ratio, step, warmup), warmup=0)  # type: ignore[type-var]
+@dataclass(frozen=True)
+class CountedSparsifier(Sparsifier):
+    """Base of the sparsifiers that aim at a count: ``k`` entries, or a ``ratio`` of the tensor,
+    optionally reached through DGC's exponential ``warmup``. Subclasses apply `count` to whatever
+    unit they select (entries, blocks, entries per bucket)."""
+
+    ratio: float | None = None
+    k: int | None = None
+    warmup: int = 0
+    """steps of DGC's exponential warm-up before ``ratio`` applies (ratio-based only)"""
+
+    def __post_init__(self) -> None:
+        if (self.ratio is None) == (self.k is None):
+            raise SparseCommError(f"{self.name} takes exactly one of ratio= or k=")
+        if self.ratio is not None and not 0.0 < self.ratio <= 1.0:
+            raise SparseCommError(f"{self.name} ratio must be in (0, 1], got {self.ratio}")
+        if self.k is not None and self.k < 0:
+            raise SparseCommError(f"{self.name} k must be >= 0, got {self.k}")
+        if self.warmup < 0:
+            raise SparseCommError(f"{self.name} warmup must be >= 0 steps")
+        if self.warmup and self.ratio is None:
+            raise SparseCommError(f"{self.name} warmup needs ratio= (a schedule of densities), not k=")
+
+    def count(self, units: int) -> int:
+        """How many of ``units`` to keep: k if given, else ceil(ratio·units), at least 1 of a
+        non-empty set; never more than ``units``."""
+        return count_from(units, self.ratio, self.k)
+
+    def target_count(self, numel: int) -> int:
+        return self.count(numel)
+
+    def at_step(self, step: int) -> Sparsifier:
+        if not self.warmup or self.ratio is None:
+            return self
+        return replace(self, ratio=warmup_ratio(self.ratio, step, self.warmup), warmup=0)
 
 
 def warmup_ratio(final: float, step: int, warmup_steps: int) -> float:
@@ -48,22 +77,6 @@ def warmup_ratio(final: float, step: int, warmup_steps: int) -> float:
         return final
     stage = step * WARMUP_STAGES // warmup_steps
     return max(final, WARMUP_BASE ** (stage + 1))
-
-
-def check_ratio_or_count(name: str, ratio: float | None, k: int | None) -> None:
-    if (ratio is None) == (k is None):
-        raise SparseCommError(f"{name} takes exactly one of ratio= or k=")
-    if ratio is not None and not 0.0 < ratio <= 1.0:
-        raise SparseCommError(f"{name} ratio must be in (0, 1], got {ratio}")
-    if k is not None and k < 0:
-        raise SparseCommError(f"{name} k must be >= 0, got {k}")
-
-
-def check_warmup(name: str, ratio: float | None, warmup: int) -> None:
-    if warmup < 0:
-        raise SparseCommError(f"{name} warmup must be >= 0 steps")
-    if warmup and ratio is None:
-        raise SparseCommError(f"{name} warmup needs ratio= (a schedule of densities), not k=")
 
 
 def count_from(numel: int, ratio: float | None, k: int | None) -> int:

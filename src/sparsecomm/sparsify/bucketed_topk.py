@@ -11,23 +11,21 @@ import torch.nn.functional as F
 
 from sparsecomm.errors import SparseCommError
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.sparsify.base import SPARSIFIERS, Sparsifier, check_ratio_or_count, count_from, gather
+from sparsecomm.sparsify.base import SPARSIFIERS, CountedSparsifier, gather
 
 
 @SPARSIFIERS.register("bucketed_topk")
 @dataclass(frozen=True)
-class BucketedTopK(Sparsifier):
-    ratio: float | None = None
-    k: int | None = None
+class BucketedTopK(CountedSparsifier):
     bucket: int = 512
 
     def __post_init__(self) -> None:
-        check_ratio_or_count("bucketed_topk", self.ratio, self.k)
+        super().__post_init__()
         if self.bucket < 1:
             raise SparseCommError("bucketed_topk bucket must be >= 1")
 
     def per_bucket(self) -> int:
-        return count_from(self.bucket, self.ratio, self.k)
+        return self.count(self.bucket)
 
     def target_count(self, numel: int) -> int:
         full, tail = divmod(numel, self.bucket)

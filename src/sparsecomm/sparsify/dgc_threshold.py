@@ -18,15 +18,7 @@ import torch
 
 from sparsecomm.errors import SparseCommError
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.sparsify.base import (
-    SPARSIFIERS,
-    Sparsifier,
-    check_ratio_or_count,
-    check_warmup,
-    count_from,
-    gather,
-    with_warmup,
-)
+from sparsecomm.sparsify.base import SPARSIFIERS, CountedSparsifier, gather
 from sparsecomm.sparsify.threshold import indices_at_or_above
 
 MIN_SAMPLES = 100
@@ -34,30 +26,19 @@ MIN_SAMPLES = 100
 
 @SPARSIFIERS.register("dgc")
 @dataclass(frozen=True)
-class DGCThreshold(Sparsifier):
-    ratio: float | None = None
-    k: int | None = None
+class DGCThreshold(CountedSparsifier):
     sample: float = 0.01
     upper: float = 1.3
     lower: float = 0.8
     decay: float = 0.8
     retries: int = 4
-    warmup: int = 0
-    """steps of the exponential warm-up before ``ratio`` applies (ratio-based only)"""
 
     def __post_init__(self) -> None:
-        check_ratio_or_count("dgc", self.ratio, self.k)
-        check_warmup("dgc", self.ratio, self.warmup)
+        super().__post_init__()
         if not 0.0 < self.sample <= 1.0:
             raise SparseCommError("dgc sample must be in (0, 1]")
         if not (0.0 < self.lower <= 1.0 <= self.upper and 0.0 < self.decay < 1.0 and self.retries >= 0):
             raise SparseCommError("dgc needs 0 < lower <= 1 <= upper, 0 < decay < 1, retries >= 0")
-
-    def target_count(self, numel: int) -> int:
-        return count_from(numel, self.ratio, self.k)
-
-    def at_step(self, step: int) -> Sparsifier:
-        return with_warmup(self, step)
 
     def sampled_threshold(self, flat: torch.Tensor, k: int, generator: torch.Generator | None) -> float:
         numel = flat.numel()

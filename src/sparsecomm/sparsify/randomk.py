@@ -8,22 +8,14 @@ from dataclasses import dataclass
 import torch
 
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.sparsify.base import SPARSIFIERS, Sparsifier, check_ratio_or_count, count_from, gather
+from sparsecomm.sparsify.base import SPARSIFIERS, CountedSparsifier, gather
 
 
 @SPARSIFIERS.register("randomk")
 @dataclass(frozen=True)
-class RandomK(Sparsifier):
-    ratio: float | None = None
-    k: int | None = None
+class RandomK(CountedSparsifier):
     seed: int = 0
     """Seeds a private generator when the caller passes none."""
-
-    def __post_init__(self) -> None:
-        check_ratio_or_count("randomk", self.ratio, self.k)
-
-    def target_count(self, numel: int) -> int:
-        return count_from(numel, self.ratio, self.k)
 
     def sparsify(self, tensor: torch.Tensor, generator: torch.Generator | None = None) -> SparseGradient:
         if generator is None:
