@@ -1,4 +1,4 @@
-"""Test helpers: random sparse gradients of every awkward shape."""
+"""Test helpers: random sparse gradients of every awkward shape, and per-rank contributions to a sum."""
 
 from __future__ import annotations
 
@@ -23,3 +23,24 @@ def random_sparse(numel: int, nnz: int, seed: int, dtype: torch.dtype = torch.fl
         torch.from_numpy(values).to(dtype),
         torch.Size(shape if shape is not None else (numel,)),
     )
+
+
+def contribution(rank: int, world: int, overlap: str, numel: int = 20_000, nnz: int = 150) -> torch.Tensor:
+    """Rank ``rank``'s gradient; ``overlap`` says how the ranks' supports meet (random, none, full,
+    rank0_empty, all_empty, or dense_result: enough nonzeros that the sum turns dense)."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    grad = torch.zeros(numel)
+    if overlap == "random":
+        indices = torch.randperm(numel, generator=generator)[:nnz]
+    elif overlap == "none":
+        indices = torch.arange(rank, nnz * world, world)
+    elif overlap == "full":
+        indices = torch.randperm(numel, generator=torch.Generator().manual_seed(7))[:nnz]
+    elif overlap == "rank0_empty":
+        indices = torch.randperm(numel, generator=generator)[: (0 if rank == 0 else nnz)]
+    elif overlap == "all_empty":
+        indices = torch.zeros(0, dtype=torch.int64)
+    else:  # dense_result: enough nonzeros that the reduced streams switch to dense
+        indices = torch.randperm(numel, generator=generator)[: numel // 3]
+    grad[indices] = torch.randn(indices.numel(), generator=generator)
+    return grad

@@ -41,6 +41,13 @@ LIBRARY_COMPRESSED = {"raw+deflate", "raw+deflate(shuffle=false)", "raw+zstd", "
                       "raw+dexp"}
 
 
+def test_every_registered_codec_has_a_golden_case():
+    index_names = {sc.INDEX_CODECS.parse(index).name for index, _ in CASES.values()}
+    value_names = {sc.VALUE_CODECS.parse(value).name for _, value in CASES.values()}
+    assert index_names == set(sc.INDEX_CODECS.names()), "an index codec without a golden case"
+    assert value_names == set(sc.VALUE_CODECS.names()), "a value codec without a golden case"
+
+
 @pytest.mark.parametrize("case", sorted(set(CASES) - LIBRARY_COMPRESSED))
 def test_wire_bytes_are_unchanged(case):
     golden = json.loads(GOLDEN.read_text())

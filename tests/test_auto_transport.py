@@ -1,0 +1,123 @@
+"""`auto` and what it decides from: the α-β cost model's algorithm choices, the tuning of measured
+trials (medians, near-ties, the model's ranking) and agreement on every rank."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import sparsecomm as sc
+from helpers import contribution
+from sparsecomm.launch import run_local
+
+
+def test_cost_model_switches_algorithms_where_the_formulas_say():
+    wire_only = sc.CostModel(alpha=50e-6, beta=1 / 125e6, codec_per_nnz=0, pass_per_byte=0, sort_per_entry=0,
+                             hash_per_entry=0)  # 1 Gbit/s, compute free: SparCML's formulas alone
+    numel = 16_000_000
+    assert wire_only.best_sparse_algorithm(8, numel, 1_000) == "ssar_rd"  # small result: latency decides
+    assert wire_only.best_sparse_algorithm(8, numel, 1_000_000) in ("ssar_sa", "dsar_sa")  # result 40% dense
+    assert wire_only.best_sparse_algorithm(8, numel, 1_000_000, qsgd_bits=4) == "dsar_sa"  # quantized dense phase
+    assert wire_only.dense(4, numel) > 3 * wire_only.ssar_rd(4, numel, 160_000)  # 1% density: sparse wins big
+    for nnz in (1_000, 160_000, 4_000_000):
+        assert wire_only.lower_bound(4, numel, nnz) <= min(wire_only.sparse_algorithms(4, numel, nnz).values())
+    assert wire_only.expected_union(1000, 10, 2) == pytest.approx(1000 * (1 - 0.99**2))
+    slow_codec = sc.CostModel(alpha=50e-6, beta=1 / 125e6, codec_per_nnz=100e-9)
+    assert slow_codec.best_sparse_algorithm(8, numel, 1_000_000, qsgd_bits=4) != "dsar_sa"  # QSGD costs more
+
+
+def auto_choices(rank: int, world: int) -> list:
+    grad = contribution(rank, world, "random", numel=50_000, nnz=500)
+    transport = sc.parse_spec("auto(explore=2)").transport
+    chosen = []
+    with sc.TransportSession() as session:
+        for _ in range(30):
+            chosen.append(transport.reduce(grad, session=session).record.transport)
+    (tuning,) = session.tunings.values()
+    return [chosen, tuning.candidates, tuning.chosen, sum(map(len, tuning.seconds.values()))]
+
+
+def test_auto_explores_its_shortlist_then_keeps_the_fastest_on_every_rank():
+    results = run_local(3, auto_choices)
+    assert all(r == results[0] for r in results)  # every rank explored and chose alike
+    chosen, candidates, winner, explored = results[0]
+    assert 2 * len(candidates) <= explored <= 2 * len(candidates) + 2 * 2 * 4  # a near-tie: 2 finalists to 10 each
+    assert 1 <= len(candidates) <= 3 and winner in candidates
+    assert {c.replace("dense(dtype=fp32)", "dense") for c in chosen[:explored]} <= set(candidates) | {"dense"}
+    assert len(set(chosen[explored:])) == 1  # settled
+
+
+def test_tuning_keeps_the_lowest_median_time():
+    from sparsecomm.transport.tuning import Tuning
+
+    tuning = Tuning(["a", "b", "c"])
+    trials = [("a", 3.0), ("b", 9.0), ("c", 1.0), ("a", 3.0), ("b", 2.0), ("c", 5.0), ("a", 3.0), ("b", 2.0),
+              ("c", 5.0)]
+    for name, seconds in trials:
+        assert tuning.next_to_try(3) == name
+        assert tuning.chosen is None
+        tuning.record(name, seconds, 3)
+    # b's 9.0 was a spike (median 2.0 beats a's 3.0); c's one fast trial does not make it the fastest
+    assert tuning.chosen == "b"
+    assert tuning.next_to_try(3) is None
+
+
+def test_tuning_breaks_a_near_tie_with_more_trials_of_the_two_best():
+    from sparsecomm.transport.tuning import Tuning
+
+    tuning = Tuning(["a", "b", "c"])
+    for name, seconds in [("a", 1.00), ("b", 1.05), ("c", 3.0), ("a", 1.00), ("b", 1.05), ("c", 3.0)]:
+        tuning.record(name, seconds, 2)
+    assert tuning.chosen is None and tuning.finalists == ["a", "b"]  # 5% apart after 2 trials each
+    for _ in range(8):  # to 5 × 2 trials each, interleaved; b is the faster one after all
+        for name, seconds in [("a", 1.20), ("b", 0.90)]:
+            assert tuning.next_to_try(2) == name
+            tuning.record(name, seconds, 2)
+    assert tuning.chosen == "b" and tuning.next_to_try(2) is None
+
+
+def test_tuning_keeps_the_models_ranking_where_medians_are_noise_apart():
+    from sparsecomm.transport.tuning import Tuning
+
+    tuning = Tuning(["a", "b"])  # the model ranks a first
+    for name, seconds in [("a", 1.04), ("b", 1.00)] * 10:  # 4% apart, after the near-tie trials too
+        tuning.record(name, seconds, 2)
+    assert tuning.chosen == "a"
+    tuning = Tuning(["a", "b"])
+    for name, seconds in [("a", 1.08), ("b", 1.00)] * 10:  # 8% apart: measurement overrules the model
+        tuning.record(name, seconds, 2)
+    assert tuning.chosen == "b"
+
+
+def auto_collectives_per_call(rank: int, world: int) -> dict:
+    from sparsecomm.transport import agreement, collectives
+
+    calls = []
+    gather, all_to_all, point_to_point = collectives.all_gather_single, dist.all_to_all_single, dist.batch_isend_irecv
+
+    def counted(function):
+        def call(*args, **kwargs):
+            calls[-1] += 1
+            return function(*args, **kwargs)
+        return call
+
+    collectives.all_gather_single = agreement.all_gather_single = counted(gather)
+    dist.all_to_all_single, dist.batch_isend_irecv = counted(all_to_all), counted(point_to_point)
+    session = sc.TransportSession(sc.CostModel())
+    grad = contribution(rank, world, "random")
+    reference = grad.clone()
+    dist.all_reduce(reference)
+    transport, chosen, exact = sc.parse_spec("auto(explore=0)").transport, [], True
+    for _ in range(3):
+        calls.append(0)
+        reduction = transport.reduce(sc.SparseGradient.from_dense(grad), session=session)
+        exact &= torch.equal(reduction.total, reference)
+        chosen.append(reduction.record.transport)
+    return {"calls": calls, "chosen": chosen, "exact": exact}
+
+
+def test_auto_that_keeps_choosing_allgather_sends_sizes_on_its_agreement_step():
+    # first call: agreement, size exchange, data; later calls: the agreement carries the sizes
+    for result in run_local(2, auto_collectives_per_call):
+        assert result["chosen"] == ["allgather"] * 3
+        assert result["calls"] == [3, 2, 2]
+        assert result["exact"]
