@@ -96,8 +96,10 @@ def train_ddp_and_checkpoint(rank: int, world: int, spec: str, steps: int, resum
     (3, "topk(ratio=0.1)+residual+rice+fp32+allgather"),
     (3, "topk(ratio=0.5)+residual+rice+fp32+allgather"),  # selections overlap across ranks
     (3, "dgc(ratio=0.01)+dgc_momentum+rle+fp32+allgather"),  # DGC's sampled threshold, momentum of whole biases
-    # auto may settle on a dense all_reduce, whose sum at 3+ ranks rounds by position in the buffer, and
-    # the first step after a resume runs on DDP's initial bucket layout: at 2 ranks no sum depends on order
+    # a dense all_reduce at 3+ ranks rounds each sum by its position in the buffer, and the first step
+    # after a resume runs on DDP's initial bucket layout: the reducer reduces it in the checkpoint's layout
+    (3, "dense"),
+    (3, "topk(ratio=0.5)+residual+rice+fp32+auto(explore=1)"),
     (2, "topk(ratio=0.5)+residual+rice+fp32+auto(explore=1)"),
     (2, "topk(ratio=0.01)+dgc_momentum+rle+fp32+auto(explore=1)"),
 ])

@@ -159,6 +159,10 @@ class GradientReducer:
         self._in_flight: list[torch.futures.Future] = []
         self._uncompressed: dict[str, dict[str, Any]] = {}
         """per tensor sent uncompressed: the feedback's state for `Feedback.update_uncompressed`"""
+        self._layouts: dict[str, list[str]] = {}
+        """per set of parameters sharing a DDP bucket: the parameter order it was last reduced in"""
+        self._restored_layouts: dict[str, list[str]] = {}
+        """layouts from a checkpoint that DDP has not yet come back to (see `_reduction_order`)"""
         agree(group, Request(key="GradientReducer configuration"), self.world_size,
               fingerprint(format_spec(self.spec), seed, nonfinite, dense_below, average))
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
@@ -229,15 +233,56 @@ class GradientReducer:
                 raise SparseCommError(f"a DDP bucket holds a parameter of shape {tuple(parameter.shape)} that is not "
                                       "in the model given to the GradientReducer")
             names.append(self._names[id(parameter)])
-        layout = zlib.crc32("\0".join(names).encode())
-        key = f"bucket {bucket.index()} [{names[0]} … {names[-1]}, {len(names)} parameters, layout {layout:08x}]"
+        order = self._reduction_order(names)
+        layout = zlib.crc32("\0".join(order).encode())
+        key = f"bucket {bucket.index()} [{order[0]} … {order[-1]}, {len(order)} parameters, layout {layout:08x}]"
         if buffer.is_sparse:
             return self._submit(key, buffer, [Segment(names[0], 0, buffer.numel())], stats_key=names[0])
-        base = buffer.data_ptr()
-        segments = [Segment(name, (grad.data_ptr() - base) // buffer.element_size(), grad.numel(),
-                            whole=grad.numel() < self.dense_below)
-                    for name, grad in zip(names, bucket.gradients(), strict=True)]
-        return self._submit(key, buffer, segments, stats_key=f"bucket{bucket.index()}")
+        stats_key = f"bucket{bucket.index()}"
+        gradients = dict(zip(names, bucket.gradients(), strict=True))
+        if order == names:
+            base = buffer.data_ptr()
+            segments = [Segment(name, (grad.data_ptr() - base) // buffer.element_size(), grad.numel(),
+                                whole=grad.numel() < self.dense_below) for name, grad in gradients.items()]
+            return self._submit(key, buffer, segments, stats_key=stats_key)
+        # the first step of a fresh DDP after a resume: reduce in the checkpoint's layout, return in DDP's
+        reordered = torch.cat([gradients[name].reshape(-1) for name in order])
+        segments, start = [], 0
+        for name in order:
+            numel = gradients[name].numel()
+            segments.append(Segment(name, start, numel, whole=numel < self.dense_below))
+            start += numel
+        reduced = self._submit(key, reordered, segments, stats_key=stats_key)
+        result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+        def back_to_ddp_layout(done: torch.futures.Future[torch.Tensor]) -> None:
+            try:
+                total = done.wait()
+                in_ddp_layout = torch.empty_like(buffer)
+                base = buffer.data_ptr()
+                for segment in segments:
+                    offset = (gradients[segment.key].data_ptr() - base) // buffer.element_size()
+                    in_ddp_layout[offset:offset + segment.numel] = total[segment.start:segment.start + segment.numel]
+                result.set_result(in_ddp_layout)
+            except BaseException as err:  # noqa: BLE001 - handed to the waiter
+                result.set_exception(err)
+
+        reduced.add_done_callback(back_to_ddp_layout)
+        self._in_flight[-1] = result  # finish_step waits for the copy back too
+        return result
+
+    def _reduction_order(self, names: list[str]) -> list[str]:
+        """The order to reduce a bucket's parameters in. Normally DDP's own. A fresh DDP (as after a
+        resume) runs its first step on its initial layout before rebuilding; a dense all_reduce at 3+
+        ranks rounds each sum by position, so until DDP's layout matches the one in the checkpoint
+        again, the bucket is reduced in the checkpoint's layout."""
+        members = f"{zlib.crc32(chr(0).join(sorted(names)).encode()):08x}"
+        restored = self._restored_layouts.get(members)
+        if restored is not None and restored != names:
+            return restored
+        self._restored_layouts.pop(members, None)
+        self._layouts[members] = names
+        return names
 
     def _submit(self, key: str, tensor: torch.Tensor, segments: list[Segment] | None,
                 stats_key: str | None = None) -> torch.futures.Future[torch.Tensor]:
@@ -333,7 +378,7 @@ class GradientReducer:
         return {"pipeline": self.pipeline.state_dict(), "calls": dict(self._calls), "steps": self.stats.steps,
                 "uncompressed": {key: {name: value.clone() for name, value in state.items()}
                                  for key, state in self._uncompressed.items()},
-                "session": self.session.state_dict()}
+                "session": self.session.state_dict(), "layouts": {k: list(v) for k, v in self._layouts.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.pipeline.load_state_dict(state["pipeline"])
@@ -342,3 +387,5 @@ class GradientReducer:
         self._uncompressed = {key: {name: value.clone() for name, value in saved.items()}
                               for key, saved in state["uncompressed"].items()}
         self.session.load_state_dict(state["session"])
+        self._layouts = {key: list(names) for key, names in state.get("layouts", {}).items()}
+        self._restored_layouts = {key: list(names) for key, names in self._layouts.items()}
