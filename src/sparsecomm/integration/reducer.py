@@ -253,7 +253,7 @@ class GradientReducer:
             segments.append(Segment(name, start, numel, whole=numel < self.dense_below))
             start += numel
         reduced = self._submit(key, reordered, segments, stats_key=stats_key)
-        result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        result: torch.futures.Future = torch.futures.Future()
 
         def back_to_ddp_layout(done: torch.futures.Future[torch.Tensor]) -> None:
             try:
