@@ -12,7 +12,7 @@ TIE_BREAK_TRIALS = 5
 """in a near-tie, the two finalists run up to this many times ``explore`` trials each"""
 INDISTINGUISHABLE = 1.05
 """medians within this factor are noise apart (auto's trials run back to back, a training loop's
-calls do not: that alone shifted two transports 4% against each other): the model's ranking decides"""
+calls are interleaved with compute, which shifts them against each other): the model's ranking decides"""
 
 
 @dataclass
