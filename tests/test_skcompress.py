@@ -40,12 +40,12 @@ def test_keys_exact_signs_kept_and_magnitudes_never_beyond_the_true_bin(codec, s
 
 def test_without_collisions_every_value_decodes_to_its_bin_midpoint():
     selection = top_selection()
-    decoded = sc.decode(sc.encode(selection, "skcompress(columns=64.0,rows=4)"))
+    decoded = sc.decode(sc.encode(selection, "skcompress(columns=2.0,rows=4)"))
     splits = quantile_splits(selection.values.numpy(), 256)
     value_bin = np.clip(np.searchsorted(splits, selection.values.numpy(), side="right") - 1, 0, splits.size - 2)
     midpoint = (splits[value_bin].astype(np.float64) + splits[value_bin + 1]) / 2
     collided = np.abs(decoded.values.numpy() - midpoint) > 1e-6 * np.abs(midpoint)
-    assert collided.mean() < 0.01  # 64 columns per key and 4 rows: collisions all but vanish
+    assert collided.mean() < 0.01  # 8 cells per key (the most allowed): collisions all but vanish
 
 
 def test_groups_never_straddle_zero():

@@ -19,11 +19,16 @@ Wire format, version 1 (all integers little-endian)::
     ...           index section, value section
     end-4   4     CRC32 of everything before it
 
-Bounds on decode: the CRC and every length are checked before any section is read; numel ≤
-2**48; nnz ≤ numel and nnz ≤ each codec's ``max_count`` for its section's size. So decoding a
-payload of B bytes allocates O(B) memory: at most about 400·B bytes for the bit-level index
-codecs, 4096·B for a Bloom filter's positives and 1032·4·B for Deflate-coded values, whatever its
-header claims. (A Bloom filter's decode time grows with numel: it tests every index.)
+Bounds on decode (tested in ``tests/test_decode_bounds.py``, fuzzed by ``sparsecomm fuzz``): the CRC
+and every length are checked before any section is read; numel ≤ 2**48; nnz ≤ numel and nnz ≤
+each codec's ``max_count`` for its section's size; every codec parameter named in the payload is
+range-checked when the codec is built from its text. A receiver that knows the tensor it expects
+passes ``expect=`` (every transport does) and a payload for another size is refused before any
+section is read. Then decoding a payload of B bytes for a tensor of N elements allocates at most
+``DECODE_BYTES_PER_BYTE``·B + ``DECODE_BYTES_PER_VALUE``·min(nnz, N) + ``DECODE_OVERHEAD`` bytes
+and takes time linear in B + nnz, except a Bloom filter's, which tests all N indices (O(N) time,
+O(chunk) memory). Without ``expect=`` a Bloom payload may claim at most ``SCAN_WITHOUT_EXPECT``
+elements.
 
 A joint codec (``skcompress``) codes indices and values in the index section; the value section
 is then empty and names ``fp32``.
@@ -34,6 +39,7 @@ from __future__ import annotations
 import math
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -55,6 +61,12 @@ FLAG_LOSSY_VALUES = 2
 _HEADER = struct.Struct("<4sBBBBQQBBQQ")
 _CRC = struct.Struct("<I")
 MIN_PAYLOAD = _HEADER.size + 2 + _CRC.size
+DECODE_BYTES_PER_BYTE = 4096
+DECODE_BYTES_PER_VALUE = 256
+DECODE_OVERHEAD = 16 << 20
+"""the documented bound on decode's allocations (see the module docstring)"""
+SCAN_WITHOUT_EXPECT = 1 << 24
+"""the most elements a codec that tests every index may scan when the receiver passes no ``expect``"""
 JOINT_VALUE_SPEC = "fp32"
 """the value codec a payload names when its index codec codes the values too (its section is empty)"""
 
@@ -130,13 +142,19 @@ def encode(
     return body + _CRC.pack(zlib.crc32(body))
 
 
-def decode(payload: PayloadLike, device: torch.device | str | None = None) -> SparseGradient:
+def decode(payload: PayloadLike, device: torch.device | str | None = None,
+           expect: int | Sequence[int] | None = None) -> SparseGradient:
     """Decode a payload into a `SparseGradient` (indices ascending). Anything wrong with the bytes
-    raises `PayloadError` saying what."""
+    raises `PayloadError` saying what. ``expect``: the tensor the receiver expects, as a shape or an
+    element count; a payload for any other is refused before its sections are read."""
     data = as_bytes(payload)
     info, offsets = _read_header(data)
+    _check_expected(info, expect)
     index_codec = _codec_from_wire(INDEX_CODECS, info.index_codec, IndexCodec)
     value_codec = _codec_from_wire(VALUE_CODECS, info.value_codec, ValueCodec)
+    if index_codec.scans_numel and expect is None and info.numel > SCAN_WITHOUT_EXPECT:
+        raise PayloadError(f"{info.index_codec} tests every one of the {info.numel} indices the payload claims; "
+                           f"pass expect= to decode more than {SCAN_WITHOUT_EXPECT} without it")
     if info.nnz > index_codec.max_count(info.index_bytes, info.numel):
         raise PayloadError(f"nnz {info.nnz} cannot fit in {info.index_bytes} bytes of {info.index_codec}")
     if not index_codec.codes_values and info.nnz > value_codec.max_count(info.value_bytes):
@@ -264,8 +282,20 @@ def _read_header(data: bytes) -> tuple[PayloadInfo, tuple[int, int]]:
     return info, (offset, offset + index_bytes)
 
 
+def _check_expected(info: PayloadInfo, expect: int | Sequence[int] | None) -> None:
+    if expect is None:
+        return
+    if isinstance(expect, int):
+        if info.numel != expect:
+            raise PayloadError(f"payload holds a tensor of {info.numel} elements, the receiver expects {expect}")
+    elif tuple(info.shape) != tuple(expect):
+        raise PayloadError(f"payload holds a tensor of shape {tuple(info.shape)}, the receiver expects "
+                           f"{tuple(expect)}")
+
+
 def _check_indices(indices: np.ndarray, nnz: int, numel: int) -> None:
     if indices.shape != (nnz,):
         raise PayloadError(f"index section decoded to {indices.size} indices, header says {nnz}")
-    if nnz and (indices[0] < 0 or indices[-1] >= numel or not (np.diff(indices) > 0).all()):
+    # compared, not subtracted: a difference of int64 indices can overflow and pass as positive
+    if nnz and (indices[0] < 0 or indices[-1] >= numel or not (indices[1:] > indices[:-1]).all()):
         raise PayloadError("decoded indices are not strictly increasing inside the tensor")

@@ -2,8 +2,9 @@
 
 Codecs are pure: ``encode`` turns data into bytes, ``decode`` turns those bytes (and the counts the
 payload header carries) back. They never see anything else. Before ``decode`` runs, the payload
-layer checks ``nnz <= max_count(len(data))``, so no header can make a codec allocate more than a
-fixed multiple of the payload's size.
+layer checks ``nnz <= max_count(len(data))``, and a codec's parameters, read from the payload's
+text, are range-checked when it is built, so no header can make a codec allocate more than the
+bound `sparsecomm.payload` documents.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ class IndexCodec(Component):
     codes the values too, in the same section; it implements `encode_joint` / `decode_joint`."""
 
     lossless: ClassVar[bool] = True
+    scans_numel: ClassVar[bool] = False
+    """whether decoding tests every index of the tensor (time grows with numel, not the payload)"""
     codes_values: ClassVar[bool] = False
     values_lossless: ClassVar[bool] = True
     """for a joint codec: whether its values decode exactly"""

@@ -12,7 +12,6 @@ import torch
 from sparsecomm.encode.base import IndexCodec, ValueCodec
 from sparsecomm.encode.index.rice import RiceIndices
 from sparsecomm.encode.value.floats import Float32Values
-from sparsecomm.errors import SparseCommError
 from sparsecomm.payload import as_tensor, decode, encode
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.agreement import agree
@@ -57,9 +56,7 @@ class AllgatherTransport(Transport):
         gathered = allgather_bytes(payload, group, None if counts is None else list(counts))
         start = time.perf_counter()
         for buffer in gathered:
-            received = decode(buffer)
-            if received.shape != sparse.shape:
-                raise SparseCommError(f"a rank sent shape {tuple(received.shape)}, expected {tuple(sparse.shape)}")
+            received = decode(buffer, expect=sparse.shape)
             total.index_add_(0, received.indices, received.values.to(sparse.dtype))
         record.decode_s = time.perf_counter() - start
         return Reduction(deliver(total, sparse.shape, sparse.device, out), record)

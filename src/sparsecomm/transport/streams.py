@@ -83,13 +83,18 @@ class Stream:
         return torch.cat(parts)
 
     @staticmethod
-    def from_bytes(buffer: torch.Tensor) -> Stream:
+    def from_bytes(buffer: torch.Tensor, expect: tuple[int, int] | None = None) -> Stream:
+        """A stream from its bytes; ``expect``: the (offset, length) of the range the receiver expects,
+        checked before anything the size of the range is allocated."""
         if buffer.numel() < _HEAD.size:
             raise PayloadError("stream shorter than its header")
         raw = buffer.numpy().tobytes()
         dense, dtype_code, length, offset, count = _HEAD.unpack_from(raw)
         if dtype_code not in DTYPE_BY_CODE or dense not in (0, 1) or (dense and count != length) or count > length:
             raise PayloadError("stream header is corrupt")
+        if expect is not None and (offset, length) != expect:
+            raise PayloadError(f"stream covers [{offset}, {offset + length}), the receiver expects "
+                               f"[{expect[0]}, {expect[0] + expect[1]})")
         dtype = DTYPE_BY_CODE[dtype_code]
         isize = torch.empty(0, dtype=dtype).element_size()
         index_bytes = 0 if dense else (4 if offset + length <= 2**31 else 8)

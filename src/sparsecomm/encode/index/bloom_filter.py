@@ -91,9 +91,9 @@ class BloomFilter:
                     break
                 low, high = low[survivors], high[survivors]
             total += candidates.size
+            found.append(candidates)
+            if first is not None and total >= first:  # enough: what lies beyond is never read
+                return np.concatenate(found)[:first]
             if total > limit:
                 raise OverflowError(f"the filter holds more than {limit} of the tensor's indices")
-            found.append(candidates)
-            if first is not None and total >= first:
-                return np.concatenate(found)[:first]
         return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)

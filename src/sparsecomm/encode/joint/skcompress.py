@@ -73,6 +73,10 @@ def group_bounds(bins: int, negative_bins: int, groups: int) -> np.ndarray:
     return np.unique(np.concatenate(edges))
 
 
+MAX_CELLS_PER_KEY = 8
+"""bounds the sketch a decoder allocates per key it reads"""
+
+
 @INDEX_CODECS.register("skcompress")
 @dataclass(frozen=True)
 class SKCompress(IndexCodec):
@@ -94,6 +98,9 @@ class SKCompress(IndexCodec):
             raise SparseCommError("skcompress rows must be in 1..16")
         if not 0.0 < self.columns <= 64.0:
             raise SparseCommError("skcompress columns (a factor of the keys per group) must be in (0, 64]")
+        if self.rows * self.columns > MAX_CELLS_PER_KEY:
+            raise SparseCommError(f"skcompress rows × columns must be at most {MAX_CELLS_PER_KEY} sketch cells per key "
+                                  "(a sketch that large costs more than the values it replaces)")
         if self.coder not in CODERS:
             raise SparseCommError(f"skcompress coder must be one of {', '.join(CODERS)}")
         if self.keys not in KEY_CODINGS:

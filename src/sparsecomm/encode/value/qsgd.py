@@ -69,7 +69,7 @@ class QSGDValues(ValueCodec):
         signed = unpack_fixed(data[4 * n_buckets :], self.bits, nnz).astype(np.int64) - s
         if nnz and int(np.abs(signed).max()) > s:
             raise PayloadError("qsgd level out of range")
-        per_value_norm = np.repeat(norms, self.bucket)[:nnz]
+        per_value_norm = norms[np.arange(nnz) // self.bucket]  # never bucket × buckets entries
         decoded = per_value_norm * (signed.astype(np.float32) / np.float32(s))
         return torch.from_numpy(decoded.astype(np.float32)).to(dtype)
 
