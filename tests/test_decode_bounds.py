@@ -162,3 +162,17 @@ def test_the_densest_claim_each_index_codec_allows_stays_within_the_bound(index_
     outcome, peak, _ = decode_measured(payload, expect=numel)
     assert isinstance(outcome, sc.SparseGradient)
     assert peak <= bound(payload)
+
+
+def test_non_finite_values_in_a_payload_are_refused():
+    # found by the fuzzer: the encoder never sends them, so a payload holding them is corrupt
+    index, _ = sections(sc.encode(random_sparse(100, 2, seed=5), "raw", "fp32"))
+    payload = craft("raw", "fp32", 100, 2, index, struct.pack("<2f", 1.0, float("nan")))
+    assert "finite" in str(decode_measured(payload)[0])
+    fitted = sc.SparseGradient(torch.tensor([1, 5]), torch.tensor([0.5, 2.0]), torch.Size([100]))
+    index, value = sections(sc.encode(fitted, "raw", "polyfit(degree=1)"))
+    coefficient = struct.pack("<f", 1.25)  # the fit's constant term, (0.5 + 2.0) / 2
+    assert value.count(coefficient) == 1
+    corrupted = value.replace(coefficient, struct.pack("<f", float("nan")))
+    payload = craft("raw", "polyfit(degree=1)", 100, 2, index, corrupted)
+    assert "coefficients are not finite" in str(decode_measured(payload)[0])

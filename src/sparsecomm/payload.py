@@ -174,6 +174,8 @@ def decode(payload: PayloadLike, device: torch.device | str | None = None,
     except (ValueError, IndexError, OverflowError, TypeError, MemoryError) as err:
         raise PayloadError(f"{info.index_codec}/{info.value_codec} section is malformed: {err}") from None
     _check_indices(indices, info.nnz, info.numel)
+    if values.shape != (info.nnz,) or not bool(torch.isfinite(values).all()):  # a sender never sends them
+        raise PayloadError(f"value section decoded to {tuple(values.shape)} values, not {info.nnz} finite ones")
     grad = SparseGradient(torch.from_numpy(np.ascontiguousarray(indices)), values, info.shape)
     return grad.to(device) if device is not None else grad
 

@@ -1,5 +1,5 @@
-"""The ``sparsecomm`` command line: ``sparsecomm bench sparsify|codecs|collectives ...`` and
-``sparsecomm calibrate``."""
+"""The ``sparsecomm`` command line: ``sparsecomm bench sparsify|codecs|collectives ...``,
+``sparsecomm train``, ``sparsecomm calibrate`` and ``sparsecomm fuzz``."""
 
 from __future__ import annotations
 
@@ -124,6 +124,17 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--shaped", metavar="RATE", help="measure on a link shaped to RATE")
     calibrate.add_argument("--output", metavar="PATH", help="where to save (default: $SPARSECOMM_COST_MODEL or "
                                                             "~/.cache/sparsecomm/cost_model.json)")
+
+    fuzz = commands.add_parser("fuzz", help="mutate valid payloads of every codec pair and decode them")
+    fuzz.add_argument("--seconds", type=float, default=None, help="run this long (default: 60 unless --inputs)")
+    fuzz.add_argument("--inputs", type=_positive_int, default=None, help="stop after this many inputs")
+    fuzz.add_argument("--workers", type=_positive_int, default=1, help="processes, each with its own stream")
+    fuzz.add_argument("--seed", type=int, default=0)
+    fuzz.add_argument("--slow", type=float, default=1.0, metavar="SECONDS",
+                      help="a decode slower than this is a finding")
+    fuzz.add_argument("--memory-mb", type=float, default=32.0,
+                      help="a decode that raises peak memory by more than this is a finding")
+    fuzz.add_argument("--json", metavar="PATH", help="write the report, reproducers included, as JSON")
     return parser
 
 
@@ -134,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _calibrate(args)
         if args.command == "train":
             return _train(args)
+        if args.command == "fuzz":
+            return _fuzz(args)
         if args.bench == "sparsify":
             return _bench_sparsify(args)
         if args.bench == "collectives":
@@ -142,6 +155,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SparseCommError as err:
         print(f"sparsecomm: error: {err}", file=sys.stderr)
         return 2
+
+
+def _fuzz(args: argparse.Namespace) -> int:
+    from sparsecomm import fuzz
+
+    seconds = args.seconds if args.seconds is not None or args.inputs is not None else 60.0
+    report = fuzz.fuzz_parallel(args.workers, seconds, args.inputs, args.seed, args.slow, args.memory_mb)
+    summary = report.to_json()
+    print(f"\nfuzz: {report.inputs:,} inputs in {report.seconds:.1f} s ({summary['inputs_per_s']:,.0f}/s), "
+          f"{args.workers} worker(s), seed {args.seed}; slowest decode {report.slowest_s * 1000:.1f} ms\n")
+    outcomes = sorted(report.outcomes)
+    rows = [{"mutation": kind, **{outcome: counts.get(outcome, 0) for outcome in outcomes}}
+            for kind, counts in sorted(report.by_mutation.items())]
+    rows.append({"mutation": "all", **{outcome: report.outcomes[outcome] for outcome in outcomes}})
+    print(format_table(rows, ["mutation", *outcomes]))
+    for finding in report.findings[:10]:
+        print(f"\nfinding: {finding['outcome']} after a {finding['mutation']} mutation "
+              f"(expect={finding['expect']}):\n{finding['problem']}\npayload: {finding['payload_hex'][:400]}")
+    print(f"\n{len(report.findings)} finding(s)" + (f"; reproducers in {args.json}" if args.json else ""))
+    if args.json:
+        write_json(args.json, summary)
+    return 1 if report.findings else 0
 
 
 def _bench_sparsify(args: argparse.Namespace) -> int:

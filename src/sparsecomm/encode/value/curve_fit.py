@@ -103,3 +103,10 @@ class CurveFitValues(ValueCodec):
 def normalized_positions(count: int) -> np.ndarray:
     """``count`` points spread evenly over [-1, 1] (one point: 0)."""
     return np.linspace(-1.0, 1.0, count) if count > 1 else np.zeros(count)
+
+
+def finite_coefficients(coefficients: np.ndarray) -> np.ndarray:
+    """A model's float32 coefficients as float64, refused unless finite (a sender never fits others)."""
+    if not np.isfinite(coefficients).all():
+        raise PayloadError("curve-fit coefficients are not finite")
+    return coefficients.astype(np.float64)

@@ -18,7 +18,7 @@ import numpy as np
 from numpy.polynomial import chebyshev
 
 from sparsecomm.encode.base import VALUE_CODECS
-from sparsecomm.encode.value.curve_fit import CurveFitValues, normalized_positions
+from sparsecomm.encode.value.curve_fit import CurveFitValues, finite_coefficients, normalized_positions
 from sparsecomm.errors import PayloadError, SparseCommError
 
 RATE_GRID = np.array([-1024.0, -256.0, -64.0, -16.0, -8.0, -4.0, -2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0])
@@ -105,6 +105,6 @@ class DoubleExponentialValues(CurveFitValues):
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
                 return np.asarray(a * np.exp(b * x) + c * np.exp(d * x))
         if model[0] == POLYNOMIAL and 5 <= len(model) <= 1 + 4 * (FALLBACK_DEGREE + 1) and len(model) % 4 == 1:
-            coefficients = np.frombuffer(model, dtype="<f4", offset=1).astype(np.float64)
+            coefficients = finite_coefficients(np.frombuffer(model, dtype="<f4", offset=1))
             return np.asarray(chebyshev.chebval(normalized_positions(count), coefficients))
         raise PayloadError("dexp model is malformed")

@@ -17,7 +17,7 @@ import numpy as np
 from numpy.polynomial import chebyshev
 
 from sparsecomm.encode.base import VALUE_CODECS
-from sparsecomm.encode.value.curve_fit import CurveFitValues, normalized_positions
+from sparsecomm.encode.value.curve_fit import CurveFitValues, finite_coefficients, normalized_positions
 from sparsecomm.errors import PayloadError, SparseCommError
 
 
@@ -73,7 +73,7 @@ class PolyfitValues(CurveFitValues):
         degrees = np.minimum(self.degree, lengths - 1)
         if len(model) != 1 + 4 * pieces + 4 * int((degrees + 1).sum()):
             raise PayloadError("polyfit coefficients do not match the pieces")
-        coefficients = np.frombuffer(model, dtype="<f4", offset=1 + 4 * pieces).astype(np.float64)
+        coefficients = finite_coefficients(np.frombuffer(model, dtype="<f4", offset=1 + 4 * pieces))
         splits = np.cumsum(degrees + 1)[:-1]
         return np.concatenate([
             chebyshev.chebval(normalized_positions(int(length)), c)

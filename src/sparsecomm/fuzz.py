@@ -1,0 +1,283 @@
+"""Structure-aware fuzzing of `decode`: valid payloads of every registered codec pair (every Bloom
+policy too), mutated where a decoder is most likely to trust what it reads — header fields, the
+codec parameters named in the payload, section bytes and section lengths — with the checksum
+recomputed so that the mutation reaches the codec's own checks. Anything but a clean decode or a
+`PayloadError`, any decode slower than ``slow_s`` and any that raises the process's peak memory by
+more than ``memory_mb``, is a finding, kept with its reproducer.
+
+A clean decode must also be a valid gradient: the header's shape and nnz, indices strictly
+increasing inside the tensor, finite values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import re
+import resource
+import struct
+import time
+import traceback
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from sparsecomm.encode.base import INDEX_CODECS, VALUE_CODECS
+from sparsecomm.errors import PayloadError
+from sparsecomm.payload import _CRC, _HEADER, decode, encode, read_info
+from sparsecomm.sparse_gradient import SparseGradient
+
+INTERESTING = [0, 1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 255, 256, 1023, 1024, 65535, 65536,
+               2**24, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40, 2**48, 2**63 - 1, 2**63, 2**64 - 1]
+"""values a mutated integer field takes: small counts, powers of two and their neighbours, type limits"""
+INTERESTING_PARAMS = ["0", "1", "2", "-1", "0.5", "1e-12", "0.999999", "1e9", "255", "256", "65536", "16777216",
+                      "4294967296", "true", "false", "nan", "p0", "p2", "naive", "x"]
+MUTATIONS = ("section_bytes", "section_length", "header_field", "codec_parameter", "codec_name", "raw_bytes")
+_HEADER_FIELDS = ["magic", "version", "flags", "dtype", "ndim", "numel", "nnz", "index_spec_len", "value_spec_len",
+                  "index_bytes", "value_bytes"]
+
+
+@dataclass(frozen=True)
+class Seed:
+    """A valid payload and the tensor size its receiver expects."""
+
+    payload: bytes
+    numel: int
+
+
+@dataclass
+class FuzzReport:
+    """What one fuzzing run saw."""
+
+    inputs: int = 0
+    seconds: float = 0.0
+    outcomes: Counter = field(default_factory=Counter)
+    by_mutation: dict[str, Counter] = field(default_factory=dict)
+    slowest_s: float = 0.0
+    findings: list[dict[str, Any]] = field(default_factory=list)
+
+    def merge(self, other: FuzzReport) -> None:
+        self.inputs += other.inputs
+        self.seconds = max(self.seconds, other.seconds)
+        self.outcomes.update(other.outcomes)
+        for kind, counts in other.by_mutation.items():
+            self.by_mutation.setdefault(kind, Counter()).update(counts)
+        self.slowest_s = max(self.slowest_s, other.slowest_s)
+        self.findings.extend(other.findings)
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["outcomes"] = dict(self.outcomes)
+        out["by_mutation"] = {kind: dict(counts) for kind, counts in self.by_mutation.items()}
+        out["inputs_per_s"] = self.inputs / self.seconds if self.seconds else 0.0
+        return out
+
+
+def codec_pairs() -> list[tuple[str, str]]:
+    """Every registered index codec (each Bloom policy, raw at 64 bits) with every value codec it
+    takes, plus non-default parameters that change the wire format."""
+    index_names = [name for name in INDEX_CODECS.names() if name != "bloom"]
+    index_names += ["raw(bits=64)", "rice(parameter=0)", "skcompress(coder=ans,keys=rice)"]
+    index_names += [f"bloom(policy={policy})" for policy in ("naive", "leftmost", "p0", "p1", "p2")]
+    value_names = VALUE_CODECS.names() + ["qsgd(bits=2,bucket=4)", "deflate(shuffle=false)", "polyfit(degree=2)"]
+    return [(index, value) for index in index_names for value in value_names
+            if not INDEX_CODECS.parse(index).codes_values or value == "fp32"]
+
+
+def seed_corpus(seed: int = 0) -> list[Seed]:
+    """Valid payloads of every codec pair at a few sizes and densities (empty, one, sparse, dense)."""
+    rng = np.random.default_rng(seed)
+    corpus = []
+    for index, value in codec_pairs():
+        for numel, nnz in ((1, 1), (64, 0), (300, 3), (2000, 120), (2000, 1500)):
+            indices = torch.from_numpy(rng.choice(numel, size=nnz, replace=False).astype(np.int64))
+            values = torch.from_numpy(rng.standard_normal(nnz).astype(np.float32))
+            shape = (numel,) if numel % 20 else (20, numel // 20)
+            grad = SparseGradient(indices, values, torch.Size(shape))
+            corpus.append(Seed(encode(grad, index, value, rng=rng, dense=grad.to_dense()), numel))
+    return corpus
+
+
+def mutate(seed: Seed, rng: np.random.Generator) -> tuple[str, bytes]:
+    """(the mutation's kind, a mutated payload) — checksummed, except for ``raw_bytes``."""
+    kind = MUTATIONS[int(rng.integers(len(MUTATIONS)))]
+    fields = dict(zip(_HEADER_FIELDS, _HEADER.unpack_from(seed.payload), strict=True))
+    ndim = fields["ndim"]
+    shape_end = _HEADER.size + 8 * ndim
+    shape = seed.payload[_HEADER.size:shape_end]
+    text_end = shape_end + fields["index_spec_len"] + fields["value_spec_len"]
+    index_text = seed.payload[shape_end:shape_end + fields["index_spec_len"]].decode()
+    value_text = seed.payload[shape_end + fields["index_spec_len"]:text_end].decode()
+    index_section = seed.payload[text_end:text_end + fields["index_bytes"]]
+    value_section = seed.payload[text_end + fields["index_bytes"]:-_CRC.size]
+    if kind == "raw_bytes":
+        data = bytearray(seed.payload)
+        for _ in range(int(rng.integers(1, 4))):
+            data[int(rng.integers(len(data)))] = int(rng.integers(256))
+        return kind, bytes(data[: int(rng.integers(len(data) + 1))] if rng.random() < 0.3 else data)
+    if kind == "section_bytes":
+        index_section, value_section = (_mutate_bytes(index_section, rng), value_section) if rng.random() < 0.5 else (
+            index_section, _mutate_bytes(value_section, rng))
+    elif kind == "section_length":  # bytes added or cut, the header kept consistent
+        if rng.random() < 0.5:
+            index_section = _resize(index_section, rng)
+        else:
+            value_section = _resize(value_section, rng)
+    elif kind == "header_field":
+        name = ["numel", "nnz", "flags", "dtype", "ndim"][int(rng.integers(5))]
+        fields[name] = _interesting(rng, name)
+        if name == "numel" and ndim == 1 and rng.random() < 0.7:  # keep shape and numel consistent
+            shape = struct.pack("<Q", fields["numel"])
+    elif kind == "codec_parameter":
+        if rng.random() < 0.5:
+            index_text = _mutate_parameters(index_text, INDEX_CODECS, rng)
+        else:
+            value_text = _mutate_parameters(value_text, VALUE_CODECS, rng)
+    else:  # codec_name: another registered codec reads these bytes
+        if rng.random() < 0.5:
+            index_text = INDEX_CODECS.names()[int(rng.integers(len(INDEX_CODECS.names())))]
+        else:
+            value_text = VALUE_CODECS.names()[int(rng.integers(len(VALUE_CODECS.names())))]
+    return kind, assemble(fields, shape, index_text, value_text, index_section, value_section)
+
+
+def assemble(fields: dict[str, Any], shape: bytes, index_text: str, value_text: str, index_section: bytes,
+             value_section: bytes) -> bytes:
+    """A payload from its parts: lengths from the parts, checksum recomputed."""
+    index_spec, value_spec = index_text.encode()[:255], value_text.encode()[:255]
+    values = dict(fields, index_spec_len=len(index_spec), value_spec_len=len(value_spec),
+                  index_bytes=len(index_section), value_bytes=len(value_section))
+    values = {name: value & ((1 << 8 * _field_size(name)) - 1) if isinstance(value, int) else value
+              for name, value in values.items()}
+    body = _HEADER.pack(*[values[name] for name in _HEADER_FIELDS]) + shape + index_spec + value_spec
+    body += index_section + value_section
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def check_decoded(grad: SparseGradient, payload: bytes) -> str | None:
+    """Why a clean decode is not a valid gradient of what the header says, or None."""
+    info = read_info(payload)
+    if tuple(grad.shape) != tuple(info.shape) or grad.nnz != info.nnz:
+        return "decoded gradient does not match its header"
+    indices = grad.indices
+    increasing = bool((indices[1:] > indices[:-1]).all())
+    if grad.nnz and (int(indices[0]) < 0 or int(indices[-1]) >= info.numel or not increasing):
+        return "decoded indices are not strictly increasing inside the tensor"
+    if not bool(torch.isfinite(grad.values).all()):
+        return "decoded values are not finite"
+    return None
+
+
+def fuzz(seconds: float | None = None, inputs: int | None = None, seed: int = 0, slow_s: float = 1.0,
+         memory_mb: float = 32.0) -> FuzzReport:
+    """Fuzz for ``seconds`` or ``inputs`` (whichever ends first) in this process."""
+    corpus = seed_corpus(seed)
+    baseline_rss = _peak_rss_mb()
+    rng = np.random.default_rng([seed, 1])
+    report = FuzzReport()
+    start = time.perf_counter()
+    while (inputs is None or report.inputs < inputs) and (seconds is None or time.perf_counter() - start < seconds):
+        original = corpus[int(rng.integers(len(corpus)))]
+        kind, payload = mutate(original, rng)
+        expect = original.numel if rng.random() < 0.5 else None
+        began = time.perf_counter()
+        problem = None
+        try:
+            outcome = "decoded"
+            problem = check_decoded(decode(payload, expect=expect), payload)
+        except PayloadError:
+            outcome = "PayloadError"
+        except Exception as err:  # noqa: BLE001 - every other exception is a finding
+            outcome, problem = f"crash: {type(err).__name__}", "".join(traceback.format_exception(err))[-2000:]
+        elapsed = time.perf_counter() - began
+        if problem is not None and outcome == "decoded":
+            outcome = "invalid decode"
+        if elapsed > slow_s:
+            outcome, problem = f"slow ({outcome})", problem or f"decode took {elapsed:.2f} s"
+        grown = _peak_rss_mb() - baseline_rss
+        if grown > memory_mb:
+            outcome, problem = f"memory ({outcome})", problem or f"peak memory grew by {grown:.0f} MB"
+            baseline_rss += grown  # report each new peak once
+        report.inputs += 1
+        report.outcomes[outcome] += 1
+        report.by_mutation.setdefault(kind, Counter())[outcome] += 1
+        report.slowest_s = max(report.slowest_s, elapsed)
+        if problem is not None:
+            report.findings.append({"outcome": outcome, "mutation": kind, "expect": expect, "seconds": elapsed,
+                                    "problem": problem, "payload_hex": payload.hex()})
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def fuzz_parallel(workers: int, seconds: float | None, inputs: int | None, seed: int = 0,
+                  slow_s: float = 1.0, memory_mb: float = 32.0) -> FuzzReport:
+    """`fuzz` in ``workers`` processes, each with its own mutation stream."""
+    if workers == 1:
+        return fuzz(seconds, inputs, seed, slow_s, memory_mb)
+    share = None if inputs is None else -(-inputs // workers)
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(workers) as pool:
+        parts = pool.starmap(fuzz, [(seconds, share, seed + worker, slow_s, memory_mb) for worker in range(workers)])
+    report = FuzzReport()
+    for part in parts:
+        report.merge(part)
+    return report
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _field_size(name: str) -> int:
+    return {"magic": 4, "numel": 8, "nnz": 8, "index_bytes": 8, "value_bytes": 8}.get(name, 1)
+
+
+def _interesting(rng: np.random.Generator, name: str) -> int:
+    value = INTERESTING[int(rng.integers(len(INTERESTING)))]
+    return value & ((1 << 8 * _field_size(name)) - 1)
+
+
+def _mutate_bytes(section: bytes, rng: np.random.Generator) -> bytes:
+    if not section:
+        return bytes(rng.integers(0, 256, size=int(rng.integers(1, 9)), dtype=np.uint8))
+    data = bytearray(section)
+    for _ in range(int(rng.integers(1, 5))):
+        position = int(rng.integers(len(data)))
+        choice = rng.random()
+        if choice < 0.4:
+            data[position] ^= 1 << int(rng.integers(8))
+        elif choice < 0.7:
+            data[position] = int(rng.integers(256))
+        else:  # an interesting little-endian integer written over a field-sized run
+            width = [1, 2, 4, 8][int(rng.integers(4))]
+            value = INTERESTING[int(rng.integers(len(INTERESTING)))] & ((1 << 8 * width) - 1)
+            data[position:position + width] = value.to_bytes(width, "little")[: len(data) - position]
+    return bytes(data)
+
+
+def _resize(section: bytes, rng: np.random.Generator) -> bytes:
+    if section and rng.random() < 0.5:
+        return section[: int(rng.integers(len(section)))]
+    extra = bytes(rng.integers(0, 256, size=int(rng.integers(1, 64)), dtype=np.uint8))
+    position = int(rng.integers(len(section) + 1))
+    return section[:position] + extra + section[position:]
+
+
+def _mutate_parameters(text: str, registry: Any, rng: np.random.Generator) -> str:
+    """The codec text with one parameter set to an interesting value (added if absent)."""
+    name = re.match(r"\w+", text)
+    if name is None or name.group(0) not in registry:
+        return text
+    parameters = [f.name for f in dataclasses.fields(registry.get(name.group(0)))]
+    if not parameters:
+        return text + "(x=1)"
+    chosen = parameters[int(rng.integers(len(parameters)))]
+    value = INTERESTING_PARAMS[int(rng.integers(len(INTERESTING_PARAMS)))]
+    existing = dict(re.findall(r"(\w+)=([^,)]*)", text))
+    existing[chosen] = value
+    return f"{name.group(0)}({','.join(f'{k}={v}' for k, v in existing.items())})"
