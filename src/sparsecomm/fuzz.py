@@ -18,6 +18,7 @@ import resource
 import struct
 import time
 import traceback
+import warnings
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
@@ -176,10 +177,19 @@ def fuzz(seconds: float | None = None, inputs: int | None = None, seed: int = 0,
          memory_mb: float = 32.0) -> FuzzReport:
     """Fuzz for ``seconds`` or ``inputs`` (whichever ends first) in this process."""
     corpus = seed_corpus(seed)
-    baseline_rss = _peak_rss_mb()
     rng = np.random.default_rng([seed, 1])
     report = FuzzReport()
     start = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a numpy warning marks a value no check stopped: a finding too
+        _fuzz_loop(corpus, rng, report, start, seconds, inputs, slow_s, memory_mb, _peak_rss_mb())
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _fuzz_loop(corpus: list[Seed], rng: np.random.Generator, report: FuzzReport, start: float,
+               seconds: float | None, inputs: int | None, slow_s: float, memory_mb: float,
+               baseline_rss: float) -> None:
     while (inputs is None or report.inputs < inputs) and (seconds is None or time.perf_counter() - start < seconds):
         original = corpus[int(rng.integers(len(corpus)))]
         kind, payload = mutate(original, rng)
@@ -209,8 +219,6 @@ def fuzz(seconds: float | None = None, inputs: int | None = None, seed: int = 0,
         if problem is not None:
             report.findings.append({"outcome": outcome, "mutation": kind, "expect": expect, "seconds": elapsed,
                                     "problem": problem, "payload_hex": payload.hex()})
-    report.seconds = time.perf_counter() - start
-    return report
 
 
 def fuzz_parallel(workers: int, seconds: float | None, inputs: int | None, seed: int = 0,
