@@ -36,7 +36,42 @@ def pack_fixed(values: np.ndarray, width: int) -> bytes:
         return b""
     if width in (8, 16, 32, 64):
         return values.astype(f">u{width // 8}").tobytes()
+    if width < 8:
+        return _pack_small(values, width)
     return np.packbits(_uint_to_rows(values.astype(_U64), width).reshape(-1)).tobytes()
+
+
+_GROUP = 8
+"""fields per word in the 1–7-bit paths: 8 fields of w bits are exactly w bytes"""
+
+
+def _pack_small(values: np.ndarray, width: int) -> bytes:
+    """Widths 1–7: each 8 fields are OR-ed into one 64-bit word whose low ``width`` bytes are
+    their ``width`` bytes of output — one pass of word arithmetic, no array of bits."""
+    count = values.size
+    groups = -(-count // _GROUP)
+    fields = np.zeros(groups * _GROUP, dtype=np.uint8)
+    fields[:count] = values
+    columns = fields.reshape(groups, _GROUP).T.astype(_U64)  # column j: field j of every word
+    words = columns[0] << _U64(width * (_GROUP - 1))
+    for j in range(1, _GROUP):
+        words |= columns[j] << _U64(width * (_GROUP - 1 - j))
+    out = words.astype(">u8").view(np.uint8).reshape(groups, 8)[:, 8 - width :]
+    return out.tobytes()[: nbytes_for_bits(count * width)]
+
+
+def _unpack_small(data: bytes | memoryview, width: int, count: int) -> np.ndarray:
+    """Inverse of `_pack_small`: every ``width`` bytes become one word, split into 8 fields."""
+    groups = -(-count // _GROUP)
+    padded = np.zeros(groups * width, dtype=np.uint8)
+    stream = np.frombuffer(data, dtype=np.uint8)
+    padded[: stream.size] = stream
+    raw = np.zeros((groups, 8), dtype=np.uint8)
+    raw[:, 8 - width :] = padded.reshape(groups, width)
+    words = raw.view(">u8").reshape(groups).astype(_U64)
+    shifts = (width * np.arange(_GROUP - 1, -1, -1)).astype(_U64)
+    fields = (words[:, None] >> shifts) & _U64((1 << width) - 1)
+    return fields.reshape(-1)[:count]
 
 
 def unpack_fixed(data: bytes | memoryview, width: int, count: int) -> np.ndarray:
@@ -48,6 +83,8 @@ def unpack_fixed(data: bytes | memoryview, width: int, count: int) -> np.ndarray
         return np.zeros(count, dtype=_U64)
     if width in (8, 16, 32, 64):
         return np.frombuffer(data, dtype=f">u{width // 8}").astype(_U64)
+    if width < 8:
+        return _unpack_small(data, width, count)
     bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=count * width)
     return _rows_to_uint(bits.reshape(count, width))
 
