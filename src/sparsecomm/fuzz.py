@@ -32,14 +32,14 @@ from sparsecomm.errors import PayloadError
 from sparsecomm.payload import _CRC, _HEADER, decode, encode, read_info
 from sparsecomm.sparse_gradient import SparseGradient
 
-INTERESTING = [0, 1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 255, 256, 1023, 1024, 65535, 65536,
-               2**24, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40, 2**48, 2**63 - 1, 2**63, 2**64 - 1]
+INTERESTING = (0, 1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 255, 256, 1023, 1024, 65535, 65536,
+               2**24, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40, 2**48, 2**63 - 1, 2**63, 2**64 - 1)
 """values a mutated integer field takes: small counts, powers of two and their neighbours, type limits"""
-INTERESTING_PARAMS = ["0", "1", "2", "-1", "0.5", "1e-12", "0.999999", "1e9", "255", "256", "65536", "16777216",
-                      "4294967296", "true", "false", "nan", "p0", "p2", "naive", "x"]
+INTERESTING_PARAMS = ("0", "1", "2", "-1", "0.5", "1e-12", "0.999999", "1e9", "255", "256", "65536", "16777216",
+                      "4294967296", "true", "false", "nan", "p0", "p2", "naive", "x")
 MUTATIONS = ("section_bytes", "section_length", "header_field", "codec_parameter", "codec_name", "raw_bytes")
-_HEADER_FIELDS = ["magic", "version", "flags", "dtype", "ndim", "numel", "nnz", "index_spec_len", "value_spec_len",
-                  "index_bytes", "value_bytes"]
+_HEADER_FIELDS = ("magic", "version", "flags", "dtype", "ndim", "numel", "nnz", "index_spec_len", "value_spec_len",
+                  "index_bytes", "value_bytes")
 
 
 @dataclass(frozen=True)
