@@ -11,12 +11,9 @@ import torch
 
 import sparsecomm as sc
 from helpers import random_sparse
+from sparsecomm.fuzz import codec_pairs
 
-INDEX = [name for name in sc.INDEX_CODECS.names() if name != "bloom"] + ["raw(bits=64)"] + [
-    f"bloom(policy={policy})" for policy in ("naive", "leftmost", "p0", "p1", "p2")]
-VALUE = sc.VALUE_CODECS.names()
-PAIRS = [(index, value) for index in INDEX for value in VALUE
-         if not sc.INDEX_CODECS.parse(index).codes_values or value == "fp32"]
+PAIRS = codec_pairs()  # the fuzzer's seed pairs: every registered codec, every Bloom policy
 SELECTIONS = {"empty": (1000, 0), "one": (1000, 1), "few": (1000, 3), "all": (1000, 1000), "numel 1": (1, 1),
               "numel 1, empty": (1, 0), "large, all": (200_000, 200_000), "tiny of a million": (1 << 20, 2)}
 

@@ -7,15 +7,14 @@ Python's memory (every codec decodes in numpy)."""
 import struct
 import time
 import tracemalloc
-import zlib
 
 import pytest
 import torch
 
 import sparsecomm as sc
 from helpers import random_sparse
+from sparsecomm.fuzz import PayloadParts
 from sparsecomm.payload import (
-    _HEADER,
     DECODE_BYTES_PER_BYTE,
     DECODE_BYTES_PER_VALUE,
     DECODE_OVERHEAD,
@@ -28,16 +27,15 @@ from sparsecomm.payload import (
 def craft(index_text: str, value_text: str, numel: int, nnz: int, index_section: bytes,
           value_section: bytes = b"") -> bytes:
     """A float32 payload of a 1-D tensor with these fields, whatever they say, and a valid CRC."""
-    header = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, 1, 1, numel, nnz, len(index_text), len(value_text),
-                          len(index_section), len(value_section))
-    body = header + struct.pack("<Q", numel) + index_text.encode() + value_text.encode() + index_section + value_section
-    return body + struct.pack("<I", zlib.crc32(body))
+    fields = {"magic": MAGIC, "version": FORMAT_VERSION, "flags": 0, "dtype": 1, "ndim": 1, "numel": numel,
+              "nnz": nnz}
+    return PayloadParts(fields, struct.pack("<Q", numel), index_text, value_text, index_section,
+                        value_section).assemble()
 
 
 def sections(payload: bytes) -> tuple[bytes, bytes]:
-    info = sc.read_info(payload)
-    values_start = len(payload) - 4 - info.value_bytes
-    return payload[values_start - info.index_bytes : values_start], payload[values_start : len(payload) - 4]
+    parts = PayloadParts.parse(payload)
+    return parts.index_section, parts.value_section
 
 
 def decode_measured(payload: bytes, expect: int | None = None) -> tuple[object, int, float]:

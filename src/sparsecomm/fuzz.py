@@ -21,7 +21,7 @@ import traceback
 import warnings
 import zlib
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -43,10 +43,46 @@ _HEADER_FIELDS = ("magic", "version", "flags", "dtype", "ndim", "numel", "nnz", 
 
 
 @dataclass(frozen=True)
+class PayloadParts:
+    """A payload cut into the parts a mutation changes. `assemble` puts any such parts back
+    together, with the lengths taken from the parts and the checksum recomputed."""
+
+    fields: dict[str, Any]
+    """the fixed header's fields by name (lengths among them are recomputed by `assemble`)"""
+    shape: bytes
+    index_text: str
+    value_text: str
+    index_section: bytes
+    value_section: bytes
+
+    @classmethod
+    def parse(cls, payload: bytes) -> PayloadParts:
+        fields = dict(zip(_HEADER_FIELDS, _HEADER.unpack_from(payload), strict=True))
+        shape_end = _HEADER.size + 8 * fields["ndim"]
+        index_text_end = shape_end + fields["index_spec_len"]
+        text_end = index_text_end + fields["value_spec_len"]
+        index_end = text_end + fields["index_bytes"]
+        return cls(fields, payload[_HEADER.size:shape_end], payload[shape_end:index_text_end].decode(),
+                   payload[index_text_end:text_end].decode(), payload[text_end:index_end],
+                   payload[index_end:-_CRC.size])
+
+    def assemble(self) -> bytes:
+        index_spec, value_spec = self.index_text.encode()[:255], self.value_text.encode()[:255]
+        values = dict(self.fields, index_spec_len=len(index_spec), value_spec_len=len(value_spec),
+                      index_bytes=len(self.index_section), value_bytes=len(self.value_section))
+        values = {name: value & ((1 << 8 * _field_size(name)) - 1) if isinstance(value, int) else value
+                  for name, value in values.items()}
+        body = _HEADER.pack(*[values[name] for name in _HEADER_FIELDS]) + self.shape + index_spec + value_spec
+        body += self.index_section + self.value_section
+        return body + _CRC.pack(zlib.crc32(body))
+
+
+@dataclass(frozen=True)
 class Seed:
-    """A valid payload and the tensor size its receiver expects."""
+    """A valid payload, its parts, and the tensor size its receiver expects."""
 
     payload: bytes
+    parts: PayloadParts
     numel: int
 
 
@@ -99,64 +135,48 @@ def seed_corpus(seed: int = 0) -> list[Seed]:
             values = torch.from_numpy(rng.standard_normal(nnz).astype(np.float32))
             shape = (numel,) if numel % 20 else (20, numel // 20)
             grad = SparseGradient(indices, values, torch.Size(shape))
-            corpus.append(Seed(encode(grad, index, value, rng=rng, dense=grad.to_dense()), numel))
+            payload = encode(grad, index, value, rng=rng, dense=grad.to_dense())
+            corpus.append(Seed(payload, PayloadParts.parse(payload), numel))
     return corpus
 
 
 def mutate(seed: Seed, rng: np.random.Generator) -> tuple[str, bytes]:
     """(the mutation's kind, a mutated payload) — checksummed, except for ``raw_bytes``."""
     kind = MUTATIONS[int(rng.integers(len(MUTATIONS)))]
-    fields = dict(zip(_HEADER_FIELDS, _HEADER.unpack_from(seed.payload), strict=True))
-    ndim = fields["ndim"]
-    shape_end = _HEADER.size + 8 * ndim
-    shape = seed.payload[_HEADER.size:shape_end]
-    text_end = shape_end + fields["index_spec_len"] + fields["value_spec_len"]
-    index_text = seed.payload[shape_end:shape_end + fields["index_spec_len"]].decode()
-    value_text = seed.payload[shape_end + fields["index_spec_len"]:text_end].decode()
-    index_section = seed.payload[text_end:text_end + fields["index_bytes"]]
-    value_section = seed.payload[text_end + fields["index_bytes"]:-_CRC.size]
     if kind == "raw_bytes":
         data = bytearray(seed.payload)
         for _ in range(int(rng.integers(1, 4))):
             data[int(rng.integers(len(data)))] = int(rng.integers(256))
         return kind, bytes(data[: int(rng.integers(len(data) + 1))] if rng.random() < 0.3 else data)
+    parts = seed.parts
     if kind == "section_bytes":
-        index_section, value_section = (_mutate_bytes(index_section, rng), value_section) if rng.random() < 0.5 else (
-            index_section, _mutate_bytes(value_section, rng))
+        if rng.random() < 0.5:
+            parts = replace(parts, index_section=_mutate_bytes(parts.index_section, rng))
+        else:
+            parts = replace(parts, value_section=_mutate_bytes(parts.value_section, rng))
     elif kind == "section_length":  # bytes added or cut, the header kept consistent
         if rng.random() < 0.5:
-            index_section = _resize(index_section, rng)
+            parts = replace(parts, index_section=_resize(parts.index_section, rng))
         else:
-            value_section = _resize(value_section, rng)
+            parts = replace(parts, value_section=_resize(parts.value_section, rng))
     elif kind == "header_field":
         name = ["numel", "nnz", "flags", "dtype", "ndim"][int(rng.integers(5))]
-        fields[name] = _interesting(rng, name)
-        if name == "numel" and ndim == 1 and rng.random() < 0.7:  # keep shape and numel consistent
+        fields = dict(parts.fields, **{name: _interesting(rng, name)})
+        shape = parts.shape
+        if name == "numel" and fields["ndim"] == 1 and rng.random() < 0.7:  # keep shape and numel consistent
             shape = struct.pack("<Q", fields["numel"])
+        parts = replace(parts, fields=fields, shape=shape)
     elif kind == "codec_parameter":
         if rng.random() < 0.5:
-            index_text = _mutate_parameters(index_text, INDEX_CODECS, rng)
+            parts = replace(parts, index_text=_mutate_parameters(parts.index_text, INDEX_CODECS, rng))
         else:
-            value_text = _mutate_parameters(value_text, VALUE_CODECS, rng)
+            parts = replace(parts, value_text=_mutate_parameters(parts.value_text, VALUE_CODECS, rng))
     else:  # codec_name: another registered codec reads these bytes
         if rng.random() < 0.5:
-            index_text = INDEX_CODECS.names()[int(rng.integers(len(INDEX_CODECS.names())))]
+            parts = replace(parts, index_text=INDEX_CODECS.names()[int(rng.integers(len(INDEX_CODECS.names())))])
         else:
-            value_text = VALUE_CODECS.names()[int(rng.integers(len(VALUE_CODECS.names())))]
-    return kind, assemble(fields, shape, index_text, value_text, index_section, value_section)
-
-
-def assemble(fields: dict[str, Any], shape: bytes, index_text: str, value_text: str, index_section: bytes,
-             value_section: bytes) -> bytes:
-    """A payload from its parts: lengths from the parts, checksum recomputed."""
-    index_spec, value_spec = index_text.encode()[:255], value_text.encode()[:255]
-    values = dict(fields, index_spec_len=len(index_spec), value_spec_len=len(value_spec),
-                  index_bytes=len(index_section), value_bytes=len(value_section))
-    values = {name: value & ((1 << 8 * _field_size(name)) - 1) if isinstance(value, int) else value
-              for name, value in values.items()}
-    body = _HEADER.pack(*[values[name] for name in _HEADER_FIELDS]) + shape + index_spec + value_spec
-    body += index_section + value_section
-    return body + _CRC.pack(zlib.crc32(body))
+            parts = replace(parts, value_text=VALUE_CODECS.names()[int(rng.integers(len(VALUE_CODECS.names())))])
+    return kind, parts.assemble()
 
 
 def check_decoded(grad: SparseGradient, payload: bytes) -> str | None:

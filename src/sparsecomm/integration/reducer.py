@@ -240,10 +240,11 @@ class GradientReducer:
             return self._submit(key, buffer, [Segment(names[0], 0, buffer.numel())], stats_key=names[0])
         stats_key = f"bucket{bucket.index()}"
         gradients = dict(zip(names, bucket.gradients(), strict=True))
+        offsets = {name: (grad.data_ptr() - buffer.data_ptr()) // buffer.element_size()
+                   for name, grad in gradients.items()}
         if order == names:
-            base = buffer.data_ptr()
-            segments = [Segment(name, (grad.data_ptr() - base) // buffer.element_size(), grad.numel(),
-                                whole=grad.numel() < self.dense_below) for name, grad in gradients.items()]
+            segments = [Segment(name, offsets[name], grad.numel(), whole=grad.numel() < self.dense_below)
+                        for name, grad in gradients.items()]
             return self._submit(key, buffer, segments, stats_key=stats_key)
         # the first step of a fresh DDP after a resume: reduce in the checkpoint's layout, return in DDP's
         reordered = torch.cat([gradients[name].reshape(-1) for name in order])
@@ -259,9 +260,8 @@ class GradientReducer:
             try:
                 total = done.wait()
                 in_ddp_layout = torch.empty_like(buffer)
-                base = buffer.data_ptr()
                 for segment in segments:
-                    offset = (gradients[segment.key].data_ptr() - base) // buffer.element_size()
+                    offset = offsets[segment.key]
                     in_ddp_layout[offset:offset + segment.numel] = total[segment.start:segment.start + segment.numel]
                 result.set_result(in_ddp_layout)
             except BaseException as err:  # noqa: BLE001 - handed to the waiter
