@@ -115,9 +115,9 @@ def test_qsgd_is_unbiased_over_seeds():
     assert not torch.equal(trials[0], trials[1])  # it really is stochastic
 
 
-def test_qsgd_error_is_bounded_by_one_level_of_the_bucket_norm():
-    grad = random_sparse(10_000, 4_000, seed=4)
-    bits, bucket = 4, 256
+@pytest.mark.parametrize(("bits", "bucket"), [(2, 1), (3, 7), (4, 256), (8, 512), (12, 100), (16, 70_000)])
+def test_qsgd_error_is_bounded_by_one_level_of_the_bucket_norm(bits, bucket):
+    grad = random_sparse(200_000, 80_000, seed=4)
     decoded = sc.decode(sc.encode(grad, "raw", f"qsgd(bits={bits},bucket={bucket})")).values
     truth = grad.sorted().values
     norms = torch.nn.functional.pad(truth, (0, -len(truth) % bucket)).reshape(-1, bucket).norm(dim=1)

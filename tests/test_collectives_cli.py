@@ -11,6 +11,7 @@ import sparsecomm as sc
 from sparsecomm.cli.main import main
 from sparsecomm.launch import run_local
 from sparsecomm.netns import ShapedNetwork
+from sparsecomm.transport.request import PHASES
 
 ROW_FIELDS = {"transport", "algorithm", "workers", "numel", "density", "ms", "dense_ms", "allgather_ms", "bound_ms",
               "exact"}
@@ -33,6 +34,29 @@ def test_bench_collectives_reports_every_transport_with_the_documented_fields(tm
     assert all(row["bound_ms"] > 0 and row["dense_ms"] == by_transport["dense"]["ms"] for row in rows)
     # one round of all, then up to 19 more of the close contenders and auto
     assert by_transport["auto"]["samples"] == 20 and {row["samples"] for row in rows} <= {1, 20}
+
+
+def test_profile_times_each_phase_and_the_floor_states_its_parts(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    transports = ["allgather", "sparse_allreduce(algorithm=ssar_sa)", "sparse_allreduce(algorithm=ssar_rd)",
+                  "sketch_allreduce", "auto"]
+    argv = ["bench", "collectives", "--workers", "2", "--numel", "200000", "--density", "0.01", "--repeat", "2",
+            "--profile", "--json", str(out)]
+    assert main(argv + [arg for text in transports for arg in ("--transport", text)]) == 0
+    printed = capsys.readouterr().out
+    assert "per phase" in printed and "transfer" in printed
+    for row in json.loads(out.read_text())["rows"]:
+        phases = row["phases_ms"]
+        assert set(phases) == set(PHASES)
+        # a phase of the slowest rank never outlasts the slowest rank's whole call
+        assert all(0 <= ms <= row["ms"] * 1.0001 for ms in phases.values()), row["transport"]
+        assert phases["transfer"] + phases["agreement"] > 0, row["transport"]  # every call communicates
+        parts = row["bound_latency_ms"] + row["bound_wire_ms"] + row["bound_output_ms"]
+        assert row["bound_ms"] == pytest.approx(parts) and row["bound_output_ms"] > 0
+        assert row["split_bound_ms"] > row["bound_output_ms"]
+    by_transport = {row["transport"]: row for row in json.loads(out.read_text())["rows"]}
+    assert by_transport["allgather"]["phases_ms"]["decode"] > 0
+    assert by_transport["sparse_allreduce(algorithm=ssar_sa)"]["phases_ms"]["sum"] > 0
 
 
 def test_close_contenders_and_auto_get_extra_rounds_within_a_budget():

@@ -135,3 +135,75 @@ def run_local_single_out_mismatch():
     from sparsecomm.transport.base import output_buffer
 
     output_buffer(torch.zeros(3), 4, torch.float32)
+
+
+def allgather_with_codecs(rank: int, world: int, dtype: torch.dtype, value_codec: str) -> dict:
+    grad = sc.SparseGradient(torch.tensor([rank, 7, 100 + rank]),
+                             torch.tensor([1 / 3, 2 / 3 + rank, -1 / 7], dtype=dtype), torch.Size([200]))
+    request = sc.Request(value_codec=sc.VALUE_CODECS.create(value_codec))
+    result = sc.parse_spec("allgather").transport.allreduce(grad, request=request)
+    # what every rank must get: each rank's values as the codec sends them, summed in rank order
+    expected = torch.zeros(200, dtype=dtype)
+    for other in range(world):
+        values = torch.tensor([1 / 3, 2 / 3 + other, -1 / 7], dtype=dtype)
+        sent = sc.decode(sc.encode(sc.SparseGradient(torch.tensor([other, 7, 100 + other]), values,
+                                                     torch.Size([200])), "rice", value_codec))
+        expected.index_add_(0, sent.indices, sent.values)
+    return {"equal": torch.equal(result, expected), "digest": result.numpy().tobytes()}
+
+
+@pytest.mark.parametrize(("dtype", "value_codec"), [(torch.float64, "fp32"), (torch.float32, "fp16"),
+                                                     (torch.float16, "fp32"), (torch.float32, "fp32")])
+def test_allgather_sums_what_the_codecs_send_including_this_ranks_own_values(dtype, value_codec):
+    # a rank skips decoding its own payload only when the codecs carry its values exactly
+    results = run_local(3, allgather_with_codecs, dtype, value_codec)
+    assert all(r["equal"] for r in results)
+    assert len({r["digest"] for r in results}) == 1
+
+
+def skewed_split_allgather(rank: int, world: int, tamper: bool) -> dict:
+    numel, nnz = 100_000, 1_000
+    generator = torch.Generator().manual_seed(rank)
+    grad = torch.zeros(numel)
+    grad[torch.randperm(numel // 5, generator=generator)[:nnz]] = torch.randn(nnz, generator=generator)
+    reference = grad.clone()
+    dist.all_reduce(reference)
+    transport = sc.parse_spec("sparse_allreduce(algorithm=ssar_sa)").transport
+    session = sc.TransportSession()
+    errors, results = [], []
+    for call in range(3):
+        if tamper and call == 2 and rank == 1:  # this rank's session splits elsewhere
+            bounds = list(session.split_points[("w", numel, world)])
+            bounds[1] += 1
+            session.split_points[("w", numel, world)] = tuple(bounds)
+        try:
+            result = transport.allreduce(sc.SparseGradient.from_dense(grad), request=sc.Request(key="w", call=call),
+                                         session=session)
+        except sc.SparseCommError as err:
+            errors.append(str(err))
+            break
+        results.append(result)
+        errors.append(float((result - reference).abs().max()))
+    bounds = session.split_points[("w", numel, world)]
+    union = torch.nonzero(reference).squeeze(1)
+    per_range = [int(((union >= lo) & (union < hi)).sum()) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+    return {"errors": errors, "bounds": bounds, "per_range": per_range,
+            "digest": b"".join(r.numpy().tobytes() for r in results)}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_split_allgather_balances_its_ranges_by_nonzeros(world):
+    # every rank's nonzeros lie in the first fifth of the tensor: equal ranges would give rank 0 all
+    # of them; after one call, the ranges split the result's nonzeros into near-equal shares
+    results = run_local(world, skewed_split_allgather, False)
+    first = results[0]
+    assert all(r["bounds"] == first["bounds"] and r["digest"] == first["digest"] for r in results)
+    assert all(error <= 1e-5 for r in results for error in r["errors"])
+    assert first["bounds"][1] < 100_000 // 5  # the first range no longer holds every nonzero
+    assert max(first["per_range"]) <= 1.25 * min(first["per_range"]), first["per_range"]
+
+
+def test_ranks_that_split_differently_fail_clearly():
+    results = run_local(3, skewed_split_allgather, True)
+    for r in results:
+        assert isinstance(r["errors"][-1], str) and "disagree" in r["errors"][-1]

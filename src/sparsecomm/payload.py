@@ -216,12 +216,13 @@ def _codec_from_wire(registry: Registry, text: str, kind: type[CodecT]) -> Codec
 
 
 def _sorted_unique(grad: SparseGradient) -> tuple[np.ndarray, torch.Tensor]:
-    grad = grad.sorted()  # torch's sort: 1.6M indices in 20 ms, numpy's stable argsort 155 ms
+    grad = grad.sorted()
     indices = grad.indices.detach().cpu().numpy().astype(np.int64, copy=False)
     values = grad.values.detach().cpu()
     if indices.size:
-        if (np.diff(indices) == 0).any():
-            dup = int(indices[1:][np.diff(indices) == 0][0])
+        repeated = indices[1:] == indices[:-1]
+        if repeated.any():
+            dup = int(indices[1:][repeated][0])
             raise SparseCommError(f"duplicate index {dup}: a sparse gradient holds each index once")
         if indices[0] < 0 or indices[-1] >= grad.numel:
             raise SparseCommError(f"index out of range [0, {grad.numel})")

@@ -1,9 +1,12 @@
 """``sparsecomm bench collectives``: time per operation of every transport next to dense all_reduce
-and plain allgather, on loopback or a shaped link, with each measurement's ratio to the α-β lower
-bound and the model's prediction (α, β measured in the same run)."""
+and plain allgather, on loopback or a shaped link, with each measurement's ratio to the floor (its
+parts: latency, information-bound wire bytes, the output pass — α, β and the pass measured in the
+same run), to Ok-Topk's sparse-allreduce bound, and the model's prediction; with ``profile``, the
+time of each phase of a call (`PHASES`)."""
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
@@ -12,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sparsecomm.bench.bounds import subset_bits
 from sparsecomm.bench.calibration import calibrate_group
 from sparsecomm.encode.base import INDEX_CODECS, VALUE_CODECS
 from sparsecomm.launch import run_local
@@ -19,8 +23,8 @@ from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.spec import parse_spec
 from sparsecomm.transport.auto import choose, estimated_payload_bytes_per_nnz, exploring_calls
 from sparsecomm.transport.base import Transport
-from sparsecomm.transport.cost_model import CostModel
-from sparsecomm.transport.request import CallRecord, Request
+from sparsecomm.transport.cost_model import INDEX_BYTES, CostModel
+from sparsecomm.transport.request import PHASES, CallRecord, Request
 from sparsecomm.transport.session import TransportSession
 
 DEFAULT_TRANSPORTS = [
@@ -36,6 +40,43 @@ def contribution(rank: int, numel: int, density: float, seed: int) -> SparseGrad
     nnz = max(1, round(numel * density))
     indices = torch.randperm(numel, generator=generator)[:nnz]
     return SparseGradient(indices, torch.randn(nnz, generator=generator), torch.Size([numel]))
+
+
+def floor(model: CostModel, workers: int, numel: int, nnz: int, output_pass_s: float,
+          isize: int = 4) -> dict[str, float]:
+    """The least time, in seconds, a call that sums ``nnz`` random entries per rank can take, by part:
+    ``latency``, ⌈log2 P⌉ messages; ``wire``, each rank receiving the (P−1)/P of the result it does
+    not own at the information bound (log2 C(N, K) bits for the K = E[union] positions, plus their
+    values; dense when that is smaller); ``output``, one pass writing the result into a
+    preallocated N-vector, as timed in the same run."""
+    if workers == 1:
+        return {"latency": 0.0, "wire": 0.0, "output": output_pass_s}
+    union = round(model.expected_union(numel, nnz, workers))
+    result_bytes = min(subset_bits(numel, union) / 8 + union * isize, numel * isize)
+    return {"latency": math.ceil(math.log2(workers)) * model.alpha,
+            "wire": (workers - 1) / workers * result_bytes * model.beta, "output": output_pass_s}
+
+
+def split_floor(model: CostModel, workers: int, nnz: int, output_pass_s: float, isize: int = 4) -> float:
+    """Ok-Topk's lower bound (PPoPP'22) for a sparse allreduce of k = ``nnz`` entries per rank, in
+    seconds: two messages, 2k(P−1)/P (index, value) pairs through each rank, and the output pass."""
+    if workers == 1:
+        return output_pass_s
+    pairs = 2 * nnz * (workers - 1) / workers
+    return 2 * model.alpha + pairs * (INDEX_BYTES + isize) * model.beta + output_pass_s
+
+
+def output_pass(out: torch.Tensor, repeat: int = 5) -> float:
+    """Seconds of one pass that clears ``out`` (the slowest rank's median): the part of every
+    call's floor that is memory, not wire."""
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        out.zero_()
+        times.append(time.perf_counter() - start)
+    slowest = torch.tensor([statistics.median(times)])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest)
 
 
 def predicted(model: CostModel, text: str, workers: int, numel: int, nnz: int, request: Request) -> float:
@@ -57,14 +98,18 @@ def predicted(model: CostModel, text: str, workers: int, numel: int, nnz: int, r
 
 
 def timed_call(transport: Transport, grad: SparseGradient, request: Request, out: torch.Tensor,
-               session: TransportSession) -> tuple[float, torch.Tensor, CallRecord]:
-    """The slowest rank's time (ms) of one call into a reused ``out``, on every rank."""
+               session: TransportSession, profile: bool = False) -> tuple[list[float], torch.Tensor, CallRecord]:
+    """The slowest rank's time (ms) of one call into a reused ``out``, on every rank — followed,
+    with ``profile``, by the slowest rank's time in each of `PHASES`."""
     dist.barrier()
     start = time.perf_counter()
     reduction = transport.reduce(grad, request=request, out=out, session=session)
-    elapsed = torch.tensor([time.perf_counter() - start])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed) * 1e3, reduction.total, reduction.record
+    phases = [time.perf_counter() - start]
+    if profile:
+        phases += [reduction.record.phases.get(phase, 0.0) for phase in PHASES]
+    slowest = torch.tensor(phases, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return [1e3 * t for t in slowest.tolist()], reduction.total, reduction.record
 
 
 CONTENDER_FACTOR = 2.0
@@ -100,16 +145,16 @@ def warm_up(transport: Transport, grad: SparseGradient, request: Request, out: t
 
 
 def worker(rank: int, world: int, numel: int, densities: list[float], transports: list[str], repeat: int,
-           index_codec: str, value_codec: str, seed: int) -> dict[str, Any]:
+           index_codec: str, value_codec: str, seed: int, profile: bool) -> dict[str, Any]:
     model = calibrate_group(rank, world)
     with TransportSession(model) as session:
         return {"rows": measure(rank, world, numel, densities, transports, repeat, index_codec, value_codec, seed,
-                                model, session), "model": model.__dict__}
+                                model, session, profile), "model": model.__dict__}
 
 
 def measure(rank: int, world: int, numel: int, densities: list[float], transports: list[str], repeat: int,
             index_codec: str, value_codec: str, seed: int, model: CostModel,
-            session: TransportSession) -> list[dict[str, Any]]:
+            session: TransportSession, profile: bool = False) -> list[dict[str, Any]]:
     """One table row per transport and density."""
     rows: list[dict[str, Any]] = []
     for density in densities:
@@ -125,7 +170,9 @@ def measure(rank: int, world: int, numel: int, densities: list[float], transport
         out = torch.empty(numel)  # one result buffer, reused: no transport pays for a fresh 4·N bytes
         for transport in built.values():
             warm_up(transport, grad, request, out, session)
+        output_pass_s = output_pass(out)
         samples: dict[str, list[float]] = {text: [] for text in transports}
+        phase_samples: dict[str, list[list[float]]] = {text: [] for text in transports}
         errors: dict[str, float] = {}
 
         names, rounds = list(built), range(repeat)
@@ -138,8 +185,9 @@ def measure(rank: int, world: int, numel: int, densities: list[float], transport
                 # round (the same on every rank), so none always runs right after the same heavy one,
                 # whose freed memory and cold caches the next call pays for
                 for text in random.Random(round_index).sample(names, len(names)):
-                    ms, result, record = timed_call(built[text], grad, request, out, session)
-                    samples[text].append(ms)
+                    times, result, record = timed_call(built[text], grad, request, out, session, profile)
+                    samples[text].append(times[0])
+                    phase_samples[text].append(times[1:])
                     bytes_sent[text] += record.bytes_sent
                     chosen[text] = record.transport
                     errors[text] = float((result - reference).abs().max()) / max(scale, 1e-30)
@@ -150,24 +198,31 @@ def measure(rank: int, world: int, numel: int, densities: list[float], transport
             sent = torch.tensor([bytes_sent[text] / len(samples[text])])
             dist.all_reduce(sent, op=dist.ReduceOp.MAX)
             measured[text] = ms
+            parts = floor(model, world, numel, grad.nnz, output_pass_s)
+            profiled = ({phase: statistics.median(sample[i] for sample in phase_samples[text])
+                         for i, phase in enumerate(PHASES)} if profile else {})
             rows.append({
                 "transport": transport.to_spec(), "algorithm": chosen[text], "workers": world, "numel": numel,
                 "density": density, "ms": ms, "samples": len(samples[text]),
                 "predicted_ms": 1e3 * predicted(model, text, world, numel, grad.nnz, request),
-                "bound_ms": 1e3 * model.lower_bound(world, numel, grad.nnz),
+                "bound_ms": 1e3 * sum(parts.values()), **{f"bound_{part}_ms": 1e3 * t for part, t in parts.items()},
+                "split_bound_ms": 1e3 * split_floor(model, world, grad.nnz, output_pass_s),
                 "bytes_sent_per_rank": int(sent), "max_rel_error": error, "exact": error <= 1e-5,
+                **({"phases_ms": profiled} if profile else {}),
             })
         for row in rows[-len(transports):]:
             row["dense_ms"] = measured.get("dense", float("nan"))
             row["allgather_ms"] = measured.get("allgather", float("nan"))
             row["speedup_vs_dense"] = row["dense_ms"] / row["ms"] if row["ms"] > 0 else float("inf")
             row["ratio_to_bound"] = row["ms"] / row["bound_ms"] if row["bound_ms"] > 0 else float("nan")
+            row["ratio_to_split_bound"] = row["ms"] / row["split_bound_ms"] if row["split_bound_ms"] > 0 else (
+                float("nan"))
     return rows
 
 
 def run(workers: list[int], numel: int, densities: list[float], transports: list[str] | None = None,
         repeat: int = 3, shaped: str | None = None, index_codec: str = "rice", value_codec: str = "fp32",
-        seed: int = 0, timeout: float = 1800.0) -> dict[str, Any]:
+        seed: int = 0, timeout: float = 1800.0, profile: bool = False) -> dict[str, Any]:
     transports = transports or DEFAULT_TRANSPORTS
     for text in transports:
         parse_spec(text)  # fail before starting processes
@@ -176,7 +231,7 @@ def run(workers: list[int], numel: int, densities: list[float], transports: list
             transports = [required, *transports]
     rows, models = [], {}
     for world in workers:
-        args = (numel, densities, transports, repeat, index_codec, value_codec, seed)
+        args = (numel, densities, transports, repeat, index_codec, value_codec, seed, profile)
         if shaped:
             from sparsecomm.netns import ShapedNetwork
 
@@ -187,5 +242,6 @@ def run(workers: list[int], numel: int, densities: list[float], transports: list
         rows += result["rows"]
         models[world] = result["model"]
     return {"benchmark": "collectives", "numel": numel, "densities": densities, "shaped": shaped or "loopback",
-            "repeat": repeat, "index_codec": index_codec, "value_codec": value_codec, "cost_models": models,
+            "repeat": repeat, "index_codec": index_codec, "value_codec": value_codec, "profile": profile,
+            "cost_models": models,
             "rows": rows}

@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                              help="rounds of every transport; those within 2x of the fastest, and auto, get up to "
                                   "20x as many (default %(default)s)")
     collectives.add_argument("--seed", type=int, default=0)
+    collectives.add_argument("--profile", action="store_true",
+                             help="also time each phase of every call (agreement, encode, transfer, decode, sum, "
+                                  "output) and print a table of them")
     collectives.add_argument("--json", metavar="PATH", help="write the results as JSON")
 
     train = commands.add_parser("train", help="train a real workload with each preset next to dense")
@@ -247,17 +250,27 @@ def _bench_collectives(args: argparse.Namespace) -> int:
     results = []
     for shaped in runs:
         result = collectives_bench.run(args.workers, args.numel, args.density, args.transport, args.repeat, shaped,
-                                       index_codec, value_codec, args.seed)
+                                       index_codec, value_codec, args.seed, profile=args.profile)
         results.append(result)
         print(f"\ncollectives on {result['shaped']}: numel={args.numel:,} workers={args.workers} "
               f"codecs={args.codecs} repeat={args.repeat} (ms: slowest rank, median of its samples)")
         for world, model in result["cost_models"].items():
             print(f"  P={world}: alpha={model['alpha'] * 1e6:.0f} us, beta={1 / model['beta'] / 1e6:.0f} MB/s")
         print()
+        print("  floor = latency + information-bound wire bytes + one output pass over N (timed here); "
+              "split bound = Ok-Topk's 2k(P-1)/P pairs per rank + output pass\n")
         print(format_table(result["rows"], [
             "workers", "density", "transport", "algorithm", "ms", "samples", "dense_ms", "speedup_vs_dense",
-            "predicted_ms", "bound_ms", "ratio_to_bound", "bytes_sent_per_rank", "exact",
+            "predicted_ms", "bound_latency_ms", "bound_wire_ms", "bound_output_ms", "bound_ms", "ratio_to_bound",
+            "split_bound_ms", "ratio_to_split_bound", "bytes_sent_per_rank", "exact",
         ]))
+        if args.profile:
+            from sparsecomm.transport.request import PHASES
+
+            print("\nper phase (ms, median of the slowest rank's time in each phase):\n")
+            print(format_table([{"workers": row["workers"], "density": row["density"], "transport": row["transport"],
+                                 "ms": row["ms"], **row["phases_ms"]} for row in result["rows"]],
+                               ["workers", "density", "transport", "ms", *PHASES]))
     if args.json:
         write_json(args.json, results[0] if len(results) == 1 else {"benchmark": "collectives", "runs": results})
     return 0

@@ -75,10 +75,18 @@ class ValueCodec(Component):
         """The most values ``nbytes`` of this codec's output can hold."""
         return 8 * nbytes
 
+    def lossless_for(self, dtype: torch.dtype) -> bool:
+        """Whether values of ``dtype`` decode to exactly what was encoded."""
+        return self.lossless
 
-def codecs_lossless(index_codec: IndexCodec, value_codec: ValueCodec) -> bool:
-    """Whether a payload with these codecs decodes to exactly what was encoded."""
-    values_exact = index_codec.values_lossless if index_codec.codes_values else value_codec.lossless
+
+def codecs_lossless(index_codec: IndexCodec, value_codec: ValueCodec, dtype: torch.dtype | None = None) -> bool:
+    """Whether a payload with these codecs decodes to exactly what was encoded (values of ``dtype``,
+    when given: a cast to a narrower wire format is not exact)."""
+    if index_codec.codes_values:
+        values_exact = index_codec.values_lossless
+    else:
+        values_exact = value_codec.lossless if dtype is None else value_codec.lossless_for(dtype)
     return index_codec.lossless and values_exact
 
 

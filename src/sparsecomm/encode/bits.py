@@ -36,9 +36,42 @@ def pack_fixed(values: np.ndarray, width: int) -> bytes:
         return b""
     if width in (8, 16, 32, 64):
         return values.astype(f">u{width // 8}").tobytes()
+    if width in _BYTEWISE:
+        return _pack_bytewise(values, width)
     if width < 8:
         return _pack_small(values, width)
     return np.packbits(_uint_to_rows(values.astype(_U64), width).reshape(-1)).tobytes()
+
+
+_BYTEWISE = (1, 2, 4)
+"""widths whose fields never straddle a byte: packed and unpacked one byte column at a time"""
+
+
+def _pack_bytewise(values: np.ndarray, width: int) -> bytes:
+    """Widths 1, 2, 4: field j of each byte is shifted into place and OR-ed, on uint8 columns."""
+    if width == 1:
+        return np.packbits(values.astype(np.uint8, copy=False)).tobytes()
+    per_byte = 8 // width
+    count = values.size
+    fields = np.zeros(-(-count // per_byte) * per_byte, dtype=np.uint8)
+    fields[:count] = values
+    columns = fields.reshape(-1, per_byte)
+    out = columns[:, 0] << np.uint8(8 - width)
+    for j in range(1, per_byte):
+        out |= columns[:, j] << np.uint8(8 - width * (j + 1))
+    return out.tobytes()
+
+
+def _unpack_bytewise(data: bytes | memoryview, width: int, count: int) -> np.ndarray:
+    """Inverse of `_pack_bytewise`, as uint8."""
+    stream = np.frombuffer(data, dtype=np.uint8)
+    if width == 1:
+        return np.unpackbits(stream, count=count)
+    per_byte, mask = 8 // width, np.uint8((1 << width) - 1)
+    fields = np.empty((stream.size, per_byte), dtype=np.uint8)
+    for j in range(per_byte):
+        np.bitwise_and(stream >> np.uint8(8 - width * (j + 1)), mask, out=fields[:, j])
+    return fields.reshape(-1)[:count]
 
 
 _GROUP = 8
@@ -75,14 +108,19 @@ def _unpack_small(data: bytes | memoryview, width: int, count: int) -> np.ndarra
 
 
 def unpack_fixed(data: bytes | memoryview, width: int, count: int) -> np.ndarray:
-    """Inverse of `pack_fixed`; ``data`` must hold exactly ``ceil(count*width/8)`` bytes."""
+    """Inverse of `pack_fixed`; ``data`` must hold exactly ``ceil(count*width/8)`` bytes. Fields
+    come back as uint8 at widths 1, 2, 4 and 8, as uint64 otherwise."""
     expected = nbytes_for_bits(count * width)
     if len(data) != expected:
         raise PayloadError(f"{count} fields of {width} bits need {expected} bytes, got {len(data)}")
     if width == 0 or count == 0:
         return np.zeros(count, dtype=_U64)
-    if width in (8, 16, 32, 64):
+    if width == 8:
+        return np.frombuffer(data, dtype=np.uint8).copy()
+    if width in (16, 32, 64):
         return np.frombuffer(data, dtype=f">u{width // 8}").astype(_U64)
+    if width in _BYTEWISE:
+        return _unpack_bytewise(data, width, count)
     if width < 8:
         return _unpack_small(data, width, count)
     bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=count * width)
@@ -94,23 +132,29 @@ def pack_unary(quotients: np.ndarray) -> bytes:
     if quotients.size == 0:
         return b""
     ends = np.cumsum(quotients.astype(np.int64) + 1) - 1
-    nbytes = nbytes_for_bits(int(ends[-1]) + 1)
-    weights = np.right_shift(128, ends & 7)
-    return np.bincount(ends >> 3, weights=weights, minlength=nbytes).astype(np.uint8).tobytes()
+    bits = np.zeros(nbytes_for_bits(int(ends[-1]) + 1) * 8, dtype=np.uint8)
+    bits[ends] = 1
+    return np.packbits(bits).tobytes()
 
 
 def unpack_unary(data: bytes | memoryview, count: int) -> np.ndarray:
     """Inverse of `pack_unary` for ``count`` values; trailing bits after the last one must be zero."""
+    return np.diff(unary_ends(data, count), prepend=-1) - 1
+
+
+def unary_ends(data: bytes | memoryview, count: int) -> np.ndarray:
+    """The bit position of each of ``count`` unary codes' closing one bit: code i's value is
+    ``ends[i] - ends[i-1] - 1``, and ``ends[i] - i`` is the sum of the values up to it."""
     if count == 0:
         if any(data):
             raise PayloadError("unary stream holds bits but no values were expected")
         return np.zeros(0, dtype=np.int64)
-    ones = np.flatnonzero(np.unpackbits(np.frombuffer(data, dtype=np.uint8)))
-    if ones.size != count:
-        raise PayloadError(f"unary stream holds {ones.size} values, expected {count}")
-    if nbytes_for_bits(int(ones[-1]) + 1) != len(data):
+    ends = np.flatnonzero(np.unpackbits(np.frombuffer(data, dtype=np.uint8)).view(bool))  # numpy scans bool fastest
+    if ends.size != count:
+        raise PayloadError(f"unary stream holds {ends.size} values, expected {count}")
+    if nbytes_for_bits(int(ends[-1]) + 1) != len(data):
         raise PayloadError("unary stream has trailing bytes")
-    return np.diff(ones, prepend=-1) - 1
+    return ends
 
 
 def pack_varwidth(values: np.ndarray, lengths: np.ndarray) -> tuple[bytes, int]:

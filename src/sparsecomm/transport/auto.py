@@ -38,9 +38,9 @@ from sparsecomm.transport.base import TRANSPORTS, Transport, as_sparse
 from sparsecomm.transport.collectives import Group, fingerprint, world
 from sparsecomm.transport.cost_model import CostModel, load_cost_model
 from sparsecomm.transport.dense import DenseTransport
-from sparsecomm.transport.request import Reduction, Request
+from sparsecomm.transport.request import CallRecord, Reduction, Request
 from sparsecomm.transport.session import TransportSession
-from sparsecomm.transport.sparse_allreduce import SparseAllreduce
+from sparsecomm.transport.sparse_allreduce import SparseAllreduce, split_points_of
 from sparsecomm.transport.tuning import TIE_BREAK_TRIALS, Tuning
 
 VALUE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0}
@@ -107,16 +107,20 @@ class AutoTransport(Transport):
         isize = sparse.values.element_size()
         stream = (sparse.numel, isize, workers, self.to_spec())
         expected = session.expected.get(stream) if session is not None else None  # what the size class runs next
-        # sparse transports sort the indices before their agreement step, so auto sorts first too
-        if expected != "dense":
-            sparse = sparse.sorted()
-        # Likewise allgather encodes before its agreement step, which then carries the payload
-        # sizes: allgather needs no size exchange of its own
-        if expected == "allgather":
-            request = replace(request, payload=payload_of(sparse, group, request))
+        own = CallRecord()  # auto's own phases, added to the chosen transport's
+        with own.phase("encode"):
+            # sparse transports sort the indices before their agreement step, so auto sorts first too
+            if expected != "dense":
+                sparse = sparse.sorted()
+            # Likewise allgather encodes before its agreement step, which then carries the payload
+            # sizes: allgather needs no size exchange of its own
+            if expected == "allgather":
+                request = replace(request, payload=payload_of(sparse, group, request))
         nbytes = len(request.payload) if request.payload is not None else 0
-        agreement = agree(group, request, sparse.numel, fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype,
-                                                                    model.fingerprint()), sparse.nnz, nbytes)
+        with own.phase("agreement"):
+            agreement = agree(group, request, sparse.numel, fingerprint(
+                self.to_spec(), tuple(sparse.shape), sparse.dtype, model.fingerprint(),
+                split_points_of(session, request, sparse.numel, workers)), sparse.nnz, nbytes)
         best, costs = choose(model, workers, sparse.numel, agreement.max_nnz, isize,
                              estimated_payload_bytes_per_nnz(request, sparse.numel, agreement.max_nnz))
         request = replace(request, agreement=agreement)  # the chosen transport needs no agreement step
@@ -128,6 +132,8 @@ class AutoTransport(Transport):
         if session is not None:
             session.expected[stream] = upcoming
         reduction.record.predicted_ms.update({name: 1e3 * cost for name, cost in costs.items()})
+        for phase, seconds in own.phases.items():
+            reduction.record.phases[phase] = reduction.record.phases.get(phase, 0.0) + seconds
         return reduction
 
     def _explore(self, sparse: SparseGradient, group: Group, request: Request, out: torch.Tensor | None,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import zlib
+from collections.abc import Generator
+from contextlib import closing
 
 import torch
 import torch.distributed as dist
@@ -22,19 +24,28 @@ def fingerprint(*parts: object) -> int:
 
 def allgather_bytes(buffer: torch.Tensor, group: Group, counts: list[int] | None = None) -> list[torch.Tensor]:
     """Variable-length allgather of a 1-D uint8 tensor: every rank gets every rank's buffer (its
-    own is ``buffer`` itself). gloo has no allgatherv, so sizes go first (unless ``counts`` already
-    holds them), then the buffers, point to point (see `transfer`)."""
+    own is ``buffer`` itself), in rank order. See `allgather_arrivals`."""
+    received = dict(allgather_arrivals(buffer, group, counts))
+    return [received[r] for r in range(len(received))]
+
+
+def allgather_arrivals(buffer: torch.Tensor, group: Group,
+                       counts: list[int] | None = None) -> Generator[tuple[int, torch.Tensor], None, None]:
+    """Variable-length allgather that yields (rank, buffer) as each arrives: this rank's own at once,
+    while the others are still in flight, so the caller can work on each while the rest travel.
+    gloo has no allgatherv, so sizes go first (unless ``counts`` already holds them), then the
+    buffers, point to point (see `Arrivals`). Close the iterator (or exhaust it) before the next
+    collective."""
     rank, size = world(group)
-    if size == 1:
-        return [buffer]
-    if counts is None:
+    if size > 1 and counts is None:
         sizes = torch.zeros(size, dtype=torch.int64)
         all_gather_single(sizes, torch.tensor([buffer.numel()], dtype=torch.int64), group=group)
         counts = sizes.tolist()
-    received = [buffer if r == rank else torch.empty(n, dtype=torch.uint8) for r, n in enumerate(counts)]
-    transfer(receives={r: t for r, t in enumerate(received) if r != rank},
-             sends={r: buffer for r in range(size) if r != rank}, group=group)
-    return received
+    received = {r: torch.empty(n, dtype=torch.uint8) for r, n in enumerate(counts or []) if r != rank}
+    with closing(Arrivals(received, sends={r: buffer for r in range(size) if r != rank}, group=group)) as peers:
+        yield rank, buffer
+        for peer in peers:
+            yield peer, received[peer]
 
 
 def alltoall_bytes(chunks: list[torch.Tensor], group: Group) -> list[torch.Tensor]:
@@ -51,20 +62,55 @@ def alltoall_bytes(chunks: list[torch.Tensor], group: Group) -> list[torch.Tenso
 
 
 def transfer(receives: dict[int, torch.Tensor], sends: dict[int, torch.Tensor], group: Group) -> None:
+    """Point-to-point transfers with peers, all in flight at once; returns when all are done (see
+    `Arrivals`)."""
+    with closing(Arrivals(receives, sends, group)) as arrivals:
+        for _ in arrivals:
+            pass
+
+
+class Arrivals:
     """Point-to-point transfers with peers (keyed by rank in ``group``; empty tensors skipped, as
-    their peers skip them too), all in flight at once, every receive posted before any send.
+    their peers skip them too), started at construction, all in flight at once, every receive posted
+    before any send. Iterating yields each receiving peer once its tensor has arrived; `close`
+    waits for every transfer still in flight (call it, or exhaust the iterator, before the next
+    collective).
 
     On gloo the order decides whether the two directions of a link overlap: with sends posted
-    first a swap can run one direction after the other. Sends start with the next rank up, so that
-    no rank is everyone's first."""
-    rank, size = world(group)
-    ops = [dist.P2POp(dist.irecv, tensor, _global(peer, group), group)
-           for peer, tensor in sorted(receives.items(), key=lambda item: (rank - item[0]) % size) if tensor.numel()]
-    ops += [dist.P2POp(dist.isend, tensor, _global(peer, group), group)
-            for peer, tensor in sorted(sends.items(), key=lambda item: (item[0] - rank) % size) if tensor.numel()]
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
+    first a swap can run one direction after the other. Receives start with the next rank down and
+    sends with the next rank up, so that no rank is everyone's first."""
+
+    def __init__(self, receives: dict[int, torch.Tensor], sends: dict[int, torch.Tensor], group: Group) -> None:
+        rank, size = world(group)
+        self._receiving = sorted(receives, key=lambda peer: (rank - peer) % size)
+        self._empty = {peer for peer, tensor in receives.items() if not tensor.numel()}
+        ops = [dist.P2POp(dist.irecv, receives[peer], _global(peer, group), group)
+               for peer in self._receiving if peer not in self._empty]
+        ops += [dist.P2POp(dist.isend, tensor, _global(peer, group), group)
+                for peer, tensor in sorted(sends.items(), key=lambda item: (item[0] - rank) % size) if tensor.numel()]
+        self._works = dist.batch_isend_irecv(ops) if ops else []
+        self._next_peer = 0
+        self._next_work = 0
+
+    def __iter__(self) -> Arrivals:
+        return self
+
+    def __next__(self) -> int:
+        if self._next_peer == len(self._receiving):
+            self.close()
+            raise StopIteration
+        peer = self._receiving[self._next_peer]
+        self._next_peer += 1
+        if peer not in self._empty:
+            self._works[self._next_work].wait()
+            self._next_work += 1
+        return peer
+
+    def close(self) -> None:
+        """Wait for the sends and any receive not yet waited for."""
+        for work in self._works[self._next_work:]:
+            work.wait()
+        self._next_work = len(self._works)
 
 
 def exchange_bytes(buffer: torch.Tensor, peer: int, group: Group) -> torch.Tensor:

@@ -6,8 +6,8 @@ E[K] = N(1 − (1 − k/N)^P), App. B), plus its compute: memory passes over buf
 fills, sort-based merges of sparse streams, encode/decode, hashing — each at a rate measured by
 ``sparsecomm calibrate`` (a JSON file named by $SPARSECOMM_COST_MODEL, else
 ~/.cache/sparsecomm/cost_model.json; built-in defaults measured on the 2-core development machine
-otherwise). `lower_bound` is the bound measurements are compared with: ⌈log2 P⌉ messages, and each
-rank receiving at least the (P−1)/P of the result it does not own, in its smaller representation.
+otherwise). The floor measurements are compared with is the benchmark's
+(`sparsecomm.bench.collectives_bench.floor`).
 """
 
 from __future__ import annotations
@@ -133,12 +133,6 @@ class CostModel:
                    + self._passes(numel * 4, 2) + self._passes(nbytes, 2 * (workers - 1) / workers))
         return (self._agree(workers) + 4 * (workers - 1) * self.alpha + 2 * (workers - 1) / workers * nbytes * self.beta
                 + compute)
-
-    def lower_bound(self, workers: int, numel: int, nnz: int, isize: int = 4) -> float:
-        if workers == 1:
-            return 0.0
-        result = self._stream_bytes(numel, self.expected_union(numel, nnz, workers), isize)
-        return math.ceil(math.log2(workers)) * self.alpha + (workers - 1) / workers * result * self.beta
 
     # -- choices ------------------------------------------------------------------------------
     def sparse_algorithms(self, workers: int, numel: int, nnz: int, isize: int = 4,

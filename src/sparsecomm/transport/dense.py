@@ -34,19 +34,25 @@ class DenseTransport(Transport):
     def reduce(self, grad: SparseGradient | torch.Tensor, group: Group = None, request: Request | None = None,
                out: torch.Tensor | None = None, session: TransportSession | None = None) -> Reduction:
         dense = as_dense(grad)
-        agree(group, request or Request(), dense.numel(), fingerprint(self.to_spec(), tuple(dense.shape), dense.dtype))
+        record = CallRecord(self.to_spec())
+        with record.phase("agreement"):
+            agree(group, request or Request(), dense.numel(),
+                  fingerprint(self.to_spec(), tuple(dense.shape), dense.dtype))
         wire_dtype = WIRE_DTYPES[self.dtype]
         in_place = (out is not None and wire_dtype == dense.dtype == out.dtype and out.device.type == "cpu"
                     and out.is_contiguous() and out.numel() == dense.numel())
-        if in_place:
-            assert out is not None
-            if out.data_ptr() != dense.data_ptr():
-                out.copy_(dense.detach().reshape(out.shape))
-            wire = out
-        else:
-            wire = dense.detach().to(wire_dtype).contiguous().clone()
-        dist.all_reduce(wire, group=group)
-        record = CallRecord(self.to_spec(), wire.numel() * wire.element_size())
+        with record.phase("encode"):
+            if in_place:
+                assert out is not None
+                if out.data_ptr() != dense.data_ptr():
+                    out.copy_(dense.detach().reshape(out.shape))
+                wire = out
+            else:
+                wire = dense.detach().to(wire_dtype).contiguous().clone()
+        with record.phase("transfer"):
+            dist.all_reduce(wire, group=group)
+        record.bytes_sent = wire.numel() * wire.element_size()
         if in_place:
             return Reduction(wire, record)
-        return Reduction(deliver(wire.to(dense.dtype).reshape(-1), dense.shape, dense.device, out), record)
+        with record.phase("output"):
+            return Reduction(deliver(wire.to(dense.dtype).reshape(-1), dense.shape, dense.device, out), record)

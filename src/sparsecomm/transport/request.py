@@ -3,8 +3,12 @@ a `CallRecord`) out. Nothing about a call travels in mutable objects shared with
 
 from __future__ import annotations
 
+import time
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -51,15 +55,46 @@ class Request:
         return np.random.default_rng([self.seed, self.key_hash, self.step, rank])
 
 
+T = TypeVar("T")
+
+PHASES = ("agreement", "encode", "transfer", "decode", "sum", "output")
+"""the phases of a call, in the order they first run: the agreement step; encoding this rank's
+contribution; waiting on transfers; decoding what arrived; summing it; clearing and delivering the
+result"""
+
+
 @dataclass
 class CallRecord:
-    """What one call did: the transport that ran, bytes this rank sent, seconds spent decoding,
-    and (for ``auto``) the model's predictions in milliseconds."""
+    """What one call did: the transport that ran, bytes this rank sent, seconds per phase on this
+    rank (`PHASES`), and (for ``auto``) the model's predictions in milliseconds."""
 
     transport: str = ""
     bytes_sent: int = 0
-    decode_s: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
     predicted_ms: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Add the time spent in the ``with`` block to phase ``name``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
+
+    def timed(self, items: Iterator[T], name: str) -> Iterator[T]:
+        """``items``, with the time spent waiting for each added to phase ``name``."""
+        while True:
+            with self.phase(name):
+                item = next(items, None)
+            if item is None:
+                return
+            yield item
+
+    @property
+    def decode_s(self) -> float:
+        """Seconds spent turning what arrived into the sum (decode and sum phases)."""
+        return self.phases.get("decode", 0.0) + self.phases.get("sum", 0.0)
 
 
 @dataclass(frozen=True)

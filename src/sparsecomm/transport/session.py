@@ -26,6 +26,8 @@ class TransportSession:
         """auto's measurements per size class (N, nnz class, value size, P, auto's settings)"""
         self.expected: dict[tuple, str] = {}
         """per stream (N, value size, P, auto's spec): what its next call runs if its size class stays"""
+        self.split_points: dict[tuple, tuple[int, ...]] = {}
+        """per stream (key, N, P): split-allgather's range bounds, balanced by the last result's nonzeros"""
         self._executor: ThreadPoolExecutor | None = None
 
     def submit(self, task: Callable[[], None]) -> None:
@@ -48,8 +50,10 @@ class TransportSession:
 
     def state_dict(self) -> dict[str, Any]:
         return {"tunings": [(key, tuning.state_dict()) for key, tuning in self.tunings.items()],
-                "expected": list(self.expected.items())}
+                "expected": list(self.expected.items()),
+                "split_points": [(key, list(bounds)) for key, bounds in self.split_points.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.tunings = {tuple(key): Tuning.from_state_dict(saved) for key, saved in state["tunings"]}
         self.expected = {tuple(key): name for key, name in state["expected"]}
+        self.split_points = {tuple(key): tuple(bounds) for key, bounds in state.get("split_points", [])}

@@ -99,28 +99,34 @@ class SketchAllreduce(Transport):
         if numel >= PRIME:
             raise SparseCommError(f"sketch_allreduce hashes indices below {PRIME}; tensor has {numel}")
         config = fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype)
-        max_nnz = agree(group, request, numel, config, sparse.nnz).max_nnz
+        record = CallRecord(self.to_spec())
+        with record.phase("agreement"):
+            max_nnz = agree(group, request, numel, config, sparse.nnz).max_nnz
         columns = self.columns(max_nnz)
         hashes = SketchHashes(self.seed + request.step, self.rows)
-        indices = sparse.indices.cpu()
-        values = sparse.values.detach().cpu().to(torch.float32)
-        sketch = torch.zeros(self.rows, columns, dtype=torch.float32)
-        buckets, signs = hashes.buckets_and_signs(indices, columns)
-        for row in range(self.rows):
-            sketch[row].index_add_(0, buckets[row], signs[row].to(torch.float32) * values)
         n_blocks = -(-numel // self.block)
-        marks = np.zeros(n_blocks, dtype=np.uint8)
-        marks[(indices // self.block).numpy()] = 1
-        bitmap = torch.from_numpy(np.packbits(marks))
-        dist.all_reduce(sketch, op=dist.ReduceOp.SUM, group=group)
-        dist.all_reduce(bitmap, op=dist.ReduceOp.BOR, group=group)
-        record = CallRecord(self.to_spec(), sketch.numel() * 4 + bitmap.numel())
-        marked = torch.from_numpy(np.flatnonzero(np.unpackbits(bitmap.numpy(), count=n_blocks)))
-        positions = (marked[:, None] * self.block + torch.arange(self.block)).reshape(-1)
-        positions = positions[positions < numel]
-        out_buckets, out_signs = hashes.buckets_and_signs(positions, columns)
-        estimates = torch.gather(sketch, 1, out_buckets) * out_signs.to(torch.float32)
-        decoded = estimates.median(dim=0).values if self.rows > 1 else estimates[0]
-        total = output_buffer(out, numel, sparse.dtype)
-        total[positions] = decoded.to(sparse.dtype)
-        return Reduction(deliver(total, sparse.shape, sparse.device, out), record)
+        with record.phase("encode"):
+            indices = sparse.indices.cpu()
+            values = sparse.values.detach().cpu().to(torch.float32)
+            sketch = torch.zeros(self.rows, columns, dtype=torch.float32)
+            buckets, signs = hashes.buckets_and_signs(indices, columns)
+            for row in range(self.rows):
+                sketch[row].index_add_(0, buckets[row], signs[row].to(torch.float32) * values)
+            marks = np.zeros(n_blocks, dtype=np.uint8)
+            marks[(indices // self.block).numpy()] = 1
+            bitmap = torch.from_numpy(np.packbits(marks))
+        with record.phase("transfer"):
+            dist.all_reduce(sketch, op=dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(bitmap, op=dist.ReduceOp.BOR, group=group)
+        record.bytes_sent = sketch.numel() * 4 + bitmap.numel()
+        with record.phase("decode"):
+            marked = torch.from_numpy(np.flatnonzero(np.unpackbits(bitmap.numpy(), count=n_blocks)))
+            positions = (marked[:, None] * self.block + torch.arange(self.block)).reshape(-1)
+            positions = positions[positions < numel]
+            out_buckets, out_signs = hashes.buckets_and_signs(positions, columns)
+            estimates = torch.gather(sketch, 1, out_buckets) * out_signs.to(torch.float32)
+            decoded = estimates.median(dim=0).values if self.rows > 1 else estimates[0]
+        with record.phase("output"):
+            total = output_buffer(out, numel, sparse.dtype)
+            total[positions] = decoded.to(sparse.dtype)
+            return Reduction(deliver(total, sparse.shape, sparse.device, out), record)

@@ -6,6 +6,9 @@ Algorithms (``algorithm=``):
   at the end (App. A). Latency-optimal; for small results.
 - ``ssar_sa`` — SSAR split-allgather: [0, N) is split into P ranges; each range's entries go to its
   owner (one uneven all-to-all), the owner sums them, then a sparse allgather. For larger results.
+  With a session, the ranges are balanced by nonzeros, as Ok-Topk does: each call's ranges split
+  the previous call's result (which every rank holds alike) into equal counts, so skewed gradients
+  do not load one owner with most of the work.
 - ``dsar_sa`` — DSAR split-allgather: as ``ssar_sa`` but each reduced range is sent dense in the
   second phase, optionally QSGD-quantized (``qsgd_bits`` 2/4/8, buckets of ``bucket``) (§6).
 - ``auto`` — chosen per call by the α-β cost model (`sparsecomm.transport.cost_model`).
@@ -15,6 +18,8 @@ by a range's owner and then copied.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from contextlib import closing
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,7 +32,7 @@ from sparsecomm.transport.agreement import agree
 from sparsecomm.transport.base import TRANSPORTS, Transport, as_sparse, deliver, output_buffer
 from sparsecomm.transport.collectives import (
     Group,
-    allgather_bytes,
+    allgather_arrivals,
     alltoall_bytes,
     exchange_bytes,
     fingerprint,
@@ -63,29 +68,36 @@ class SparseAllreduce(Transport):
 
     def reduce(self, grad: SparseGradient | torch.Tensor, group: Group = None, request: Request | None = None,
                out: torch.Tensor | None = None, session: TransportSession | None = None) -> Reduction:
-        sparse = as_sparse(grad).sorted()
         request = request or Request()
-        rank, size = world(group)
+        _, size = world(group)
+        record = CallRecord(f"sparse_allreduce(algorithm={self.algorithm})")
+        with record.phase("encode"):
+            sparse = as_sparse(grad).sorted()
         model = (session.cost_model if session else load_cost_model()) if self.algorithm == "auto" else None
-        max_nnz = agree(group, request, sparse.numel, fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype,
-                                                                  model.fingerprint() if model else 0),
-                        sparse.nnz).max_nnz
+        bounds = split_points_of(session, request, sparse.numel, size)
+        with record.phase("agreement"):  # ranks must split alike: their bounds are part of the configuration
+            max_nnz = agree(group, request, sparse.numel, fingerprint(
+                self.to_spec(), tuple(sparse.shape), sparse.dtype, model.fingerprint() if model else 0, bounds),
+                sparse.nnz).max_nnz
         algorithm = self.algorithm
         if model is not None:
             algorithm = model.best_sparse_algorithm(size, sparse.numel, max_nnz, sparse.values.element_size(),
                                                     self.qsgd_bits)
-        record = CallRecord(f"sparse_allreduce(algorithm={algorithm})")
-        values = sparse.values.detach().cpu()
-        stream = Stream.sparse(sparse.indices.cpu(), values, sparse.numel)
-        total = output_buffer(out, sparse.numel, sparse.dtype)
+            record.transport = f"sparse_allreduce(algorithm={algorithm})"
+        stream = Stream.sparse(sparse.indices.cpu(), sparse.values.detach().cpu(), sparse.numel)
+        with record.phase("output"):
+            total = output_buffer(out, sparse.numel, sparse.dtype)
         if algorithm == "ssar_rd":
             recursive_doubling(stream, group, record, total)
         elif algorithm == "ssar_sa":
-            split_allgather(stream, group, request, record, total, dense_phase=False)
+            counts = split_allgather(stream, group, request, record, total, dense_phase=False, bounds=bounds)
+            if session is not None:
+                session.split_points[(request.key, sparse.numel, size)] = balanced_bounds(counts, sparse.numel, size)
         else:
             split_allgather(stream, group, request, record, total, dense_phase=True, qsgd_bits=self.qsgd_bits,
                             bucket=self.bucket)
-        return Reduction(deliver(total, sparse.shape, sparse.device, out), record)
+        with record.phase("output"):
+            return Reduction(deliver(total, sparse.shape, sparse.device, out), record)
 
 
 def recursive_doubling(stream: Stream, group: Group, record: CallRecord, total: torch.Tensor) -> None:
@@ -93,33 +105,87 @@ def recursive_doubling(stream: Stream, group: Group, record: CallRecord, total: 
     rank, size = world(group)
     base = 1 << (size.bit_length() - 1)  # largest power of two ≤ size
     whole = (stream.offset, stream.length)
+
+    def receive(peer: int) -> Stream:
+        with record.phase("transfer"):
+            buffer = recv_bytes(peer, group)
+        with record.phase("decode"):
+            return Stream.from_bytes(buffer, whole)
+
+    def send(peer: int) -> None:
+        with record.phase("encode"):
+            wire = stream.to_bytes()
+        record.bytes_sent += wire.numel()
+        with record.phase("transfer"):
+            send_bytes(wire, peer, group)
+
     if rank >= base:  # fold into rank - base, get the result back at the end
-        partner = rank - base
-        send_bytes(stream.to_bytes(), partner, group)
-        record.bytes_sent += stream.wire_bytes()
-        Stream.from_bytes(recv_bytes(partner, group), whole).write_into(total)
+        send(rank - base)
+        result = receive(rank - base)
+        with record.phase("output"):
+            result.write_into(total)
         return
     if rank < size - base:
-        stream = stream + Stream.from_bytes(recv_bytes(rank + base, group), whole)
+        folded = receive(rank + base)
+        with record.phase("sum"):
+            stream = stream + folded
     distance = 1
     while distance < base:
-        wire = stream.to_bytes()
+        with record.phase("encode"):
+            wire = stream.to_bytes()
         record.bytes_sent += wire.numel()
-        received = Stream.from_bytes(exchange_bytes(wire, rank ^ distance, group), whole)
-        stream = stream + received
+        with record.phase("transfer"):
+            buffer = exchange_bytes(wire, rank ^ distance, group)
+        with record.phase("decode"):
+            received = Stream.from_bytes(buffer, whole)
+        with record.phase("sum"):
+            stream = stream + received
         distance <<= 1
     if rank < size - base:
-        wire = stream.to_bytes()
-        record.bytes_sent += wire.numel()
-        send_bytes(wire, rank + base, group)
-    stream.write_into(total)
+        send(rank + base)
+    with record.phase("output"):
+        stream.write_into(total)
+
+
+def split_points_of(session: TransportSession | None, request: Request, numel: int,
+                    size: int) -> tuple[int, ...] | None:
+    """The range bounds split-allgather uses for this stream: the session's balanced ones, if any."""
+    return session.split_points.get((request.key, numel, size)) if session is not None else None
 
 
 def range_bounds(numel: int, parts: int) -> list[int]:
     return [numel * r // parts for r in range(parts + 1)]
 
 
-def split_by_range(stream: Stream, bounds: list[int]) -> list[Stream]:
+BALANCE_BINS_PER_RANGE = 64
+"""resolution of the nonzero counts that split-allgather's ranges are balanced by"""
+
+
+def nonzero_counts(stream: Stream, numel: int, bins: int) -> torch.Tensor:
+    """How many of ``stream``'s entries (a dense stream: all of them) fall in each of ``bins`` equal
+    bins of [0, numel)."""
+    if stream.indices is not None:
+        return torch.bincount((stream.indices + stream.offset) * bins // numel, minlength=bins)
+    edges = torch.arange(bins + 1, dtype=torch.int64) * numel // bins
+    return (edges[1:].clamp(stream.offset, stream.offset + stream.length)
+            - edges[:-1].clamp(stream.offset, stream.offset + stream.length))
+
+
+def balanced_bounds(counts: torch.Tensor, numel: int, parts: int) -> tuple[int, ...]:
+    """Range bounds at bin edges that split the counted nonzeros into ``parts`` near-equal shares
+    (equal ranges when there is nothing to count)."""
+    total = int(counts.sum())
+    if total == 0:
+        return tuple(range_bounds(numel, parts))
+    bins = counts.numel()
+    cumulative = torch.cumsum(counts, 0)
+    targets = torch.arange(1, parts, dtype=torch.int64) * total // parts
+    edge_bins = torch.searchsorted(cumulative, targets, right=True) + 1  # first bin edge past each share
+    inner = (edge_bins.clamp(max=bins) * numel // bins).tolist()
+    return (0, *inner, numel)
+
+
+def split_by_range(stream: Stream, bounds: Sequence[int]) -> list[Stream]:
     parts = []
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         if stream.indices is None:
@@ -131,27 +197,48 @@ def split_by_range(stream: Stream, bounds: list[int]) -> list[Stream]:
 
 
 def split_allgather(stream: Stream, group: Group, request: Request, record: CallRecord, out: torch.Tensor,
-                    dense_phase: bool, qsgd_bits: int = 0, bucket: int = 1024) -> None:
-    """Sums ``stream`` over the group into ``out`` (flat, zeroed)."""
+                    dense_phase: bool, qsgd_bits: int = 0, bucket: int = 1024,
+                    bounds: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Sums ``stream`` over the group into ``out`` (flat, zeroed), splitting [0, N) at ``bounds``
+    (P + 1 ascending positions from 0 to N; default equal ranges). Returns the result's nonzero
+    counts in `BALANCE_BINS_PER_RANGE` × P equal bins, the same on every rank."""
     rank, size = world(group)
-    bounds = range_bounds(stream.length, size)
-    outgoing = [part.to_bytes() for part in split_by_range(stream, bounds)]
+    bounds_list = list(bounds) if bounds is not None else range_bounds(stream.length, size)
+    if len(bounds_list) != size + 1 or bounds_list[0] != 0 or bounds_list[-1] != stream.length or any(
+            lo > hi for lo, hi in zip(bounds_list[:-1], bounds_list[1:], strict=True)):
+        raise SparseCommError(f"split bounds {bounds_list} do not split [0, {stream.length}) into {size} ranges")
+    bounds = tuple(bounds_list)
+    with record.phase("encode"):
+        outgoing = [part.to_bytes() for part in split_by_range(stream, bounds)]
     record.bytes_sent += sum(b.numel() for r, b in enumerate(outgoing) if r != rank)
     owned = (bounds[rank], bounds[rank + 1] - bounds[rank])
-    incoming = [Stream.from_bytes(b, owned) for b in alltoall_bytes(outgoing, group)]
-    mine = sum_streams(incoming)  # only the owner sums this range, so every rank gets its bits
-    if dense_phase:
-        mine = Stream(mine.length, mine.to_dense(), None, mine.offset)
-    if dense_phase and qsgd_bits:
-        codec = QSGDValues(bits=qsgd_bits, bucket=bucket)
-        wire = torch.from_numpy(np.frombuffer(codec.encode(mine.values, request.rng(rank)), dtype=np.uint8).copy())
-    else:
-        wire = mine.to_bytes()
-    record.bytes_sent += wire.numel() * (size - 1)
-    for owner, buffer in enumerate(allgather_bytes(wire, group)):
-        lo, hi = bounds[owner], bounds[owner + 1]
-        if dense_phase and qsgd_bits:
-            out[lo:hi] = QSGDValues(bits=qsgd_bits, bucket=bucket).decode(
-                memoryview(buffer.numpy().tobytes()), hi - lo, stream.values.dtype)
+    with record.phase("transfer"):
+        received = alltoall_bytes(outgoing, group)
+    with record.phase("decode"):
+        incoming = [Stream.from_bytes(b, owned) for b in received]
+    with record.phase("sum"):
+        mine = sum_streams(incoming)  # only the owner sums this range, so every rank gets its bits
+        if dense_phase:
+            mine = Stream(mine.length, mine.to_dense(), None, mine.offset)
+    codec = QSGDValues(bits=qsgd_bits, bucket=bucket) if dense_phase and qsgd_bits else None
+    with record.phase("encode"):
+        if codec is not None:
+            wire = torch.from_numpy(np.frombuffer(codec.encode(mine.values, request.rng(rank)), dtype=np.uint8).copy())
         else:
-            Stream.from_bytes(buffer, (lo, hi - lo)).write_into(out[lo:hi])
+            wire = mine.to_bytes()
+    record.bytes_sent += wire.numel() * (size - 1)
+    # each range is written by its owner's bytes alone, so ranges are written as they arrive: this
+    # rank's own first, while the others are still in flight
+    bins = BALANCE_BINS_PER_RANGE * size
+    counts = torch.zeros(bins, dtype=torch.int64)
+    with closing(allgather_arrivals(wire, group)) as arrivals:
+        for owner, buffer in record.timed(arrivals, "transfer"):
+            lo, hi = bounds[owner], bounds[owner + 1]
+            with record.phase("decode"):
+                if codec is not None:
+                    out[lo:hi] = codec.decode(buffer.numpy().data, hi - lo, stream.values.dtype)
+                else:
+                    reduced = Stream.from_bytes(buffer, (lo, hi - lo))
+                    reduced.write_into(out[lo:hi])
+                    counts += nonzero_counts(reduced, stream.length, bins)
+    return counts

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sparsecomm.encode.base import INDEX_CODECS, IndexCodec
-from sparsecomm.encode.bits import nbytes_for_bits, pack_fixed, pack_unary, unpack_fixed, unpack_unary
+from sparsecomm.encode.bits import nbytes_for_bits, pack_fixed, pack_unary, unary_ends, unpack_fixed, unpack_unary
 from sparsecomm.errors import PayloadError, SparseCommError
 
 MAX_PARAMETER = 48
@@ -50,22 +50,49 @@ class RiceIndices(IndexCodec):
             raise SparseCommError(f"rice parameter must be -1 (auto) or 0..{MAX_PARAMETER}")
 
     def encode(self, indices: np.ndarray, numel: int) -> bytes:
-        return encode_gaps((np.diff(indices, prepend=-1) - 1).astype(np.int64), self.parameter)
+        gaps = np.empty(indices.size, dtype=np.int64)
+        if indices.size:
+            gaps[0] = indices[0]
+            np.subtract(indices[1:], indices[:-1], out=gaps[1:])
+            gaps[1:] -= 1
+        return encode_gaps(gaps, self.parameter)
 
     def decode(self, data: memoryview, numel: int, nnz: int) -> np.ndarray:
-        return np.cumsum(decode_gaps(data, nnz, numel) + 1) - 1
+        return decode_positions(data, nnz, numel)
 
 
 def encode_gaps(gaps: np.ndarray, parameter: int = -1) -> bytes:
     """Non-negative gaps as a Rice stream (``parameter`` -1: the best one for these gaps)."""
     b = best_rice_parameter(gaps) if parameter < 0 else parameter
     unary = pack_unary(gaps >> b)
-    low = pack_fixed((gaps & ((1 << b) - 1)).astype(np.uint64), b)
+    low = pack_fixed(gaps & ((1 << b) - 1), b)
     return bytes([b]) + unary + low
 
 
 def decode_gaps(data: memoryview, count: int, limit: int) -> np.ndarray:
     """``count`` gaps from a Rice stream that fills ``data``; a gap above ``limit`` is an error."""
+    b, quotient_stream, low = _split(data, count)
+    quotients = unpack_unary(quotient_stream, count)
+    if count and int(quotients.max()) > (limit >> b):
+        raise PayloadError("rice gap exceeds the tensor size")
+    return (quotients << b) | low
+
+
+def decode_positions(data: memoryview, count: int, limit: int) -> np.ndarray:
+    """The positions a Rice stream of ``count`` gaps names, position i = Σ_{j≤i} (gap_j + 1) − 1,
+    without forming the gaps: the quotients' running sum is ``unary end − i``, so one cumulative sum
+    (of the low parts) does. A last position beyond ``limit`` (by its quotients) is an error;
+    checking the positions' range and order is the caller's."""
+    b, quotient_stream, low = _split(data, count)
+    counter = np.arange(count, dtype=np.int64)
+    quotient_sums = unary_ends(quotient_stream, count) - counter
+    if count and int(quotient_sums[-1]) > (limit >> b):
+        raise PayloadError("rice positions exceed the tensor size")
+    return (quotient_sums << b) + np.cumsum(low) + counter
+
+
+def _split(data: memoryview, count: int) -> tuple[int, memoryview, np.ndarray]:
+    """A Rice stream's ``b``, its unary stream, and its ``count`` low parts (int64)."""
     if len(data) < 1:
         raise PayloadError("rice stream is empty")
     b = data[0]
@@ -73,8 +100,4 @@ def decode_gaps(data: memoryview, count: int, limit: int) -> np.ndarray:
     if b > MAX_PARAMETER or 1 + low_bytes > len(data):
         raise PayloadError(f"rice stream of {len(data)} bytes cannot hold {count} gaps with b={b}")
     unary_end = len(data) - low_bytes
-    quotients = unpack_unary(data[1:unary_end], count)
-    low = unpack_fixed(data[unary_end:], b, count).astype(np.int64)
-    if count and int(quotients.max()) > (limit >> b):
-        raise PayloadError("rice gap exceeds the tensor size")
-    return (quotients << b) | low
+    return b, data[1:unary_end], unpack_fixed(data[unary_end:], b, count).astype(np.int64)

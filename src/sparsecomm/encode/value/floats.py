@@ -25,7 +25,8 @@ class FloatValues(ValueCodec):
 
     def encode(self, values: torch.Tensor, rng: np.random.Generator) -> bytes:
         cast = values.to(self.wire_dtype)
-        if values.numel() and not bool(torch.isfinite(cast).all()):
+        # finite values stay finite in a format that holds them all; a narrower one may overflow
+        if values.numel() and not self.lossless_for(values.dtype) and not bool(torch.isfinite(cast).all()):
             raise SparseCommError(f"a value overflows {self.name}; use a wider value codec")
         return tensor_bytes(cast).tobytes()
 
@@ -34,6 +35,9 @@ class FloatValues(ValueCodec):
 
     def max_count(self, nbytes: int) -> int:
         return nbytes // self.itemsize
+
+    def lossless_for(self, dtype: torch.dtype) -> bool:
+        return torch.promote_types(dtype, self.wire_dtype) == self.wire_dtype  # the wire holds every value
 
 
 @VALUE_CODECS.register("fp32")

@@ -43,35 +43,69 @@ class QSGDValues(ValueCodec):
         return -(-n // self.bucket)
 
     def encode(self, values: torch.Tensor, rng: np.random.Generator) -> bytes:
-        v = values.detach().to(torch.float32).cpu().numpy()
-        n, s = v.size, self.levels
-        padded = np.zeros(self._buckets(n) * self.bucket, dtype=np.float32)
-        padded[:n] = v
-        by_bucket = padded.reshape(-1, self.bucket)
-        norms = np.sqrt(np.einsum("ij,ij->i", by_bucket, by_bucket, dtype=np.float64)).astype(np.float32)
-        if not np.isfinite(norms).all():
-            raise SparseCommError("qsgd: a bucket's norm overflows float32")
-        scale = np.divide(s, norms, out=np.zeros_like(norms), where=norms > 0)
-        scaled = (np.abs(by_bucket) * scale[:, None]).reshape(-1)[:n]
-        floor = np.floor(scaled)
-        level = floor + (rng.random(n, dtype=np.float32) < (scaled - floor))
-        level = np.minimum(level, s)
-        signed = np.where(v < 0, -level, level).astype(np.int64) + s
-        return norms.astype("<f4").tobytes() + pack_fixed(signed.astype(np.uint64), self.bits)
+        v = values.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+        n, s = v.numel(), self.levels
+        norms = bucket_norms(v, self.bucket)
+        scale = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
+        # level = floor(|v|·s/norm + u), u uniform in [0, 1): rounded up with probability equal to
+        # the fractional part; the sign then moves it to [-s, s], stored offset by +s
+        uniform = torch.from_numpy(rng.random(n, dtype=np.float32))
+        levels = torch.empty(n, dtype=torch.uint8 if self.bits <= 8 else torch.int32)
+        for start, stop, first in _chunks(n, self.bucket):
+            chunk = v[start:stop]
+            level = chunk.abs().mul_(_per_value(scale, first, start, stop, self.bucket)).add_(uniform[start:stop])
+            level.floor_().clamp_(max=s).mul_(torch.sign(chunk)).add_(s)
+            levels[start:stop] = level
+        return norms.numpy().astype("<f4").tobytes() + pack_fixed(levels.numpy(), self.bits)
 
     def decode(self, data: memoryview, nnz: int, dtype: torch.dtype) -> torch.Tensor:
         n_buckets, s = self._buckets(nnz), self.levels
         if len(data) != 4 * n_buckets + nbytes_for_bits(nnz * self.bits):
             raise PayloadError(f"qsgd section of {len(data)} bytes does not fit {nnz} values")
-        norms = np.frombuffer(data[: 4 * n_buckets], dtype="<f4")
-        if not np.isfinite(norms).all() or (norms < 0).any():
+        norms = torch.from_numpy(np.frombuffer(data[: 4 * n_buckets], dtype="<f4").astype(np.float32))
+        if not bool(torch.isfinite(norms).all()) or bool((norms < 0).any()):
             raise PayloadError("qsgd norm is negative or not finite")
-        signed = unpack_fixed(data[4 * n_buckets :], self.bits, nnz).astype(np.int64) - s
-        if nnz and int(np.abs(signed).max()) > s:
+        levels = unpack_fixed(data[4 * n_buckets :], self.bits, nnz)
+        if nnz and int(levels.max()) > 2 * s:
             raise PayloadError("qsgd level out of range")
-        per_value_norm = norms[np.arange(nnz) // self.bucket]  # never bucket × buckets entries
-        decoded = per_value_norm * (signed.astype(np.float32) / np.float32(s))
-        return torch.from_numpy(decoded.astype(np.float32)).to(dtype)
+        step = norms / s  # value of one level in each bucket
+        stored = torch.from_numpy(levels.astype(np.int32, copy=False) if levels.dtype == np.uint64 else levels)
+        decoded = torch.empty(nnz, dtype=torch.float32)
+        for start, stop, first in _chunks(nnz, self.bucket):
+            level = stored[start:stop].to(torch.float32).sub_(s)
+            torch.mul(level, _per_value(step, first, start, stop, self.bucket), out=decoded[start:stop])
+        return decoded.to(dtype)
 
     def max_count(self, nbytes: int) -> int:
         return 8 * nbytes // self.bits
+
+
+CHUNK = 1 << 16
+"""values per pass of the quantizer's element-wise steps, so their intermediates stay in cache"""
+
+
+def bucket_norms(values: torch.Tensor, bucket: int) -> torch.Tensor:
+    """Each bucket's L2 norm as float32 (in float64 where float32 squares overflow)."""
+    n = values.numel()
+    padded = values if n % bucket == 0 else torch.cat([values, values.new_zeros(-n % bucket)])
+    by_bucket = padded.view(-1, bucket) if n else padded.view(0, bucket)
+    norms = torch.linalg.vector_norm(by_bucket, dim=1)
+    overflowed = ~torch.isfinite(norms)
+    if bool(overflowed.any()):
+        norms[overflowed] = torch.linalg.vector_norm(by_bucket[overflowed].double(), dim=1).float()
+        if not bool(torch.isfinite(norms).all()):
+            raise SparseCommError("qsgd: a bucket's norm overflows float32")
+    return norms
+
+
+def _chunks(n: int, bucket: int) -> list[tuple[int, int, int]]:
+    """(start, stop, first bucket) of each pass; whole buckets per pass where a bucket fits in one."""
+    step = (CHUNK // bucket) * bucket if bucket <= CHUNK else CHUNK
+    return [(start, min(n, start + step), start // bucket) for start in range(0, n, step)]
+
+
+def _per_value(per_bucket: torch.Tensor, first: int, start: int, stop: int, bucket: int) -> torch.Tensor:
+    """``per_bucket``'s entry for each value in [start, stop) (buckets from ``first`` on)."""
+    last = (stop - 1) // bucket + 1
+    edges = torch.arange(first, last + 1, dtype=torch.int64).mul_(bucket).clamp_(start, stop)
+    return torch.repeat_interleave(per_bucket[first:last], edges.diff())
