@@ -236,7 +236,7 @@ def split_allgather(stream: Stream, group: Group, request: Request, record: Call
             lo, hi = bounds[owner], bounds[owner + 1]
             with record.phase("decode"):
                 if codec is not None:
-                    out[lo:hi] = codec.decode(buffer.numpy().data, hi - lo, stream.values.dtype)
+                    codec.decode(buffer.numpy().data, hi - lo, stream.values.dtype, out=out[lo:hi])
                 else:
                     reduced = Stream.from_bytes(buffer, (lo, hi - lo))
                     reduced.write_into(out[lo:hi])

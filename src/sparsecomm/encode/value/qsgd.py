@@ -58,7 +58,9 @@ class QSGDValues(ValueCodec):
             levels[start:stop] = level
         return norms.numpy().astype("<f4").tobytes() + pack_fixed(levels.numpy(), self.bits)
 
-    def decode(self, data: memoryview, nnz: int, dtype: torch.dtype) -> torch.Tensor:
+    def decode(self, data: memoryview, nnz: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+        """As every value codec's; ``out`` (``nnz`` entries on the CPU), when given, receives the
+        values instead of a new tensor — a dense phase decodes straight into the result."""
         n_buckets, s = self._buckets(nnz), self.levels
         if len(data) != 4 * n_buckets + nbytes_for_bits(nnz * self.bits):
             raise PayloadError(f"qsgd section of {len(data)} bytes does not fit {nnz} values")
@@ -70,11 +72,11 @@ class QSGDValues(ValueCodec):
             raise PayloadError("qsgd level out of range")
         step = norms / s  # value of one level in each bucket
         stored = torch.from_numpy(levels.astype(np.int32, copy=False) if levels.dtype == np.uint64 else levels)
-        decoded = torch.empty(nnz, dtype=torch.float32)
+        decoded = out if out is not None else torch.empty(nnz, dtype=dtype)
         for start, stop, first in _chunks(nnz, self.bucket):
             level = stored[start:stop].to(torch.float32).sub_(s)
-            torch.mul(level, _per_value(step, first, start, stop, self.bucket), out=decoded[start:stop])
-        return decoded.to(dtype)
+            decoded[start:stop] = level.mul_(_per_value(step, first, start, stop, self.bucket))
+        return decoded
 
     def max_count(self, nbytes: int) -> int:
         return 8 * nbytes // self.bits
