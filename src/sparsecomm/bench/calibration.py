@@ -55,6 +55,11 @@ def compute_rates(seed: int = 0) -> dict[str, float]:
         return torch.zeros(unique.numel()).index_add_(0, inverse, values)
 
     sort_ms, _ = time_ms(merge, 3)
+    from sparsecomm.encode.value.qsgd import QSGDValues
+
+    quantizer, quantized = QSGDValues(bits=4, bucket=1024), dense[: numel // 8]
+    quantize_ms, levels = time_ms(lambda: quantizer.encode(quantized, np.random.default_rng(seed)), 3)
+    dequantize_ms, _ = time_ms(lambda: quantizer.decode(memoryview(levels), quantized.numel(), torch.float32), 3)
     positions = torch.randperm(numel, generator=generator)[: 10 * nnz]  # out of cache, as in a real decode
     hash_ms, _ = time_ms(lambda: SketchHashes(0, 1).buckets_and_signs(positions, 1 << 20), 3)
     return {
@@ -62,6 +67,8 @@ def compute_rates(seed: int = 0) -> dict[str, float]:
         "pass_per_byte": pass_ms * 1e-3 / (2 * numel * 4),
         "sort_per_entry": sort_ms * 1e-3 / (2 * nnz),
         "hash_per_entry": hash_ms * 1e-3 / (2 * 10 * nnz),
+        "quantize_per_value": quantize_ms * 1e-3 / quantized.numel(),
+        "dequantize_per_value": dequantize_ms * 1e-3 / quantized.numel(),
     }
 
 

@@ -40,13 +40,17 @@ class CostModel:
     """seconds per entry to merge sparse streams by sorting"""
     hash_per_entry: float = 40e-9
     """seconds per index per sketch row to compute bucket and sign hashes"""
+    quantize_per_value: float = 7.5e-9
+    """seconds to QSGD-quantize and pack one value of a dense range (4 bits)"""
+    dequantize_per_value: float = 3e-9
+    """seconds to unpack and dequantize one QSGD value"""
     source: str = "default"
 
     def fingerprint(self) -> int:
         from sparsecomm.transport.collectives import fingerprint
 
         return fingerprint(self.alpha, self.beta, self.codec_per_nnz, self.pass_per_byte, self.sort_per_entry,
-                           self.hash_per_entry)
+                           self.hash_per_entry, self.quantize_per_value, self.dequantize_per_value)
 
     # -- helpers ------------------------------------------------------------------------------
     @staticmethod
@@ -119,8 +123,8 @@ class CostModel:
             reduced = self._stream_bytes(range_len, union, isize)
         compute = (self._passes(own, 3) + self._sum(nnz, range_len, isize) + self._passes(reduced, 2)
                    + self._passes(workers * reduced, 3) + self._passes(numel * isize, 2))
-        if dense_phase and qsgd_bits:
-            compute += (range_len + numel) * self.codec_per_nnz
+        if dense_phase and qsgd_bits:  # the owner quantizes its range; every rank dequantizes all N
+            compute += range_len * self.quantize_per_value + numel * self.dequantize_per_value
         if workers == 1:
             return compute
         return (self._agree(workers) + 4 * (workers - 1) * self.alpha
