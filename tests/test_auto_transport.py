@@ -12,7 +12,8 @@ from sparsecomm.launch import run_local
 
 def test_cost_model_switches_algorithms_where_the_formulas_say():
     wire_only = sc.CostModel(alpha=50e-6, beta=1 / 125e6, codec_per_nnz=0, pass_per_byte=0, sort_per_entry=0,
-                             hash_per_entry=0, quantize_per_value=0, dequantize_per_value=0)  # 1 Gbit/s, compute free: SparCML's formulas alone
+                             hash_per_entry=0, quantize_per_value=0,
+                             dequantize_per_value=0)  # 1 Gbit/s, compute free: SparCML's formulas alone
     numel = 16_000_000
     assert wire_only.best_sparse_algorithm(8, numel, 1_000) == "ssar_rd"  # small result: latency decides
     assert wire_only.best_sparse_algorithm(8, numel, 1_000_000) in ("ssar_sa", "dsar_sa")  # result 40% dense
