@@ -25,8 +25,8 @@ CASES = {
        ["raw", "raw(bits=64)", "bitmap", "rle", "delta_binary", "huffman", "rice", "rice(parameter=2)",
         "bloom(policy=p0)", "bloom(policy=p2,fpr=0.1)", "skcompress", "skcompress(coder=ans,keys=rice)"]},
     **{f"raw+{name}": ("raw", name) for name in
-       ["fp16", "bf16", "qsgd", "qsgd(bits=2,bucket=4)", "deflate", "deflate(shuffle=false)", "zstd",
-        "polyfit(degree=2,segments=2)", "dexp"]},
+       ["fp16", "bf16", "qsgd", "qsgd(bits=2,bucket=4)", "int8", "int8(bucket=4)", "deflate",
+        "deflate(shuffle=false)", "zstd", "polyfit(degree=2,segments=2)", "dexp"]},
 }
 
 
@@ -68,6 +68,11 @@ def test_golden_payloads_still_decode(case):
     assert decoded.indices.tolist() == indices
     if case.startswith(("raw+polyfit", "raw+dexp", "skcompress")):
         assert bool((decoded.values * torch.tensor(values) >= 0).all())  # a fit never flips a sign
+    elif case.startswith("raw+int8"):  # each within its bucket's scale / 254, never a flipped sign
+        bucket = sc.VALUE_CODECS.parse(CASES[case][1]).bucket
+        scales = [max(abs(v) for v in values[i - i % bucket:i - i % bucket + bucket]) for i in range(len(values))]
+        for got, want, scale in zip(decoded.values.tolist(), values, scales, strict=True):
+            assert abs(got - want) <= scale / 254 + 1e-7 and got * want >= 0
     elif not case.startswith("raw+qsgd"):
         assert decoded.values.tolist() == values
 

@@ -102,6 +102,9 @@ def train_ddp_and_checkpoint(rank: int, world: int, spec: str, steps: int, resum
     (3, "topk(ratio=0.5)+residual+rice+fp32+auto(explore=1)"),
     (2, "topk(ratio=0.5)+residual+rice+fp32+auto(explore=1)"),
     (2, "topk(ratio=0.01)+dgc_momentum+rle+fp32+auto(explore=1)"),
+    # a user-set budget: the plan (sparse, dense, fp16) comes from bytes alone, so a resume repeats it
+    (2, "adaptive(budget=20000)+dgc_momentum(masking=false,nesterov=true)+rice+int8+allgather"),
+    (2, "adaptive(budget=400000)+residual+rice+int8+allgather"),
 ])
 def test_a_ddp_run_resumed_in_fresh_processes_equals_the_uninterrupted_run_bit_for_bit(world, spec):
     steps, resume_at = 18, 13  # auto(explore=1) has settled by then (at most 11 trials)
@@ -212,8 +215,8 @@ def reducer_threads(rank: int, world: int) -> dict:
         return sum(t.name.startswith("sparsecomm-transport") and t.is_alive() for t in threading.enumerate())
 
     with sc.GradientReducer("topk(ratio=0.1)+residual+rice+fp32+auto(explore=1)") as reducer:
-        for _ in range(3):
-            reducer.allreduce_([("w", torch.randn(5000))])
+        for _ in range(3):  # a step's last call runs on the caller's thread; the first on the worker's
+            reducer.allreduce_([("v", torch.randn(5000)), ("w", torch.randn(5000))])
         during = workers()
         saved = reducer.state_dict()
     return {"during": during, "after": workers(), "tunings": len(saved["session"]["tunings"])}

@@ -22,8 +22,8 @@ ROW_FIELDS = {"preset", "metric_name", "final_metric", "bytes_per_step", "compre
 
 def test_train_runs_each_preset_next_to_dense_and_reports_it(tmp_path, capsys):
     out, picture = tmp_path / "train.json", tmp_path / "train.png"
-    assert main(["train", "--workers", "2", "--steps", "40", "--presets", "dgc,sparcml", "--json", str(out),
-                 "--plot", str(picture)]) == 0
+    assert main(["train", "--workers", "2", "--steps", "40", "--presets", "dgc,sparcml", "--baselines", "none",
+                 "--json", str(out), "--plot", str(picture)]) == 0
     assert "compression_ratio" in capsys.readouterr().out
     result = json.loads(out.read_text())
     rows = {row["preset"]: row for row in result["rows"]}
@@ -54,8 +54,8 @@ def test_time_to_target_is_the_first_step_the_smoothed_loss_reaches_it():
 
 def test_train_reports_time_to_a_given_target_loss(tmp_path, capsys):
     out = tmp_path / "t.json"
-    assert main(["train", "--workers", "2", "--steps", "30", "--presets", "dense", "--target-loss", "1.5",
-                 "--json", str(out)]) == 0
+    assert main(["train", "--workers", "2", "--steps", "30", "--presets", "dense", "--baselines", "none",
+                 "--target-loss", "1.5", "--json", str(out)]) == 0
     assert "time to a smoothed training loss of 1.5" in capsys.readouterr().out
     (row,) = json.loads(out.read_text())["rows"]
     assert row["target_loss"] == 1.5 and 1 <= row["steps_to_target"] <= 30
@@ -64,8 +64,8 @@ def test_train_reports_time_to_a_given_target_loss(tmp_path, capsys):
 
 def test_several_seeds_report_the_metric_mean_and_spread(tmp_path, capsys):
     out = tmp_path / "seeds.json"
-    assert main(["train", "--workers", "2", "--steps", "10", "--presets", "dgc", "--seed", "0,1", "--json",
-                 str(out)]) == 0
+    assert main(["train", "--workers", "2", "--steps", "10", "--presets", "dgc", "--baselines", "none", "--seed",
+                 "0,1", "--json", str(out)]) == 0
     assert "over seeds 0, 1" in capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["seeds"] == [0, 1] and len(result["runs"]) == 2
@@ -74,13 +74,14 @@ def test_several_seeds_report_the_metric_mean_and_spread(tmp_path, capsys):
         assert row["final_metric_mean"] == pytest.approx(sum(per_seed) / 2)
         assert row["final_metric"] == per_seed[0]
     dense, dgc = result["rows"]
-    assert dgc["metric_vs_dense"] == pytest.approx(dgc["final_metric_mean"] - dense["final_metric_mean"])
+    assert dgc["metric_vs_reference"] == pytest.approx(dgc["final_metric_mean"] - dense["final_metric_mean"])
 
 
 def test_presets_may_be_specs_with_commas_inside_parentheses(tmp_path):
     out = tmp_path / "specs.json"
     spec = "dgc(ratio=0.01,warmup=2)+dgc_momentum(momentum=0.9,nesterov=true)+rle+fp32+allgather"
-    assert main(["train", "--workers", "2", "--steps", "8", "--presets", f"dgc,{spec}", "--json", str(out)]) == 0
+    assert main(["train", "--workers", "2", "--steps", "8", "--presets", f"dgc,{spec}", "--baselines", "none",
+                 "--json", str(out)]) == 0
     assert [row["preset"] for row in json.loads(out.read_text())["rows"]] == ["dense", "dgc", spec]
 
 
@@ -92,12 +93,41 @@ def test_train_rejects_an_unknown_preset_before_starting_workers(capsys):
 def test_the_language_model_trains_through_sparse_embedding_gradients(tmp_path):
     out = tmp_path / "lm.json"
     assert main(["train", "--workload", "lm", "--workers", "2", "--steps", "15", "--presets", "dgc",
-                 "--json", str(out), "--plot", str(tmp_path / "lm.png")]) == 0
+                 "--baselines", "allreduce,fp16,powersgd-r1", "--json", str(out), "--plot",
+                 str(tmp_path / "lm.png")]) == 0
     rows = {row["preset"]: row for row in json.loads(out.read_text())["rows"]}
+    # PyTorch's fp16 and PowerSGD hooks take no sparse gradients: their rows say so instead of running
+    for name in ("torch-fp16", "torch-powersgd-r1"):
+        assert "does not take sparse gradients" in rows.pop(name)["note"]
+    assert set(rows) == {"torch-allreduce", "dense", "dgc"}
     for row in rows.values():
         assert row["metric_name"] == "perplexity" and row["ranks_identical"]
         assert row["final_metric"] < 5001  # better than a uniform guess over the vocabulary
     assert rows["dgc"]["compression_ratio"] > 20
+
+
+def test_pytorchs_own_hooks_run_as_rows_next_to_the_presets_and_are_the_reference(tmp_path, capsys):
+    out = tmp_path / "baselines.json"
+    assert main(["train", "--workers", "2", "--steps", "30", "--presets", "dgc", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    rows = {row["preset"]: row for row in result["rows"]}
+    assert list(rows) == ["torch-allreduce", "torch-fp16", "torch-powersgd-r1", "torch-powersgd-r2", "dense", "dgc"]
+    assert result["reference"] == "torch-allreduce" and "speed-up over torch-allreduce" in text
+    assert rows["torch-allreduce"]["bytes_per_step"] == rows["dense"]["bytes_per_step"] == 4 * 167_178
+    assert rows["torch-fp16"]["compression_ratio"] == 2.0
+    # PowerSGD sends rank-1 (or 2) factors after its two vanilla allreduce steps
+    assert rows["torch-powersgd-r1"]["bytes_per_step"] < rows["torch-powersgd-r2"]["bytes_per_step"] < 4 * 167_178 / 4
+    assert all(row["ranks_identical"] for name, row in rows.items() if name != "torch-powersgd-r2")
+    assert rows["torch-allreduce"]["final_metric"] == pytest.approx(rows["dense"]["final_metric"], abs=1.5)
+
+
+def test_baselines_are_chosen_by_name_and_an_unknown_one_is_refused(capsys):
+    from sparsecomm.cli.main import _baselines
+
+    assert _baselines("none") == [] and _baselines("fp16,torch-powersgd-r2") == ["torch-fp16", "torch-powersgd-r2"]
+    assert main(["train", "--baselines", "fp8", "--steps", "1"]) == 2
+    assert "unknown baseline 'fp8'" in capsys.readouterr().err
 
 
 def test_link_rates_are_read_or_refused_clearly(capsys):
@@ -113,7 +143,8 @@ def test_train_runs_on_the_ranks_of_a_torchrun_job(tmp_path):
     environment = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE")}
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "sparsecomm.cli.main", "train", "--steps", "15", "--presets", "dgc", "--json", str(out),
+         "-m", "sparsecomm.cli.main", "train", "--steps", "15", "--presets", "dgc", "--baselines", "none",
+         "--json", str(out),
          "--plot", str(tmp_path / "job.png")],
         capture_output=True, text=True, timeout=300, env=environment, cwd=tmp_path,
     )

@@ -18,6 +18,7 @@ from sparsecomm.encode.joint.skcompress import SKCompress
 from sparsecomm.encode.value.deflate import DeflateValues
 from sparsecomm.encode.value.dexp import DoubleExponentialValues
 from sparsecomm.encode.value.floats import BFloat16Values, Float16Values, Float32Values
+from sparsecomm.encode.value.int8 import Int8Values
 from sparsecomm.encode.value.polyfit import PolyfitValues
 from sparsecomm.encode.value.qsgd import QSGDValues
 from sparsecomm.encode.value.zstd import ZstdValues
@@ -25,6 +26,7 @@ from sparsecomm.feedback.base import Feedback
 from sparsecomm.feedback.dgc_momentum import DGCMomentum
 from sparsecomm.feedback.none import NoFeedback
 from sparsecomm.feedback.residual import Residual
+from sparsecomm.sparsify.adaptive import Adaptive
 from sparsecomm.sparsify.base import CountedSparsifier, Sparsifier
 from sparsecomm.sparsify.block_topk import BlockTopK
 from sparsecomm.sparsify.bucketed_topk import BucketedTopK
@@ -41,6 +43,7 @@ from sparsecomm.transport.sketch_allreduce import SketchAllreduce
 from sparsecomm.transport.sparse_allreduce import SparseAllreduce
 
 __all__ = [
+    "Adaptive",
     "AllgatherTransport",
     "AutoTransport",
     "BFloat16Values",
@@ -59,6 +62,7 @@ __all__ = [
     "Float16Values",
     "Float32Values",
     "HuffmanIndices",
+    "Int8Values",
     "IndexCodec",
     "NoFeedback",
     "Nonzero",

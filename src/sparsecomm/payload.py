@@ -49,6 +49,7 @@ import torch
 from sparsecomm.encode.base import INDEX_CODECS, VALUE_CODECS, IndexCodec, ValueCodec
 from sparsecomm.encode.value.dtypes import DTYPE_BY_CODE, FLOAT_DTYPES
 from sparsecomm.errors import PayloadError, SparseCommError, SpecError
+from sparsecomm.finite import all_finite
 from sparsecomm.registry import Component, Registry
 from sparsecomm.sparse_gradient import SparseGradient
 
@@ -114,7 +115,7 @@ def encode(
     if len(grad.shape) > MAX_NDIM or grad.numel > MAX_NUMEL:
         raise SparseCommError(f"tensors up to {MAX_NDIM} dims and {MAX_NUMEL} elements are supported")
     indices, values = _sorted_unique(grad)
-    if values.numel() and not bool(torch.isfinite(values).all()):
+    if not all_finite(values):
         bad = int(torch.nonzero(~torch.isfinite(values))[0])
         raise SparseCommError(f"non-finite value {values[bad].item()} at index {int(indices[bad])}")
     rng = rng if rng is not None else np.random.default_rng(0)
@@ -174,7 +175,7 @@ def decode(payload: PayloadLike, device: torch.device | str | None = None,
     except (ValueError, IndexError, OverflowError, TypeError, MemoryError) as err:
         raise PayloadError(f"{info.index_codec}/{info.value_codec} section is malformed: {err}") from None
     _check_indices(indices, info.nnz, info.numel)
-    if values.shape != (info.nnz,) or not bool(torch.isfinite(values).all()):  # a sender never sends them
+    if values.shape != (info.nnz,) or not all_finite(values):  # a sender never sends them
         raise PayloadError(f"value section decoded to {tuple(values.shape)} values, not {info.nnz} finite ones")
     grad = SparseGradient(torch.from_numpy(np.ascontiguousarray(indices)), values, info.shape)
     return grad.to(device) if device is not None else grad
@@ -236,7 +237,7 @@ def _values_at(wanted: np.ndarray, indices: np.ndarray, values: torch.Tensor,
     selected = (indices[position] == wanted) if indices.size else np.zeros(wanted.size, dtype=bool)
     if dense is not None:
         out = dense.detach().reshape(-1)[torch.from_numpy(wanted).to(dense.device)].to("cpu", values.dtype)
-        if not bool(torch.isfinite(out).all()):
+        if not all_finite(out):
             raise SparseCommError("the dense gradient has non-finite values where the index codec sends them")
     else:
         out = torch.zeros(wanted.size, dtype=values.dtype)

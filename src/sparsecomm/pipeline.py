@@ -26,8 +26,10 @@ import torch
 
 from sparsecomm.encode.base import codecs_lossless
 from sparsecomm.errors import SparseCommError
+from sparsecomm.finite import all_finite
 from sparsecomm.payload import decode, encode
 from sparsecomm.sparse_gradient import SparseGradient
+from sparsecomm.sparsify.adaptive import Adaptive
 from sparsecomm.sparsify.nonzero import Nonzero
 from sparsecomm.spec import PipelineSpec, format_spec, parse_spec
 
@@ -37,7 +39,7 @@ NONFINITE_POLICIES = ("raise", "skip", "zero")
 def screen_nonfinite(values: torch.Tensor, policy: str) -> tuple[torch.Tensor | None, bool]:
     """Apply a ``nonfinite`` policy to ``values``: (the values to use — None to send nothing —,
     whether every rank must raise). Finite input passes through untouched."""
-    if bool(torch.isfinite(values).all()):
+    if all_finite(values):
         return values, False
     if policy == "zero":
         return torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0), False
@@ -131,11 +133,11 @@ class Pipeline:
         return output.payload
 
     def step(self, grad: torch.Tensor, key: str = "", make_payload: bool | None = None,
-             segments: Sequence[Segment] | None = None) -> StepOutput:
+             segments: Sequence[Segment] | None = None, density: float | None = None) -> StepOutput:
         """One step: feedback, sparsify, encode (if ``make_payload``, by default when the transport
         carries payloads), then feedback learns what receivers will see. ``grad`` is one tensor
         named ``key``, or with ``segments`` a flat buffer of named tensors (``key`` then names the
-        buffer)."""
+        buffer). ``density``: this step's density for the ``adaptive`` sparsifier."""
         make_payload = self.sends_payloads if make_payload is None else make_payload
         flat = grad.detach().reshape(-1)
         # one tensor keeps its shape in its state; a buffer's segments are flat
@@ -149,24 +151,32 @@ class Pipeline:
                                    torch.zeros(0, dtype=grad.dtype, device=grad.device), grad.shape)
             return StepOutput(empty, None, nonfinite=must_raise)
         spec = self.spec
+        chosen = spec.sparsifier if density is None else self.at_density(density)
         states = [self.states.setdefault(segment.key, TensorState()) for segment in segments]
         accumulated, parts, targets = [], [], []
         for segment, state, shape in zip(segments, states, shapes, strict=True):
             state.feedback["world_size"] = self.world_size
             piece = screened[segment.start:segment.start + segment.numel].view(shape)
             accumulated.append(piece if segment.whole else spec.feedback.accumulate(piece, state.feedback))
-            sparsifier = Nonzero() if segment.whole else spec.sparsifier.at_step(state.step)
-            generator = seeded_generator(grad.device, self.seed, key_hash(segment.key), state.step)
+            sparsifier = Nonzero() if segment.whole else chosen.at_step(state.step)
+            generator = None if segment.whole else seeded_generator(grad.device, self.seed, key_hash(segment.key),
+                                                                    state.step)
             parts.append(sparsifier.sparsify(accumulated[-1], generator))
             targets.append(sparsifier.target_count(segment.numel))
         selection = join(parts, segments, grad.shape)
         payload = None
         if make_payload:
             rng = np.random.default_rng([self.seed, key_hash(key), states[0].step])
-            dense = accumulated[0] if len(accumulated) == 1 else torch.cat([a.reshape(-1) for a in accumulated])
+            selection = selection.sorted()  # as the payload orders it
+            dense = None  # where a lossy index codec sends more than the selection, the values come from here
+            if not spec.index_codec.lossless:
+                dense = accumulated[0] if len(accumulated) == 1 else torch.cat([a.reshape(-1) for a in accumulated])
             payload = encode(selection, spec.index_codec, spec.value_codec, rng=rng, dense=dense)
-            if not codecs_lossless(spec.index_codec, spec.value_codec):
-                selection = decode(payload, device=grad.device)  # feedback sees what receivers see
+            if not codecs_lossless(spec.index_codec, spec.value_codec):  # feedback sees what receivers see
+                received = (spec.value_codec.as_decoded(selection.values)
+                            if spec.index_codec.lossless and not spec.index_codec.codes_values else None)
+                selection = (SparseGradient(selection.indices, received, selection.shape) if received is not None
+                             else decode(payload, device=grad.device))
                 parts = split(selection, segments)
         for segment, state, acc, part, target in zip(segments, states, accumulated, parts, targets, strict=True):
             if not segment.whole:
@@ -175,6 +185,44 @@ class Pipeline:
             state.last = StepReport(part.nnz, target if not segment.whole else part.nnz, segment.numel,
                                     len(payload) if payload is not None else 0)
         return StepOutput(selection, payload)
+
+    def at_density(self, density: float) -> Adaptive:
+        """The ``adaptive`` sparsifier at ``density`` (other sparsifiers have no density to set)."""
+        if not isinstance(self.spec.sparsifier, Adaptive):
+            raise SparseCommError(f"only the adaptive sparsifier takes a density per step, not "
+                                  f"{self.spec.sparsifier.name}")
+        return self.spec.sparsifier.at_density(density)
+
+    def flush(self, grad: torch.Tensor, key: str = "", segments: Sequence[Segment] | None = None,
+              out: torch.Tensor | None = None, scale: float = 1.0) -> tuple[torch.Tensor, bool]:
+        """A dense step: each tensor's gradient plus everything its feedback kept, to be sent whole,
+        times ``scale``, in ``out``'s dtype (a new tensor of ``grad``'s without ``out``, which may be
+        ``grad`` itself). A narrower ``out`` (fp16) rounds what is sent: the feedback keeps what the
+        rounding lost, so nothing is lost (tensors sent whole have no feedback: theirs is dropped).
+        Returns (the flat wire tensor, whether every rank must raise). Non-finite input under
+        ``"skip"`` sends zeros and leaves the state untouched."""
+        flat = grad.detach().reshape(-1)
+        segments = segments or (Segment(key, 0, flat.numel()),)
+        wire = out.view(-1) if out is not None else torch.empty_like(flat)
+        screened, must_raise = screen_nonfinite(flat, self.nonfinite)
+        if screened is None:
+            for segment in segments:
+                self.states.setdefault(segment.key, TensorState()).last = StepReport(0, None, segment.numel, 0, True)
+            return wire.zero_(), must_raise
+        for segment in segments:
+            state = self.states.setdefault(segment.key, TensorState())
+            state.feedback["world_size"] = self.world_size
+            piece = screened[segment.start:segment.start + segment.numel]
+            part = wire[segment.start:segment.start + segment.numel]
+            if not segment.whole:
+                self.spec.feedback.flush(piece, state.feedback, part, scale)
+            elif scale != 1.0 or part.dtype != piece.dtype:
+                part.copy_(piece * scale)
+            elif part.data_ptr() != piece.data_ptr():
+                part.copy_(piece)
+            state.step += 1
+            state.last = StepReport(segment.numel, segment.numel, segment.numel, 0)
+        return wire, False
 
     def state_dict(self) -> dict[str, Any]:
         return {

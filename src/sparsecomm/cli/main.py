@@ -108,7 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "sparse embedding, on the Python standard library's docstrings)")
     train.add_argument("--presets", default=None,
                        help="comma-separated presets or specs (default: every available preset)")
-    train.add_argument("--workers", type=_positive_int, default=4)
+    train.add_argument("--baselines", default="all",
+                       help="PyTorch's own DDP communication to run next to the presets, comma-separated: "
+                            "allreduce, fp16, powersgd-r1, powersgd-r2; 'all' (default) or 'none'")
+    train.add_argument("--workers", type=_positive_int, default=None,
+                       help="local workers (default: min(4, CPU cores))")
     train.add_argument("--steps", type=_positive_int, default=300)
     train.add_argument("--batch", type=_positive_int, default=32, help="per-worker batch size")
     train.add_argument("--lr", type=float, default=None, help="learning rate (default: the workload's)")
@@ -276,6 +280,20 @@ def _bench_collectives(args: argparse.Namespace) -> int:
     return 0
 
 
+def _baselines(text: str) -> list[str]:
+    from sparsecomm.train.baselines import SHORT_NAMES
+
+    if text == "none":
+        return []
+    if text == "all":
+        return list(SHORT_NAMES.values())
+    names = [part.strip().removeprefix("torch-") for part in text.split(",") if part.strip()]
+    unknown = [name for name in names if name not in SHORT_NAMES]
+    if unknown:
+        raise SparseCommError(f"unknown baseline {unknown[0]!r}; available: {', '.join(SHORT_NAMES)}, all, none")
+    return [SHORT_NAMES[name] for name in names]
+
+
 def _train(args: argparse.Namespace) -> int:
     from sparsecomm.integration.presets import available_presets
     from sparsecomm.train import runner
@@ -283,6 +301,8 @@ def _train(args: argparse.Namespace) -> int:
     presets = [p.strip() for p in re.split(r",(?![^()]*\))", args.presets)] if args.presets else available_presets()
     if "dense" not in presets:
         presets = ["dense", *presets]
+    presets = [*(name for name in _baselines(args.baselines) if name not in presets), *presets]
+    args.workers = args.workers or runner.default_workers()
     in_job = runner.launched_by_torchrun()
     if in_job and args.shaped:
         raise SparseCommError("--shaped starts its own local workers; inside a torchrun job the job's network is used")
@@ -309,14 +329,18 @@ def _train(args: argparse.Namespace) -> int:
         "preset", "metric_name", "final_metric", "test_loss", "bytes_per_step", "compression_ratio", "wall_s",
         "compute_s", "encode_s", "communicate_s", "decode_s", "modeled_s", "ranks_identical",
     ]))
+    for row in result["rows"]:
+        if row.get("note"):
+            print(f"  {row['note']}")
     if len(args.seed) > 1:
         print(f"\n{result['rows'][0]['metric_name']} over seeds {', '.join(map(str, args.seed))} (the table above: "
               f"seed {args.seed[0]})\n")
         print(format_table(result["rows"], [
-            "preset", "final_metric_mean", "final_metric_std", "metric_vs_dense", "final_metric_by_seed",
+            "preset", "final_metric_mean", "final_metric_std", "metric_vs_reference", "final_metric_by_seed",
         ]))
     if result["target_loss"] is not None:
-        print(f"\ntime to a smoothed training loss of {result['target_loss']:.4g} (never reached: -)\n")
+        print(f"\ntime to a smoothed training loss of {result['target_loss']:.4g} (never reached: -); speed-up over "
+              f"{result['reference']}\n")
         print(format_table(result["rows"], [
             "preset", "steps_to_target", "time_to_target_s", "speedup_to_target", "modeled_time_to_target_s",
         ]))

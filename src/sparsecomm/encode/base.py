@@ -79,6 +79,12 @@ class ValueCodec(Component):
         """Whether values of ``dtype`` decode to exactly what was encoded."""
         return self.lossless
 
+    def as_decoded(self, values: torch.Tensor) -> torch.Tensor | None:
+        """``values`` exactly as `decode` will give them back, where that is known without encoding
+        and decoding (lossless and deterministic element-wise codecs); None otherwise. Lets error
+        feedback learn what receivers see without decoding its own payload."""
+        return values if self.lossless_for(values.dtype) else None
+
 
 def codecs_lossless(index_codec: IndexCodec, value_codec: ValueCodec, dtype: torch.dtype | None = None) -> bool:
     """Whether a payload with these codecs decodes to exactly what was encoded (values of ``dtype``,

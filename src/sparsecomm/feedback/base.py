@@ -20,11 +20,37 @@ class Feedback(Component):
         """Record that ``sent`` (indices and the values the receivers will decode) left."""
         raise NotImplementedError
 
+    def flush(self, grad: torch.Tensor, state: dict[str, Any], out: torch.Tensor, scale: float = 1.0) -> None:
+        """A dense step of the ``adaptive`` pipeline: write this step's gradient with everything kept
+        from earlier steps, times ``scale``, into ``out`` (flat; a narrower dtype such as fp16 rounds
+        it), and leave the state holding only what ``out`` lost, as `update` with every entry would.
+        Never modifies ``grad``."""
+        accumulated = self.accumulate(grad, state)
+        flat = accumulated.reshape(-1)
+        out.copy_(flat if scale == 1.0 else flat * scale)
+        sent = out.to(flat.dtype) if scale == 1.0 else out.to(flat.dtype).div_(scale)
+        self.update(accumulated, SparseGradient(torch.arange(flat.numel(), device=flat.device), sent,
+                                                accumulated.shape), state)
+
     def update_uncompressed(self, averaged: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
         """The update for a tensor the reducer sends without this pipeline (small tensors, sparse
         embedding rows), given its average over ranks: the average itself, unless this feedback
         owns something the optimizer lacks (DGC's momentum). Never modifies ``averaged``."""
         return averaged
+
+
+def flush_into(whole: torch.Tensor, out: torch.Tensor, scale: float) -> bool:
+    """Write ``whole`` (a feedback's accumulator) times ``scale`` into ``out`` and leave in ``whole``
+    what ``out`` lost, in ``whole``'s units; return whether that is nothing (same dtype, no scaling:
+    ``whole`` is then zero)."""
+    flat = whole.reshape(-1)
+    if scale == 1.0 and out.dtype == flat.dtype:
+        out.copy_(flat)
+        flat.zero_()
+        return True
+    out.copy_(flat * scale)
+    flat.sub_(out.to(flat.dtype).div_(scale))
+    return False
 
 
 def subtract_sent(accumulated: torch.Tensor, sent: SparseGradient) -> torch.Tensor:

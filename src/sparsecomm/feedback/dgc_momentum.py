@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from sparsecomm.errors import SparseCommError
-from sparsecomm.feedback.base import FEEDBACKS, Feedback, subtract_sent
+from sparsecomm.feedback.base import FEEDBACKS, Feedback, flush_into, subtract_sent
 from sparsecomm.sparse_gradient import SparseGradient
 
 
@@ -63,9 +63,29 @@ class DGCMomentum(Feedback):
         return accumulated
 
     def update(self, accumulated: torch.Tensor, sent: SparseGradient, state: dict[str, Any]) -> None:
+        state["clear"] = False
         indices = subtract_sent(accumulated, sent)
         if self.masking:
             state["momentum"].view(-1)[indices] = 0
+
+    def flush(self, grad: torch.Tensor, state: dict[str, Any], out: torch.Tensor, scale: float = 1.0) -> None:
+        """Everything accumulated into ``out``; v keeps what ``out`` lost and, with masking, u is
+        cleared, as `update` with every entry would leave them. While v is known to be zero (after
+        an exact flush), u's step alone is sent: the same numbers, three passes fewer."""
+        velocity, accumulated = state.get("momentum"), state.get("accumulated")
+        if (state.get("clear") and self.clip == 0 and velocity is not None and accumulated is not None
+                and velocity.shape == grad.shape):
+            if self.nesterov:  # u ← m·(u + g); v (zero) + u + g
+                velocity.add_(grad).mul_(self.momentum)
+                torch.add(velocity, grad, out=accumulated)
+            else:  # u ← m·u + g; v (zero) + u
+                velocity.mul_(self.momentum).add_(grad)
+                accumulated.copy_(velocity)
+        else:
+            accumulated = self.accumulate(grad, state)
+        state["clear"] = flush_into(accumulated, out, scale)
+        if self.masking:
+            state["momentum"].zero_()
 
     def update_uncompressed(self, averaged: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
         """Momentum on an averaged gradient, as SGD applies it: u ← m·u + g, step u (Nesterov:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from sparsecomm.feedback.base import FEEDBACKS, Feedback, subtract_sent
+from sparsecomm.feedback.base import FEEDBACKS, Feedback, flush_into, subtract_sent
 from sparsecomm.sparse_gradient import SparseGradient
 
 
@@ -31,3 +31,17 @@ class Residual(Feedback):
 
     def update(self, accumulated: torch.Tensor, sent: SparseGradient, state: dict[str, Any]) -> None:
         subtract_sent(accumulated, sent)
+        state["clear"] = False
+
+    def flush(self, grad: torch.Tensor, state: dict[str, Any], out: torch.Tensor, scale: float = 1.0) -> None:
+        """grad + residual into ``out``; the residual keeps what ``out`` lost (`Feedback.flush`,
+        without indices; while the residual is known to be zero, grad goes straight to ``out``)."""
+        residual = state.get("residual")
+        if state.get("clear") and residual is not None and residual.shape == grad.shape:
+            if scale == 1.0 and out.dtype == grad.dtype:
+                out.copy_(grad.reshape(-1))
+                return
+            residual.copy_(grad)
+        else:
+            residual = self.accumulate(grad, state)
+        state["clear"] = flush_into(residual, out, scale)

@@ -46,6 +46,15 @@ PRESETS: dict[str, Preset] = {
         "1/32 of the blocks by L2 norm, summed as a count sketch (λ = 0.5) plus block bitmap by dense all_reduce",
         "S2 Reducer (Ge et al., 2021)",
     ),
+    "adaptive": Preset(
+        "adaptive+dgc_momentum(masking=false,nesterov=true)+rice+int8+allgather",
+        "each step sends what the link carries while the step computes: dense (exact) where the whole gradient "
+        "fits or costs no more, else the largest entries the byte budget buys, with near-entropy (Rice) "
+        "indices, 8-bit values and Nesterov momentum correction (no masking: at a few percent density it would "
+        "discard most momentum); the budget comes from measured compute time and link throughput. Optimizer: "
+        "SGD without momentum; for other optimizers use adaptive+residual+rice+int8+allgather",
+        "ours (DGC's momentum correction, SparCML's sparse/dense switch)",
+    ),
     "sparcml": Preset(
         "bucketed_topk(k=16,bucket=512)+residual+raw+fp32+sparse_allreduce(algorithm=auto,qsgd_bits=4,bucket=1024)",
         "top 16 of every 512 entries with error feedback; sparse allreduce switching to a dense, 4-bit QSGD phase",

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import time
 import zlib
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -43,9 +44,12 @@ import torch.distributed as dist
 from torch import nn
 
 from sparsecomm.errors import SparseCommError
+from sparsecomm.finite import all_finite
+from sparsecomm.integration.budget import HALF, MIN_WIRE_BYTES, LinkBudget, Plan
 from sparsecomm.integration.presets import resolve
 from sparsecomm.pipeline import Pipeline, Segment, screen_nonfinite
 from sparsecomm.sparse_gradient import SparseGradient
+from sparsecomm.sparsify.adaptive import Adaptive
 from sparsecomm.spec import PipelineSpec, format_spec
 from sparsecomm.transport.agreement import agree
 from sparsecomm.transport.allgather import AllgatherTransport
@@ -56,6 +60,10 @@ from sparsecomm.transport.request import Reduction, Request
 from sparsecomm.transport.session import TransportSession
 
 DENSE_BELOW = 4096
+EVERY_STEP_REPORTS, REPORT_EVERY = 8, 4
+"""the adaptive pipeline's budget hears every rank's numbers after each of the first steps, then
+after every few (each report is one small all_reduce; posting one costs about as much as a step's
+bookkeeping)"""
 
 
 @dataclass
@@ -163,6 +171,20 @@ class GradientReducer:
         """per set of parameters sharing a DDP bucket: the parameter order it was last reduced in"""
         self._restored_layouts: dict[str, list[str]] = {}
         """layouts from a checkpoint that DDP has not yet come back to (see `_reduction_order`)"""
+        self._bucket_layouts: dict[tuple, tuple[str, str, list[Segment]]] = {}
+        """per DDP bucket as DDP lays it out (index, buffer, parameters): its key, stats key and
+        segments, worked out once (derived, so not checkpointed)"""
+        sparsifier = self.spec.sparsifier
+        self.budget = LinkBudget(sparsifier, self.world_size) if isinstance(sparsifier, Adaptive) else None
+        """the adaptive sparsifier's byte budget (None for other pipelines)"""
+        self._plan: Plan | None = None
+        """this step's plan while a step is open (the adaptive pipeline), else None"""
+        self._reports: deque[tuple[int, dist.Work | None, torch.Tensor]] = deque()
+        """(step, all_reduce or None once done, report) of the budget's reports not yet read, oldest first"""
+        self._forward_start: float | None = None
+        """when the model's first forward pass since the last step began (the budget's compute clock)"""
+        self._forward_hook = (module.register_forward_pre_hook(self._forward_started)
+                              if self.budget is not None and module is not None else None)
         agree(group, Request(key="GradientReducer configuration"), self.world_size,
               fingerprint(format_spec(self.spec), seed, nonfinite, dense_below, average))
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
@@ -189,7 +211,8 @@ class GradientReducer:
         if len(set(names)) != len(names):
             raise SparseCommError(f"gradient names repeat: {sorted({n for n in names if names.count(n) > 1})}")
         agree(self.group, Request(key="gradients " + ", ".join(names), call=self.stats.steps), len(names), 0)
-        pending = [(tensor, self.reduce_async(name, tensor)) for name, tensor in named]
+        pending = [(tensor, self._submit(name, tensor, None, synchronous=i == len(named) - 1))
+                   for i, (name, tensor) in enumerate(named)]
         self.finish_step()
         for tensor, future in pending:
             averaged = future.wait()
@@ -205,6 +228,13 @@ class GradientReducer:
                 future.wait()
             except BaseException as err:  # noqa: BLE001 - raised below, after every call ended
                 errors.append(err)
+        if self.budget is not None and self._plan is not None:
+            report = self.budget.end_step()
+            if self.stats.steps < EVERY_STEP_REPORTS or self.stats.steps % REPORT_EVERY == 0:
+                # every rank's numbers, reduced while the next steps compute
+                work = dist.all_reduce(report, op=dist.ReduceOp.MAX, group=self.async_group, async_op=True)
+                self._reports.append((self.stats.steps, work, report))
+        self._plan = None
         self.stats.steps += 1
         if errors:
             raise errors[0]
@@ -221,9 +251,17 @@ class GradientReducer:
         return self._submit(key, tensor, None)
 
     def reduce_bucket_async(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """A DDP bucket: its parameters' state found by name (see `ddp_comm_hook`)."""
+        """A DDP bucket: its parameters' state found by name (see `ddp_comm_hook`). The step's last
+        bucket is reduced on the calling thread, once the calls before it are done: nothing is left
+        to overlap it with, and handing it to the worker thread would only add the handoff."""
         buffer = bucket.buffer()
         parameters = bucket.parameters()
+        where = 0 if buffer.is_sparse else buffer.data_ptr()  # a sparse bucket is one parameter, no storage
+        signature = (bucket.index(), where, buffer.numel(), buffer.is_sparse, tuple(map(id, parameters)))
+        known = self._bucket_layouts.get(signature)
+        if known is not None:  # as it was last step: DDP keeps a bucket's layout until it rebuilds
+            key, stats_key, segments = known
+            return self._submit(key, buffer, segments, stats_key=stats_key, synchronous=bucket.is_last())
         if not self._names:
             raise SparseCommError("a GradientReducer used as a DDP hook state needs model= (its parameter names key "
                                   "each parameter's residual and momentum)")
@@ -237,7 +275,9 @@ class GradientReducer:
         layout = zlib.crc32("\0".join(order).encode())
         key = f"bucket {bucket.index()} [{order[0]} … {order[-1]}, {len(order)} parameters, layout {layout:08x}]"
         if buffer.is_sparse:
-            return self._submit(key, buffer, [Segment(names[0], 0, buffer.numel())], stats_key=names[0])
+            segments = [Segment(names[0], 0, buffer.numel())]
+            self._bucket_layouts[signature] = (key, names[0], segments)
+            return self._submit(key, buffer, segments, stats_key=names[0], synchronous=bucket.is_last())
         stats_key = f"bucket{bucket.index()}"
         gradients = dict(zip(names, bucket.gradients(), strict=True))
         offsets = {name: (grad.data_ptr() - buffer.data_ptr()) // buffer.element_size()
@@ -245,7 +285,8 @@ class GradientReducer:
         if order == names:
             segments = [Segment(name, offsets[name], grad.numel(), whole=grad.numel() < self.dense_below)
                         for name, grad in gradients.items()]
-            return self._submit(key, buffer, segments, stats_key=stats_key)
+            self._bucket_layouts[signature] = (key, stats_key, segments)
+            return self._submit(key, buffer, segments, stats_key=stats_key, synchronous=bucket.is_last())
         # the first step of a fresh DDP after a resume: reduce in the checkpoint's layout, return in DDP's
         reordered = torch.cat([gradients[name].reshape(-1) for name in order])
         segments, start = [], 0
@@ -285,21 +326,36 @@ class GradientReducer:
         return names
 
     def _submit(self, key: str, tensor: torch.Tensor, segments: list[Segment] | None,
-                stats_key: str | None = None) -> torch.futures.Future[torch.Tensor]:
+                stats_key: str | None = None, synchronous: bool = False) -> torch.futures.Future[torch.Tensor]:
         stats = self.stats.tensors.setdefault(stats_key or key, TensorStats())
         stats.steps += 1
         stats.dense_bytes += tensor.numel() * 4
         start = time.perf_counter()
-        request = Request(key=key, call=self._calls.get(key, 0), seed=self.seed, step=self.stats.steps,
+        if self.budget is not None and self._plan is None:
+            self._begin_budget_step(start)
+        call = self._calls.get(key, 0)
+        self._calls[key] = call + 1
+        if self._plan is not None and self._plan.dense:
+            return self._submit_native(key, tensor, segments, stats, start)
+        request = Request(key=key, call=call, seed=self.seed, step=self.stats.steps,
                           index_codec=self.spec.index_codec, value_codec=self.spec.value_codec)
-        self._calls[key] = request.call + 1
         transport, contribution, request, path = self._prepare(key, tensor, segments, request)
         stats.path = path
-        stats.select_s += time.perf_counter() - start
         submitted = time.perf_counter()
+        stats.select_s += submitted - start
+        if self.budget is not None:
+            self._measure_submit(tensor, segments, path, submitted - start, submitted)
         # the sum lands in the gradient's own storage: the local stages above already copied what they use
         out = tensor if not tensor.is_sparse and tensor.is_contiguous() and tensor.device.type == "cpu" else None
-        future = transport.reduce_async(contribution, self.async_group, request, out, self.session)
+        if synchronous:  # on this thread, after the worker thread's calls (collectives stay in order)
+            self.session.drain()
+            future: torch.futures.Future = torch.futures.Future()
+            try:
+                future.set_result(transport.reduce(contribution, self.async_group, request, out, self.session))
+            except BaseException as err:  # noqa: BLE001 - handed to the waiter, as an asynchronous call's
+                future.set_exception(err)
+        else:
+            future = transport.reduce_async(contribution, self.async_group, request, out, self.session)
         result: torch.futures.Future = torch.futures.Future()
 
         def finish(done: torch.futures.Future[Reduction]) -> None:
@@ -307,6 +363,8 @@ class GradientReducer:
             try:
                 reduction = done.wait()
                 stats.transport_s += time.perf_counter() - submitted
+                if self.budget is not None:
+                    self._measure_done(path, reduction.record.bytes_sent, contribution)
                 stats.decode_s += reduction.record.decode_s
                 stats.bytes_sent += reduction.record.bytes_sent
                 total = reduction.total
@@ -323,6 +381,96 @@ class GradientReducer:
         future.add_done_callback(finish)
         self._in_flight.append(result)
         return result
+
+    def _submit_native(self, key: str, tensor: torch.Tensor, segments: list[Segment] | None, stats: TensorStats,
+                       start: float) -> torch.futures.Future[torch.Tensor]:
+        """A dense step of the adaptive pipeline, run as DDP's own hooks run a bucket: each tensor's
+        feedback flushed into it (in fp16 scaled by 1/P on a ``half`` step, the feedback keeping the
+        rounding), then one asynchronous all_reduce — no agreement step, no worker thread. A rank
+        whose gradient is non-finite under ``nonfinite="raise"`` sends NaN, so every rank sums to a
+        non-finite total and raises together. Sparse rows and tensors below ``dense_below`` go in
+        fp32, as they are."""
+        assert self.budget is not None and self._plan is not None
+        nonfinite = self.pipeline.nonfinite
+        scale = 1.0
+        if tensor.is_sparse:
+            coo = tensor.detach().coalesce()
+            values, must_raise = screen_nonfinite(coo.values(), nonfinite)
+            wire = torch.sparse_coo_tensor(coo.indices(), values if values is not None else torch.zeros_like(
+                coo.values()), coo.shape, is_coalesced=True)
+            sent = wire.values()
+            nbytes, path = coo.indices().numel() * 8 + sent.numel() * sent.element_size(), "sparse"
+        else:
+            flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+            if segments is None and tensor.numel() < self.dense_below:  # no feedback: sent as it is
+                screened, must_raise = screen_nonfinite(flat, nonfinite)
+                wire = flat.zero_() if screened is None else flat if screened is flat else flat.copy_(screened)
+                path = "dense"
+            elif self._plan.mode == HALF:
+                scale = 1.0 / self.world_size  # as DDP's fp16 hook: the sum of P values stays in range
+                half = torch.empty_like(flat, dtype=torch.float16)
+                wire, must_raise = self.pipeline.flush(flat, key, segments, out=half, scale=scale)
+                path = "half"
+            else:
+                wire, must_raise = self.pipeline.flush(flat, key, segments, out=flat)
+                path = "flush"
+            sent, nbytes = wire, wire.numel() * wire.element_size()
+        if must_raise:
+            sent.fill_(math.nan)
+        elif sent.numel():
+            low, high = torch.aminmax(sent)
+            measuring = self.budget.measuring
+            measuring.max_magnitude = max(measuring.max_magnitude, max(-float(low), float(high)) / scale)
+        stats.path = path
+        submitted = time.perf_counter()
+        stats.select_s += submitted - start
+        self._measure_submit(tensor, segments, path, submitted - start, submitted)
+        if self.budget.measuring.first_issue is None:
+            self.budget.measuring.first_issue = submitted
+        work = dist.all_reduce(wire, group=self.async_group, async_op=True)
+        result: torch.futures.Future = torch.futures.Future()
+
+        def finish(done: torch.futures.Future) -> None:
+            try:
+                total = done.value()[0]
+                stats.transport_s += time.perf_counter() - submitted
+                stats.bytes_sent += nbytes
+                self._measure_done(path, nbytes, None)
+                if not all_finite(total.values() if total.is_sparse else total):
+                    raise SparseCommError(f"a rank had a non-finite gradient (NaN or Inf) in {key!r}, or the sum "
+                                          "overflowed; no rank applied it")
+                if path == "half":  # already scaled to the average: back to the gradient's buffer and units
+                    total = flat.copy_(total).mul_(self.world_size if not self.average else 1)
+                elif self.average:
+                    total = total.div_(self.world_size) if not total.is_sparse else total / self.world_size
+                total = self._update_uncompressed(total, key, segments, whole_only=path in ("flush", "half"))
+                result.set_result(total if total.is_sparse else total.reshape(tensor.shape).to(tensor.dtype))
+            except BaseException as err:  # noqa: BLE001 - handed to the waiter
+                result.set_exception(err)
+
+        work.get_future().add_done_callback(finish)
+        self._in_flight.append(result)
+        return result
+
+    def _begin_budget_step(self, now: float) -> None:
+        """Learn the ranks' reports from two steps back — a tiny all_reduce can outlast a step's
+        forward and backward, so the last step's is left to finish (the very first report is read
+        at once, so that the second step already has numbers) — and plan this step."""
+        assert self.budget is not None
+        first = self.budget.reports_read == 0
+        while self._reports and (first or self._reports[0][0] <= self.stats.steps - 2):
+            _, work, report = self._reports.popleft()
+            if work is not None:
+                work.wait()
+            self.budget.observe(report)
+            first = False
+        self._plan = self.budget.begin_step(now, self._forward_start)
+        self._forward_start = None
+
+    def _forward_started(self, module: nn.Module, inputs: Any) -> None:
+        """The model's forward pre-hook: the first forward pass since the last step starts the clock."""
+        if self._forward_start is None and self._plan is None:
+            self._forward_start = time.perf_counter()
 
     def _update_uncompressed(self, total: torch.Tensor, key: str, segments: list[Segment] | None,
                              whole_only: bool) -> torch.Tensor:
@@ -357,13 +505,56 @@ class GradientReducer:
             dense = screened if screened is not None else torch.zeros_like(tensor)
             transport = self.spec.transport if self.spec.transport.name == "dense" else DenseTransport()
             return transport, dense, replace(request, nonfinite=nonfinite), "dense"
-        output = self.pipeline.step(tensor.reshape(-1) if segments else tensor, key, segments=segments)
-        request = replace(request, nonfinite=output.nonfinite, payload=output.payload)
+        density = self._plan.density if self._plan is not None else None
+        output = self.pipeline.step(tensor.reshape(-1) if segments else tensor, key, segments=segments,
+                                    density=density)
+
+        request = replace(request, nonfinite=output.nonfinite, payload=output.payload, payload_is_contribution=True)
         return self.spec.transport, output.selection, request, "compressed"
+
+    # -- the adaptive pipeline's measurements ---------------------------------------------------
+    def _measure_submit(self, tensor: torch.Tensor, segments: list[Segment] | None, path: str, local_s: float,
+                        now: float) -> None:
+        """A call's share of the step: its size, what the budget covers, its local stages."""
+        assert self.budget is not None
+        measuring = self.budget.measuring
+        measuring.local_s += local_s
+        measuring.last_submit = now
+        measuring.total_numel += tensor.numel()
+        if path in ("compressed", "flush", "half"):
+            measuring.budget_numel += sum(s.numel for s in segments if not s.whole) if segments else tensor.numel()
+        if path == "compressed" and segments:
+            measuring.whole_nnz += sum(last.selected for s in segments if s.whole
+                                       and (last := self.pipeline.states[s.key].last) is not None)
+
+    def _measure_done(self, path: str, nbytes: int, contribution: SparseGradient | torch.Tensor | None) -> None:
+        """A finished call's bytes and, for a large dense all_reduce, the link's throughput."""
+        assert self.budget is not None
+        measuring = self.budget.measuring
+        now = time.perf_counter()
+        measuring.last_done = max(measuring.last_done, now)
+        if path == "compressed":
+            measuring.payload_bytes += nbytes
+            if isinstance(contribution, SparseGradient) and contribution.nnz:
+                measuring.payload_nnz += contribution.nnz
+                low, high = torch.aminmax(contribution.values)
+                measuring.max_magnitude = max(measuring.max_magnitude, -float(low), float(high))
+        elif path not in ("flush", "half"):
+            measuring.fixed_bytes += nbytes
+        if path in ("dense", "flush", "half") and nbytes >= MIN_WIRE_BYTES and measuring.first_issue is not None:
+            measuring.wire_bytes += 2 * (self.world_size - 1) / self.world_size * nbytes
+            measuring.wire_s = now - measuring.first_issue
 
     # -- lifetime and checkpoints ---------------------------------------------------------------
     def close(self) -> None:
-        """Wait for calls in flight and stop the worker thread."""
+        """Wait for calls in flight, stop the worker thread and unhook the model."""
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
+        while self._reports:
+            work = self._reports.popleft()[1]
+            if work is not None:
+                work.wait()
         self.session.close()
 
     def __enter__(self) -> GradientReducer:
@@ -378,7 +569,20 @@ class GradientReducer:
         return {"pipeline": self.pipeline.state_dict(), "calls": dict(self._calls), "steps": self.stats.steps,
                 "uncompressed": {key: {name: value.clone() for name, value in state.items()}
                                  for key, state in self._uncompressed.items()},
-                "session": self.session.state_dict(), "layouts": {k: list(v) for k, v in self._layouts.items()}}
+                "session": self.session.state_dict(), "layouts": {k: list(v) for k, v in self._layouts.items()},
+                "budget": self.budget.state_dict() if self.budget is not None else None,
+                "reports": self._finished_reports()}
+
+    def _finished_reports(self) -> list[tuple[int, torch.Tensor]]:
+        """The budget's reports not yet read, each waited for: a resumed run reads them when the
+        uninterrupted one would."""
+        finished = []
+        for step, work, report in self._reports:
+            if work is not None:
+                work.wait()
+            finished.append((step, report.clone()))
+        self._reports = deque((step, None, report) for step, report in finished)
+        return finished
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.pipeline.load_state_dict(state["pipeline"])
@@ -388,4 +592,8 @@ class GradientReducer:
                               for key, saved in state["uncompressed"].items()}
         self.session.load_state_dict(state["session"])
         self._layouts = {key: list(names) for key, names in state.get("layouts", {}).items()}
+        self._bucket_layouts = {}  # the checkpoint's layouts decide the next bucket's order
+        if self.budget is not None and state.get("budget") is not None:
+            self.budget.load_state_dict(state["budget"])
+            self._reports = deque((step, None, report.clone()) for step, report in state["reports"])
         self._restored_layouts = {key: list(names) for key, names in self._layouts.items()}

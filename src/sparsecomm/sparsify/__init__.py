@@ -1,6 +1,7 @@
 """Sparsifiers: each turns a dense tensor into a `SparseGradient` of the entries to send."""
 
 from sparsecomm.sparsify import (
+    adaptive,
     block_topk,
     bucketed_topk,
     dgc_threshold,
@@ -10,4 +11,4 @@ from sparsecomm.sparsify import (
     topk,
 )
 
-__all__ = ["block_topk", "bucketed_topk", "dgc_threshold", "nonzero", "randomk", "threshold", "topk"]
+__all__ = ["adaptive", "block_topk", "bucketed_topk", "dgc_threshold", "nonzero", "randomk", "threshold", "topk"]

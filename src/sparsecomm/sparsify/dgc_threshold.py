@@ -24,6 +24,20 @@ from sparsecomm.sparsify.threshold import indices_at_or_above
 MIN_SAMPLES = 100
 
 
+def sampled_threshold(flat: torch.Tensor, k: int, sample: float, generator: torch.Generator | None) -> float:
+    """The smallest of the top ceil(samples·k/numel) magnitudes of a strided sample of about
+    ``sample`` of ``flat`` (random start from ``generator``): a threshold that about k entries pass."""
+    numel = flat.numel()
+    stride = max(1, round(1.0 / sample))
+    if generator is not None and stride > 1:
+        start = int(torch.randint(min(stride, numel), (1,), generator=generator, device=generator.device))
+    else:
+        start = 0
+    samples = flat[start::stride].abs()
+    top = min(samples.numel(), max(1, math.ceil(samples.numel() * k / numel)))
+    return float(torch.topk(samples, top, sorted=False).values.min())
+
+
 @SPARSIFIERS.register("dgc")
 @dataclass(frozen=True)
 class DGCThreshold(CountedSparsifier):
@@ -41,15 +55,7 @@ class DGCThreshold(CountedSparsifier):
             raise SparseCommError("dgc needs 0 < lower <= 1 <= upper, 0 < decay < 1, retries >= 0")
 
     def sampled_threshold(self, flat: torch.Tensor, k: int, generator: torch.Generator | None) -> float:
-        numel = flat.numel()
-        stride = max(1, round(1.0 / self.sample))
-        if generator is not None and stride > 1:
-            start = int(torch.randint(min(stride, numel), (1,), generator=generator, device=generator.device))
-        else:
-            start = 0
-        samples = flat[start::stride].abs()
-        top = min(samples.numel(), max(1, math.ceil(samples.numel() * k / numel)))
-        return float(torch.topk(samples, top, sorted=False).values.min())
+        return sampled_threshold(flat, k, self.sample, generator)
 
     def sparsify(self, tensor: torch.Tensor, generator: torch.Generator | None = None) -> SparseGradient:
         flat = tensor.reshape(-1)

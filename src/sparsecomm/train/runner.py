@@ -17,10 +17,12 @@ from sparsecomm.errors import SparseCommError
 from sparsecomm.integration.ddp_hook import register_ddp_hook
 from sparsecomm.integration.presets import resolve
 from sparsecomm.launch import run_local
+from sparsecomm.train.baselines import BASELINES, has_sparse_gradients
 from sparsecomm.train.workloads import Workload
 from sparsecomm.train.workloads import workload as load_workload
 
 RATES = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+MOMENTUM = 0.9
 
 
 def bits_per_second(rate: str) -> float:
@@ -52,13 +54,23 @@ def compute_seconds_per_step(task: Workload, batch: int, seed: int, trials: int 
     return sorted(times[1:])[len(times[1:]) // 2]
 
 
-def worker(rank: int, world: int, task: Workload, preset: str, steps: int, batch: int, lr: float,
+def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: int, lr: float,
            seed: int) -> dict[str, Any]:
+    """One rank's training run for one row: a sparsecomm preset (or spec) through its DDP hook, or
+    one of PyTorch's own schemes (`BASELINES`)."""
     compute_per_step = compute_seconds_per_step(task, batch, seed)
-    model = DistributedDataParallel(task.model(seed))
-    reducer = register_ddp_hook(model, preset, seed=seed)
-    applies_momentum = reducer.spec.feedback.name == "dgc_momentum"
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0 if applies_momentum else 0.9)
+    baseline = BASELINES.get(row)
+    if baseline is not None:
+        model, meter = baseline.wrap(task.model(seed))
+        reducer, applies_momentum = None, False
+    else:
+        model = DistributedDataParallel(task.model(seed))
+        reducer = register_ddp_hook(model, row, seed=seed)
+        applies_momentum = reducer.spec.feedback.name == "dgc_momentum"
+    # one update rule for every row: SGD with Nesterov momentum, applied by the optimizer or, for
+    # pipelines that correct momentum themselves (DGC's), by the pipeline with plain SGD after it
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0 if applies_momentum else MOMENTUM,
+                                nesterov=not applies_momentum)
     losses, cumulative_bytes, elapsed = [], [], []
     start = time.perf_counter()
     for batch_data in task.batches(rank, world, steps, batch, seed):
@@ -67,11 +79,17 @@ def worker(rank: int, world: int, task: Workload, preset: str, steps: int, batch
         loss.backward()  # the hook's local stages run here, its collectives on their own thread
         optimizer.step()
         losses.append(float(loss.detach()))
-        cumulative_bytes.append(reducer.stats.bytes_sent)
+        if reducer is None:
+            meter.step()
+        cumulative_bytes.append(meter.bytes_sent if reducer is None else reducer.stats.bytes_sent)
         elapsed.append(time.perf_counter() - start)
     wall_s = time.perf_counter() - start
     evaluation = task.evaluate(model.module)
-    summary = reducer.stats.summary()
+    if reducer is None:
+        summary = {"select_s": 0.0, "transport_s": 0.0, "decode_s": 0.0, "bytes_per_step": cumulative_bytes[-1] / steps}
+    else:
+        summary = reducer.stats.summary()
+        reducer.close()
     numel = sum(p.numel() for p in model.parameters())
     return {
         "losses": losses, "cumulative_bytes": cumulative_bytes, "elapsed_s": elapsed, "wall_s": wall_s,
@@ -80,29 +98,43 @@ def worker(rank: int, world: int, task: Workload, preset: str, steps: int, batch
         "communicate_wait_s": max(0.0, wall_s - compute_per_step * steps - summary["select_s"] - summary["decode_s"]),
         # measured without communication: forward + backward + step of the bare model, times the steps
         "compute_s": compute_per_step * steps,
-        "bytes_per_step": summary["bytes_per_step"],
-        "compression_ratio": summary["compression_ratio"], "metric": evaluation.metric,
+        "bytes_per_step": summary["bytes_per_step"], "metric": evaluation.metric,
         "test_loss": evaluation.loss, "parameters": numel,
         "digest": hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest(),
     }
 
 
+def reference_row(names: list[str]) -> str | None:
+    """The row others are measured against: DDP's plain allreduce when it runs, else ``dense``."""
+    return next((name for name in ("torch-allreduce", "dense") if name in names), None)
+
+
 def run(workload_name: str, presets: list[str], workers: int, steps: int, batch: int = 32, lr: float | None = None,
         seed: int = 0, bandwidth: str = "1gbit", namespaces: list[str] | None = None,
         target_loss: float | None = None) -> dict[str, Any]:
-    """Train with each preset; rows carry the final metric, bytes, the time split and the time to
-    ``target_loss`` (default: where dense has made 95% of its improvement), measured and modeled."""
+    """Train with each row — a preset, a spec, or one of PyTorch's schemes (`BASELINES`); rows carry
+    the final metric, bytes, the time split and the time to ``target_loss`` (default: where the
+    reference row, `reference_row`, has made 95% of its improvement), measured and modeled. A
+    baseline that cannot run on this workload is a row saying why."""
     link = bits_per_second(bandwidth)
     task = load_workload(workload_name)  # built once here, handed to every worker
     lr = task.default_lr if lr is None else lr
     for preset in presets:
-        resolve(preset)  # fail before starting any worker
+        if preset not in BASELINES:
+            resolve(preset)  # fail before starting any worker
+    sparse_gradients = has_sparse_gradients(task.model(seed))
+    refused = {name: why for name in presets if name in BASELINES
+               and (why := BASELINES[name].why_not(sparse_gradients)) is not None}
     rows, curves = [], {}
     in_job = launched_by_torchrun()
     joined_here = in_job and not dist.is_initialized()
     if in_job:
         workers = join_job()
     for preset in tqdm(presets, desc=f"train {workload_name}", disable=None if is_reporting_rank() else True):
+        if preset in refused:
+            rows.append({"preset": preset, "workload": workload_name, "metric_name": task.metric_name,
+                         "workers": workers, "steps": steps, "note": refused[preset]})
+            continue
         if in_job:
             results = shared_view(worker(dist.get_rank(), workers, task, preset, steps, batch, lr, seed))
         else:
@@ -127,23 +159,26 @@ def run(workload_name: str, presets: list[str], workers: int, steps: int, batch:
     if joined_here:
         dist.barrier()
         dist.destroy_process_group()
-    dense_bytes = next((r["bytes_per_step"] for r in rows if r["preset"] == "dense"), None)
-    for row in rows:
-        row["compression_ratio"] = dense_bytes / row["bytes_per_step"] if dense_bytes and row["bytes_per_step"] else 1.0
-    target = target_loss if target_loss is not None else default_target(curves)
-    for row in rows:
+    reference = reference_row(list(curves))
+    ran = [row for row in rows if row["preset"] in curves]
+    reference_bytes = next((r["bytes_per_step"] for r in ran if r["preset"] == reference), None)
+    for row in ran:
+        row["compression_ratio"] = (reference_bytes / row["bytes_per_step"]
+                                    if reference_bytes and row["bytes_per_step"] else 1.0)
+    target = target_loss if target_loss is not None else default_target(curves, reference)
+    for row in ran:
         curve = curves[row["preset"]]
         step = first_step_at_or_below(smoothed(curve["losses"]), target) if target is not None else None
         row["target_loss"] = target
         row["steps_to_target"] = None if step is None else step + 1
         row["time_to_target_s"] = None if step is None else curve["elapsed_s"][step]
         row["modeled_time_to_target_s"] = None if step is None else row["modeled_s"] * (step + 1) / steps
-    dense_time = next((r["time_to_target_s"] for r in rows if r["preset"] == "dense"), None)
-    for row in rows:
+    reference_time = next((r["time_to_target_s"] for r in ran if r["preset"] == reference), None)
+    for row in ran:
         seconds = row["time_to_target_s"]
-        row["speedup_to_target"] = dense_time / seconds if seconds and dense_time else None
+        row["speedup_to_target"] = reference_time / seconds if seconds and reference_time else None
     return {"benchmark": "train", "workload": workload_name, "workers": workers, "steps": steps, "lr": lr,
-            "launcher": "torchrun" if in_job else "local",
+            "launcher": "torchrun" if in_job else "local", "reference": reference,
             "bandwidth": bandwidth, "target_loss": target, "rows": rows, "curves": curves}
 
 
@@ -152,21 +187,38 @@ TARGET_SLACK = 0.05
 
 def over_seeds(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
     """One result from runs that differ only in seed: the first run's rows and curves, each row with
-    its metric's mean, standard deviation and per-seed values, and every run kept under ``runs``."""
+    its metric's (and its speed-up's) mean, standard deviation and per-seed values, and every run
+    kept under ``runs``. Rows that did not run (a baseline that cannot) stay as they are."""
     result = dict(runs[0])
-    by_preset = [torch.tensor([run["rows"][i]["final_metric"] for run in runs], dtype=torch.float64)
-                 for i in range(len(result["rows"]))]
-    dense = next((float(values.mean()) for row, values in zip(result["rows"], by_preset, strict=True)
-                  if row["preset"] == "dense"), None)
+
+    def spread(index: int, field: str) -> torch.Tensor | None:
+        values = [run["rows"][index].get(field) for run in runs]
+        return None if any(v is None for v in values) else torch.tensor(values, dtype=torch.float64)
+
+    reference = result.get("reference", "dense")
+    metrics = [spread(i, "final_metric") for i in range(len(result["rows"]))]
+    baseline = next((float(values.mean()) for row, values in zip(result["rows"], metrics, strict=True)
+                     if row["preset"] == reference and values is not None), None)
     rows = []
-    for row, values in zip(result["rows"], by_preset, strict=True):
+    for index, (row, values) in enumerate(zip(result["rows"], metrics, strict=True)):
+        if values is None:
+            rows.append(row)
+            continue
         mean = float(values.mean())
+        speedups = spread(index, "speedup_to_target")
         rows.append({**row, "final_metric_mean": mean,
                      "final_metric_std": float(values.std()) if len(values) > 1 else 0.0,
                      "final_metric_by_seed": " ".join(f"{float(v):.4g}" for v in values),
-                     "metric_vs_dense": mean - dense if dense is not None else None})
+                     "metric_vs_reference": mean - baseline if baseline is not None else None,
+                     "speedup_mean": float(speedups.mean()) if speedups is not None else None,
+                     "speedup_std": float(speedups.std()) if speedups is not None and len(speedups) > 1 else None})
     result.update(rows=rows, seeds=seeds, runs=runs if len(runs) > 1 else [])
     return result
+
+
+def default_workers() -> int:
+    """Local workers when not told: one per core, at most 4 (more would time the scheduler)."""
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 def launched_by_torchrun() -> bool:
@@ -211,13 +263,13 @@ def smoothed(losses: list[float]) -> list[float]:
     return ((sums[ends] - sums[starts]) / (ends - starts)).tolist()
 
 
-def default_target(curves: dict[str, dict[str, list[float]]]) -> float | None:
-    """The smoothed training loss at which dense has made 95% of its improvement over the run: a
-    loss it reaches only late (a margin in percent of the loss would be reached early on a slowly
-    flattening curve)."""
-    if "dense" not in curves or not curves["dense"]["losses"]:
+def default_target(curves: dict[str, dict[str, list[float]]], reference: str | None = "dense") -> float | None:
+    """The smoothed training loss at which the reference row has made 95% of its improvement over
+    the run: a loss it reaches only late (a margin in percent of the loss would be reached early on
+    a slowly flattening curve)."""
+    if reference not in curves or not curves[reference]["losses"]:
         return None
-    curve = smoothed(curves["dense"]["losses"])
+    curve = smoothed(curves[reference]["losses"])
     return curve[-1] + TARGET_SLACK * (curve[0] - curve[-1])
 
 

@@ -17,6 +17,7 @@ from sparsecomm.transport.collectives import Group, all_gather_single, world
 from sparsecomm.transport.request import Agreement, Request
 
 _NUMEL, _CONFIG, _KEY, _CALL, _NNZ, _NONFINITE, _NBYTES = range(7)
+RECORD_FIELDS = 7
 SHOWN_KEY_CHARS = 160
 
 
@@ -26,10 +27,21 @@ def agree(group: Group, request: Request, numel: int, config: int, nnz: int = 0,
     if request.agreement is not None:
         return request.agreement
     _, size = world(group)
-    record = torch.tensor([numel, config, request.key_hash, request.call, nnz, int(request.nonfinite), nbytes],
-                          dtype=torch.int64)
+    record = agreement_record(request, numel, config, nnz, nbytes)
     table = torch.zeros(size, record.numel(), dtype=torch.int64)
     all_gather_single(table.view(-1), record, group=group)
+    return check_table(table, request, numel, config)
+
+
+def agreement_record(request: Request, numel: int, config: int, nnz: int = 0, nbytes: int = 0) -> torch.Tensor:
+    """This rank's row of the agreement table (`RECORD_FIELDS` int64 values)."""
+    return torch.tensor([numel, config, request.key_hash, request.call, nnz, int(request.nonfinite), nbytes],
+                        dtype=torch.int64)
+
+
+def check_table(table: torch.Tensor, request: Request, numel: int, config: int) -> Agreement:
+    """Check every rank's row (a ``world size × RECORD_FIELDS`` table, the same on every rank) against
+    this rank's call: raise `SparseCommError` on any disagreement, else the `Agreement`."""
     key = request.key if len(request.key) <= SHOWN_KEY_CHARS else request.key[:SHOWN_KEY_CHARS] + "…"
     if bool((table[:, _KEY] != request.key_hash).any() | (table[:, _CALL] != request.call).any()):
         raise SparseCommError(
@@ -46,4 +58,3 @@ def agree(group: Group, request: Request, numel: int, config: int, nnz: int = 0,
                               + (" — including this one" if request.nonfinite else ""))
     sizes = table[:, _NBYTES]
     return Agreement(int(table[:, _NNZ].max()), tuple(sizes.tolist()) if bool((sizes > 0).all()) else None)
-

@@ -1,9 +1,15 @@
 """``allgather``: every rank encodes its sparse gradient with the pipeline's codecs, the payloads
 are gathered by a variable-length allgather, and every rank decodes and sums them in rank order
-(so the sums are bit-identical everywhere). An empty selection is still a valid payload."""
+(so the sums are bit-identical everywhere). An empty selection is still a valid payload.
+
+With a `TransportSession`, a call is one round: each payload travels behind its agreement record
+(`sparsecomm.transport.payload_exchange`), and every rank checks every record before it returns.
+Without one (or when ``auto`` already ran the agreement step), the agreement step's all_gather
+carries the sizes and the payloads follow."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass
 from itertools import chain
@@ -13,13 +19,19 @@ import torch
 from sparsecomm.encode.base import IndexCodec, ValueCodec, codecs_lossless
 from sparsecomm.encode.index.rice import RiceIndices
 from sparsecomm.encode.value.floats import Float32Values
+from sparsecomm.errors import SparseCommError
 from sparsecomm.payload import as_tensor, decode, encode
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.transport.agreement import agree
+from sparsecomm.transport.agreement import agree, agreement_record, check_table
 from sparsecomm.transport.base import TRANSPORTS, Transport, as_sparse, deliver, output_buffer
 from sparsecomm.transport.collectives import Group, allgather_arrivals, fingerprint, world
+from sparsecomm.transport.payload_exchange import NBYTES_FIELD, PayloadExchange, next_capacity
 from sparsecomm.transport.request import CallRecord, Reduction, Request
 from sparsecomm.transport.session import TransportSession
+
+MAX_PAYLOAD_SLACK, MAX_PAYLOAD_PER_ELEMENT = 1 << 16, 32
+"""no codec needs more than this for an N-element tensor: a larger announced size is refused
+before anything is allocated for it"""
 
 
 def codecs_of(request: Request) -> tuple[IndexCodec, ValueCodec]:
@@ -35,6 +47,23 @@ def payload_of(sparse: SparseGradient, group: Group, request: Request) -> torch.
         return as_tensor(request.payload)
     index_codec, value_codec = codecs_of(request)
     return as_tensor(encode(sparse, index_codec, value_codec, rng=request.rng(world(group)[0])))
+
+
+class RankOrderSum:
+    """Contributions added to ``total`` in rank order as they become available, so every rank adds
+    the same numbers in the same order and gets the same bits."""
+
+    def __init__(self, total: torch.Tensor) -> None:
+        self.total = total
+        self._waiting: dict[int, SparseGradient] = {}
+        self._next = 0
+
+    def add(self, rank: int, part: SparseGradient) -> None:
+        self._waiting[rank] = part
+        while self._next in self._waiting:
+            part = self._waiting.pop(self._next)
+            self.total.index_add_(0, part.indices, part.values.to(self.total.dtype))
+            self._next += 1
 
 
 @TRANSPORTS.register("allgather")
@@ -54,26 +83,73 @@ class AllgatherTransport(Transport):
             if request.payload is None:
                 sparse = sparse.sorted()  # as encoding needs it, and then this rank's own sum writes in order
             payload = payload_of(sparse, group, request)
-        lossless = codecs_lossless(index_codec, value_codec, sparse.dtype)
         record.bytes_sent = payload.numel()
-        with record.phase("agreement"):
-            # it carries the payload sizes (auto's may not have: then the allgather swaps them)
-            sizes = agree(group, request, sparse.numel, config, nbytes=payload.numel()).sizes
-        decoded: dict[int, SparseGradient] = {}
-        summed = 0  # ranks summed so far: the sum runs in rank order, so every rank adds alike
-        with closing(allgather_arrivals(payload, group, None if sizes is None else list(sizes))) as received:
-            with record.phase("transfer"):
-                own = next(received)  # at once, with the other payloads now in flight
-            with record.phase("output"):
-                total = output_buffer(out, sparse.numel, sparse.dtype)  # cleared while they travel
-            for rank, buffer in chain([own], record.timed(received, "transfer")):
-                with record.phase("decode"):
-                    # a lossless payload decodes to this rank's own selection: no need to decode it
-                    decoded[rank] = sparse if buffer is payload and lossless else decode(buffer, expect=sparse.shape)
-                with record.phase("sum"):
-                    while summed in decoded:
-                        part = decoded.pop(summed)
-                        total.index_add_(0, part.indices, part.values.to(sparse.dtype))
-                        summed += 1
+        # a lossless payload decodes to this rank's own selection, and so does a pipeline's payload
+        # (its selection holds the values as decoded): no need to decode it
+        exact = codecs_lossless(index_codec, value_codec, sparse.dtype)
+        own = sparse if exact or (request.payload is not None and request.payload_is_contribution) else None
+        if session is None or request.agreement is not None:
+            total = self._in_two_rounds(sparse, own, payload, group, request, config, out, record)
+        else:
+            total = self._in_one_round(sparse, own, payload, group, request, config, out, record, session)
         with record.phase("output"):
             return Reduction(deliver(total, sparse.shape, sparse.device, out), record)
+
+    @staticmethod
+    def _in_one_round(sparse: SparseGradient, own: SparseGradient | None, payload: torch.Tensor, group: Group,
+                      request: Request, config: int, out: torch.Tensor | None, record: CallRecord,
+                      session: TransportSession) -> torch.Tensor:
+        """Payloads behind their agreement records (`PayloadExchange`); the table checked once all
+        records are in, before anything late is received or the sum returned."""
+        envelope = agreement_record(request, sparse.numel, config, nbytes=payload.numel())
+        with closing(PayloadExchange(envelope, payload, session.payload_capacity, group)) as exchange:
+            with record.phase("output"):
+                total = output_buffer(out, sparse.numel, sparse.dtype)  # cleared while the messages travel
+            summing = RankOrderSum(total)
+            for rank, peer, buffer in record.timed(exchange.first_round(), "transfer"):
+                # a payload for another tensor or call, or after a non-finite gradient, is not read:
+                # the table check below fails on every rank
+                if buffer is not None and bool((peer[:4] == envelope[:4]).all()) and not bool(peer[5]):
+                    _add(summing, rank, buffer, own if buffer is payload else None, sparse.shape, record)
+            with record.phase("agreement"):
+                table = exchange.table
+                check_table(table, request, sparse.numel, config)
+                sizes = table[:, NBYTES_FIELD].tolist()
+                _check_sizes(sizes, sparse.numel)
+            for rank, buffer in record.timed(exchange.second_round(), "transfer"):
+                _add(summing, rank, buffer, None, sparse.shape, record)
+        session.payload_capacity = next_capacity(session.payload_capacity, sizes)
+        return total
+
+    @staticmethod
+    def _in_two_rounds(sparse: SparseGradient, own: SparseGradient | None, payload: torch.Tensor, group: Group,
+                       request: Request, config: int, out: torch.Tensor | None, record: CallRecord) -> torch.Tensor:
+        """The agreement step (which carries the sizes, unless ``auto`` ran it), then the payloads."""
+        with record.phase("agreement"):
+            sizes = agree(group, request, sparse.numel, config, nbytes=payload.numel()).sizes
+        with closing(allgather_arrivals(payload, group, None if sizes is None else list(sizes))) as received:
+            with record.phase("transfer"):
+                first = next(received)  # at once, with the other payloads now in flight
+            with record.phase("output"):
+                total = output_buffer(out, sparse.numel, sparse.dtype)  # cleared while they travel
+            summing = RankOrderSum(total)
+            arrivals: Iterator[tuple[int, torch.Tensor]] = chain([first], record.timed(received, "transfer"))
+            for rank, buffer in arrivals:
+                _add(summing, rank, buffer, own if buffer is payload else None, sparse.shape, record)
+        return total
+
+
+def _add(summing: RankOrderSum, rank: int, buffer: torch.Tensor, decoded: SparseGradient | None,
+         shape: torch.Size, record: CallRecord) -> None:
+    with record.phase("decode"):
+        part = decoded if decoded is not None else decode(buffer, expect=shape)
+    with record.phase("sum"):
+        summing.add(rank, part)
+
+
+def _check_sizes(sizes: list[int], numel: int) -> None:
+    """Refuse announced payload sizes no codec can produce for ``numel`` elements (on every rank)."""
+    limit = MAX_PAYLOAD_SLACK + MAX_PAYLOAD_PER_ELEMENT * numel
+    if max(sizes) > limit or min(sizes) <= 0:
+        raise SparseCommError(f"a rank announced a payload of {max(sizes)} bytes for a tensor of {numel} elements "
+                              f"(at most {limit} is possible)")

@@ -33,8 +33,10 @@ class Request:
     the agreement step checks every rank passes the same pair, so ranks can never sum different
     tensors. The codecs are the pipeline's (``allgather`` encodes with them); ``seed`` and ``step``
     seed stochastic parts (with the rank); ``payload`` is this rank's payload when the pipeline has
-    already encoded it; ``nonfinite`` makes every rank raise at the agreement step; ``agreement`` is
-    set by a caller (``auto``) that already ran that step."""
+    already encoded it, and ``payload_is_contribution`` says the contribution passed with it is
+    exactly what it decodes to (as a pipeline's selection is: values as receivers see them), so
+    ``allgather`` need not decode it; ``nonfinite`` makes every rank raise at the agreement step;
+    ``agreement`` is set by a caller (``auto``) that already ran that step."""
 
     key: str = ""
     call: int = 0
@@ -43,6 +45,7 @@ class Request:
     index_codec: IndexCodec | None = None
     value_codec: ValueCodec | None = None
     payload: bytes | torch.Tensor | None = None
+    payload_is_contribution: bool = False
     nonfinite: bool = False
     agreement: Agreement | None = None
 

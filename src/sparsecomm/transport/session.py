@@ -1,7 +1,7 @@
 """`TransportSession`: the runtime state transports keep between calls — the one worker thread
-that runs asynchronous calls in submission order, the cost model, and what ``auto`` has measured
-per size class. Its owner (a `GradientReducer`, a benchmark) checkpoints it and closes it; no
-transport keeps state anywhere else.
+that runs asynchronous calls in submission order, the cost model, what ``auto`` has measured per
+size class, and the payload allgather's receive capacity. Its owner (a `GradientReducer`, a
+benchmark) checkpoints it and closes it; no transport keeps state anywhere else.
 
     with TransportSession() as session:
         future = transport.reduce_async(selection, group, request, session=session)
@@ -28,6 +28,9 @@ class TransportSession:
         """per stream (N, value size, P, auto's spec): what its next call runs if its size class stays"""
         self.split_points: dict[tuple, tuple[int, ...]] = {}
         """per stream (key, N, P): split-allgather's range bounds, balanced by the last result's nonzeros"""
+        self.payload_capacity = 0
+        """bytes each rank receives per peer in the first round of a payload allgather: the same on every
+        rank, as it follows only sizes every rank saw (see `sparsecomm.transport.payload_exchange`)"""
         self._executor: ThreadPoolExecutor | None = None
 
     def submit(self, task: Callable[[], None]) -> None:
@@ -35,6 +38,11 @@ class TransportSession:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparsecomm-transport")
         self._executor.submit(task)
+
+    def drain(self) -> None:
+        """Wait until every task submitted so far has run (the caller may then use the group itself)."""
+        if self._executor is not None:
+            self._executor.submit(lambda: None).result()
 
     def close(self) -> None:
         """Wait for submitted calls, then stop the worker thread (a later call starts a new one)."""
@@ -51,9 +59,11 @@ class TransportSession:
     def state_dict(self) -> dict[str, Any]:
         return {"tunings": [(key, tuning.state_dict()) for key, tuning in self.tunings.items()],
                 "expected": list(self.expected.items()),
-                "split_points": [(key, list(bounds)) for key, bounds in self.split_points.items()]}
+                "split_points": [(key, list(bounds)) for key, bounds in self.split_points.items()],
+                "payload_capacity": self.payload_capacity}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.tunings = {tuple(key): Tuning.from_state_dict(saved) for key, saved in state["tunings"]}
         self.expected = {tuple(key): name for key, name in state["expected"]}
         self.split_points = {tuple(key): tuple(bounds) for key, bounds in state.get("split_points", [])}
+        self.payload_capacity = state.get("payload_capacity", 0)

@@ -1,5 +1,5 @@
 """Value codecs; see each module for its wire format."""
 
-from sparsecomm.encode.value import deflate, dexp, floats, polyfit, qsgd, zstd
+from sparsecomm.encode.value import deflate, dexp, floats, int8, polyfit, qsgd, zstd
 
-__all__ = ["deflate", "dexp", "floats", "polyfit", "qsgd", "zstd"]
+__all__ = ["deflate", "dexp", "floats", "int8", "polyfit", "qsgd", "zstd"]

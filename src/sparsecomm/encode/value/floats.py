@@ -14,6 +14,7 @@ import torch
 from sparsecomm.encode.base import VALUE_CODECS, ValueCodec
 from sparsecomm.encode.value.dtypes import tensor_bytes, tensor_from_bytes
 from sparsecomm.errors import SparseCommError
+from sparsecomm.finite import all_finite
 
 
 class FloatValues(ValueCodec):
@@ -26,7 +27,7 @@ class FloatValues(ValueCodec):
     def encode(self, values: torch.Tensor, rng: np.random.Generator) -> bytes:
         cast = values.to(self.wire_dtype)
         # finite values stay finite in a format that holds them all; a narrower one may overflow
-        if values.numel() and not self.lossless_for(values.dtype) and not bool(torch.isfinite(cast).all()):
+        if not self.lossless_for(values.dtype) and not all_finite(cast):
             raise SparseCommError(f"a value overflows {self.name}; use a wider value codec")
         return tensor_bytes(cast).tobytes()
 
@@ -38,6 +39,10 @@ class FloatValues(ValueCodec):
 
     def lossless_for(self, dtype: torch.dtype) -> bool:
         return torch.promote_types(dtype, self.wire_dtype) == self.wire_dtype  # the wire holds every value
+
+    def as_decoded(self, values: torch.Tensor) -> torch.Tensor:
+        """The cast there and back, which is what `decode` returns."""
+        return values if self.lossless_for(values.dtype) else values.to(self.wire_dtype).to(values.dtype)
 
 
 @VALUE_CODECS.register("fp32")

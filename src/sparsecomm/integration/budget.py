@@ -1,0 +1,301 @@
+"""`LinkBudget`: what each step of an ``adaptive`` pipeline sends — what the link carries while the
+step computes, and no more — and in which of three forms.
+
+Every step, each rank measures:
+
+- its compute time C: forward and backward — from the start of the model's forward pass (a forward
+  pre-hook marks it) to the step's last call, less sparsecomm's own local stages. Without a model
+  to hook, the step's whole wall time until the next step less communication waits and local
+  stages, known one step later;
+- the link's throughput β: wire bytes per second of its large fp32 all_reduce calls (a ring
+  all_reduce puts 2(P−1)/P of the tensor on each rank's link);
+- the bytes per nonzero its payloads took, the bytes it sent outside the budget (tensors below
+  ``dense_below``, parameters sent whole, sparse embedding rows), and the largest magnitude it sent;
+- what communicating cost the step: the time it waited for communication plus sparsecomm's local
+  stages — for an fp32 or an fp16 dense step as a whole, for a sparse step less its payloads' wire
+  time (the sparse path's own overhead O_s: sparsify, encode, agreement, decode).
+
+When a step ends, each rank starts one small all_reduce (MAX) of these numbers, asynchronously, and
+the step after next reads it (a tiny all_reduce can outlast a step's forward and backward; the very
+first report is read at once). So every rank plans alike — from the slowest compute and link, the
+dearest payloads, the largest magnitude, and the costs of the rank that spent least on them (a rank
+that reaches a collective early waits for its peers, and that wait is their compute, not
+communication) — with one small collective per step that no step waits for.
+
+Each step runs in one of three modes:
+
+- **sparse**: each rank may send B = β·C/(P−1) bytes (in the allgather every rank receives the
+  P−1 other payloads), less the bytes sent outside the budget; at the measured bytes per nonzero
+  that buys density d = B / (bytes per nonzero · N) of the N budgeted entries, between ``floor``
+  and `MAX_SPARSE_DENSITY`. It costs its payloads' wire time plus O_s;
+- **dense** (fp32): a plain all_reduce, each tensor's feedback flushed into it: exact;
+- **half** (fp16): the same, scaled by 1/P and cast to fp16 (as DDP's fp16 hook does); the feedback
+  keeps what the cast rounded away, so nothing is lost. Allowed while the largest magnitude sent
+  leaves `HALF_HEADROOM` of fp16's range; until measured, it costs dense's time less half the wire.
+
+The reducer runs both dense modes as DDP's own hooks do: one asynchronous all_reduce per bucket, no
+agreement step (a rank's non-finite gradient travels as NaN, so every rank sees the same non-finite
+sum and raises together). A step is dense on the first step (to measure), on every ``probe``-th step
+(to measure again), and whenever the link carries the whole fp32 gradient within the compute time.
+Otherwise the cheapest mode wins, an exact one on a tie: half must beat dense by `HALF_MARGIN`,
+sparse must cost less than the dense mode; a mode's cost is the least of its last few. Until sparse
+steps have been measured O_s counts as 0, so a link slower than the compute gets sparse steps at
+the ``floor`` density — the first warms the sparse path up and is not counted — until their cost
+is known, cheaply where sparse does not pay.
+A mode not chosen is only ever measured again when it runs, so one predicted within `CLOSE` of the
+chosen mode's cost runs once every `REEXPLORE` steps: close calls are re-checked (at little cost,
+being close), and on a slow link dense is not tried again beyond the probes.
+
+A user-set ``budget`` (bytes per step) replaces β·C/(P−1) and turns the probes off: bytes alone
+decide the mode then (dense, half or sparse, whichever the budget holds) and a run repeats bit for
+bit.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sparsecomm.sparsify.adaptive import Adaptive
+
+MIN_WIRE_BYTES = 64 * 1024
+"""dense calls smaller than this say more about latency than throughput: not measured"""
+FIRST_BYTES_PER_NNZ = 3.0
+"""bytes per nonzero assumed before the first sparse step (a value and a near-entropy index)"""
+MAX_SPARSE_DENSITY = 0.25
+"""a budget that buys more than this is a fast link: sparse steps stop here (their payload is still
+about 6x smaller than dense's) and the dense modes are the alternative"""
+HALF_RANGE, HALF_HEADROOM, HALF_MARGIN = 65504.0, 8.0, 0.05
+"""fp16's largest finite value; how far below it the largest magnitude must stay for fp16 steps;
+how much cheaper than an fp32 step an fp16 step must be to be chosen"""
+EXPLORATION_STEPS = 2
+"""sparse steps before the sparse path's cost counts (the first is a warm-up)"""
+CLOSE, REEXPLORE = 1.25, 50
+"""a mode predicted within this factor of the chosen one's cost runs again after this many steps"""
+COMPUTE_WINDOW, THROUGHPUT_WINDOW, COST_WINDOW = 9, 3, 5
+"""compute and throughput: medians over this many agreed measurements; a mode's cost: the least of
+this many (interference only ever adds time, so the least is the truest)"""
+DENSE, HALF, SPARSE = "dense", "half", "sparse"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one step sends: ``dense`` (fp32, exact), ``half`` (fp16, rounding fed back) or ``sparse``
+    at ``density``."""
+
+    mode: str
+    density: float = 1.0
+
+    @property
+    def dense(self) -> bool:
+        """Whether every entry is sent (fp32 or fp16)."""
+        return self.mode != SPARSE
+
+
+@dataclass
+class StepMeasurement:
+    """What one rank saw during one step (filled by the reducer, read once the step ends)."""
+
+    first_submit: float | None = None
+    forward_start: float | None = None
+    """when the model's forward pass of this step began (None: no model hooked)"""
+    last_submit: float = 0.0
+    last_done: float = 0.0
+    local_s: float = 0.0
+    first_issue: float | None = None
+    """when the step's first dense all_reduce started"""
+    wire_bytes: float = 0.0
+    wire_s: float = 0.0
+    """from the first large fp32 all_reduce's start to the last one's end"""
+    payload_bytes: int = 0
+    payload_nnz: int = 0
+    whole_nnz: int = 0
+    """nonzeros of parameters sent whole inside compressed calls (in ``payload_nnz`` too)"""
+    fixed_bytes: int = 0
+    """bytes of the calls outside the budget (small tensors, sparse rows)"""
+    max_magnitude: float = 0.0
+    """the largest |value| this rank sent (before any 1/P scaling)"""
+    total_numel: int = 0
+    budget_numel: int = 0
+
+    def forward_backward_s(self) -> float:
+        """From the forward pass's start to the step's last call, less sparsecomm's local stages."""
+        assert self.forward_start is not None
+        return max(0.0, self.last_submit - self.forward_start - self.local_s)
+
+    def compute_s(self, next_start: float) -> float:
+        """Without a forward hook: from this step's first call to the next step's first call, less
+        the communication it waited for and sparsecomm's local stages."""
+        assert self.first_submit is not None
+        waited = max(0.0, self.last_done - self.last_submit)
+        return max(0.0, next_start - self.first_submit - waited - self.local_s)
+
+
+def _window(size: int) -> Any:
+    return field(default_factory=lambda: deque(maxlen=size))
+
+
+@dataclass
+class LinkBudget:
+    """The ``adaptive`` sparsifier's plan for one `GradientReducer` (which owns it, drives it step by
+    step and checkpoints it): measurements in, a `Plan` per step out."""
+
+    sparsifier: Adaptive
+    world_size: int
+    step: int = 0
+    total_numel: int = 0
+    """elements reduced per step (all tensors): the dense all_reduce's size"""
+    budget_numel: int = 0
+    """elements under the adaptive sparsifier per step"""
+    compute_s: deque[float] = _window(COMPUTE_WINDOW)
+    throughput: deque[float] = _window(THROUGHPUT_WINDOW)
+    dense_cost_s: deque[float] = _window(COST_WINDOW)
+    """what communicating cost an fp32 dense step (waiting plus local stages)"""
+    half_cost_s: deque[float] = _window(COST_WINDOW)
+    """the same for an fp16 dense step"""
+    sparse_overhead_s: deque[float] = _window(COST_WINDOW)
+    """O_s: what communicating cost a sparse step beyond its payloads' wire time"""
+    bytes_per_nnz: float = FIRST_BYTES_PER_NNZ
+    fixed_bytes: float = 0.0
+    max_magnitude: float = math.inf
+    """the largest |value| any rank sent lately (unknown: fp16 not allowed)"""
+    current: Plan = Plan(DENSE)
+    measuring: StepMeasurement = field(default_factory=StepMeasurement)
+    finished: StepMeasurement | None = None
+    last_compute_s: float = 0.0
+    """the finished step's compute time, known once the next step starts (without a forward hook)"""
+    sparse_steps: int = 0
+    reports_read: int = 0
+    last_run: dict[str, int] = field(default_factory=dict)
+    """the step each mode last ran"""
+
+    # -- the reducer's calls, in step order ------------------------------------------------------
+    def begin_step(self, now: float, forward_start: float | None = None) -> Plan:
+        """The first call of a step (whose forward pass began at ``forward_start``, when known):
+        time the last step's compute if no forward hook did, and plan this step."""
+        if self.finished is not None and self.finished.first_submit is not None:
+            self.last_compute_s = self.finished.compute_s(now)
+        self.finished = None
+        self.measuring = StepMeasurement(first_submit=now, forward_start=forward_start)
+        self.current = self.plan()
+        self.last_run[self.current.mode] = self.step
+        return self.current
+
+    def end_step(self) -> torch.Tensor:
+        """The step ended: this rank's report, for an all_reduce with MAX over the ranks. Slots:
+        compute time (of this step, or with no forward hook of the step before); negated, so that
+        MAX takes the least: the link throughput and this step's cost in its mode (fp32, fp16, or
+        beyond its wire time for sparse); then bytes per nonzero, bytes outside the budget and the
+        largest magnitude sent. Unmeasured: 0 for the slowest-taken numbers, +inf for the negated."""
+        done = self.measuring
+        self.finished = done
+        self.total_numel, self.budget_numel = done.total_numel, done.budget_numel
+        self.step += 1
+        per_nnz = done.payload_bytes / done.payload_nnz if done.payload_nnz else 0.0
+        fixed = done.fixed_bytes + done.whole_nnz * per_nnz
+        cost = done.local_s + max(0.0, done.last_done - done.last_submit)
+        costs = {DENSE: math.inf, HALF: math.inf, SPARSE: math.inf}
+        if self.current.mode != SPARSE:
+            costs[self.current.mode] = -cost
+        else:
+            self.sparse_steps += 1
+            if self.sparse_steps >= EXPLORATION_STEPS and self.throughput:
+                sent = done.payload_bytes + done.fixed_bytes
+                costs[SPARSE] = -max(1e-6, cost - (self.world_size - 1) * sent / statistics.median(self.throughput))
+        throughput = done.wire_bytes / done.wire_s if done.wire_s > 0 else 0.0
+        compute = done.forward_backward_s() if done.forward_start is not None else self.last_compute_s
+        return torch.tensor([compute, -throughput if throughput > 0 else math.inf, costs[DENSE], costs[HALF],
+                             costs[SPARSE], per_nnz, fixed, done.max_magnitude], dtype=torch.float64)
+
+    def observe(self, agreed: torch.Tensor) -> None:
+        """Every rank's report of one step, reduced by MAX (see `end_step`)."""
+        compute, negative_link, dense, half, sparse, per_nnz, fixed, magnitude = agreed.tolist()
+        self.reports_read += 1
+        if compute > 0:
+            self.compute_s.append(compute)
+        for window, negated in ((self.throughput, negative_link), (self.dense_cost_s, dense),
+                                (self.half_cost_s, half), (self.sparse_overhead_s, sparse)):
+            if math.isfinite(negated):
+                window.append(-negated)
+        if per_nnz > 0:
+            self.bytes_per_nnz, self.fixed_bytes = per_nnz, fixed
+        if magnitude > 0:
+            self.max_magnitude = magnitude
+
+    # -- the plan -------------------------------------------------------------------------------
+    def plan(self) -> Plan:
+        """This step's plan, from agreed numbers only (so every rank's is the same)."""
+        if self.world_size == 1 or self.budget_numel == 0:
+            return Plan(DENSE)
+        dense_bytes = 2 / self.world_size * 4 * self.total_numel  # fp32 all_reduce, in allgather bytes per rank
+        half_allowed = self.max_magnitude * HALF_HEADROOM < HALF_RANGE
+        if self.sparsifier.budget:  # user-set: bytes alone decide, no timing
+            fixed = self.sparsifier.budget
+            if fixed >= dense_bytes:
+                return Plan(DENSE)
+            return Plan(HALF) if half_allowed and fixed >= dense_bytes / 2 else self._sparse(fixed)
+        budget = self.step_budget()
+        probing = self.sparsifier.probe and self.step % self.sparsifier.probe == 0
+        if budget is None or budget >= dense_bytes or probing:
+            return Plan(DENSE)
+        throughput, compute = statistics.median(self.throughput), statistics.median(self.compute_s)
+        dense_cost = min(self.dense_cost_s) if self.dense_cost_s else dense_bytes / throughput + compute
+        costs = {DENSE: (dense_cost, Plan(DENSE))}
+        if half_allowed:
+            half_cost = min(self.half_cost_s) if self.half_cost_s else dense_cost - dense_bytes / 2 / throughput
+            costs[HALF] = (half_cost * (1 + HALF_MARGIN), Plan(HALF))
+        exploring = not self.sparse_overhead_s  # until the sparse path's cost is known: cheap steps
+        sparse = self._sparse(budget) if not exploring else Plan(SPARSE, self.sparsifier.floor)
+        wire = (self.world_size - 1) * self.step_bytes(sparse.density) / throughput
+        overhead = min(self.sparse_overhead_s) if not exploring else 0.0
+        costs[SPARSE] = (wire + overhead + 1e-9, sparse)  # a tie goes to a dense mode
+        chosen = min(costs, key=lambda mode: costs[mode][0])
+        for mode, (cost, plan) in costs.items():
+            stale = self.step - self.last_run.get(mode, -REEXPLORE) >= REEXPLORE
+            if mode != chosen and stale and cost <= CLOSE * costs[chosen][0]:
+                return plan
+        return costs[chosen][1]
+
+    def step_budget(self) -> float | None:
+        """Bytes one rank may send this step (None: not measured yet)."""
+        if self.sparsifier.budget:
+            return float(self.sparsifier.budget)
+        if not self.compute_s or not self.throughput:
+            return None
+        throughput = statistics.median(self.throughput)
+        return throughput * statistics.median(self.compute_s) / max(1, self.world_size - 1)
+
+    def step_bytes(self, density: float) -> float:
+        """Bytes one rank sends on a sparse step at ``density``."""
+        return self.fixed_bytes + density * self.budget_numel * self.bytes_per_nnz
+
+    def _sparse(self, budget: float) -> Plan:
+        density = (budget - self.fixed_bytes) / (self.bytes_per_nnz * self.budget_numel)
+        return Plan(SPARSE, self.sparsifier.at_density(min(density, MAX_SPARSE_DENSITY)).density)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "total_numel": self.total_numel, "budget_numel": self.budget_numel,
+                "compute_s": list(self.compute_s), "throughput": list(self.throughput),
+                "dense_cost_s": list(self.dense_cost_s), "half_cost_s": list(self.half_cost_s),
+                "sparse_overhead_s": list(self.sparse_overhead_s), "bytes_per_nnz": self.bytes_per_nnz,
+                "fixed_bytes": self.fixed_bytes, "max_magnitude": self.max_magnitude,
+                "last_compute_s": self.last_compute_s, "sparse_steps": self.sparse_steps,
+                "reports_read": self.reports_read, "last_run": dict(self.last_run)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.total_numel, self.budget_numel = state["step"], state["total_numel"], state["budget_numel"]
+        for name, size in (("compute_s", COMPUTE_WINDOW), ("throughput", THROUGHPUT_WINDOW),
+                           ("dense_cost_s", COST_WINDOW), ("half_cost_s", COST_WINDOW),
+                           ("sparse_overhead_s", COST_WINDOW)):
+            setattr(self, name, deque(state[name], maxlen=size))
+        self.bytes_per_nnz, self.fixed_bytes = state["bytes_per_nnz"], state["fixed_bytes"]
+        self.max_magnitude, self.last_compute_s = state["max_magnitude"], state["last_compute_s"]
+        self.sparse_steps, self.reports_read = state["sparse_steps"], state["reports_read"]
+        self.last_run = dict(state["last_run"])
+        self.finished = None

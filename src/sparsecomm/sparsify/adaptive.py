@@ -1,0 +1,83 @@
+"""``adaptive``: the largest entries, as many as this step's byte budget buys.
+
+Inside a `GradientReducer` the density is set every step by the reducer's `LinkBudget` (see
+`sparsecomm.integration.budget`) from what the link carries while a step computes; ``budget``,
+``floor`` and ``probe`` are that controller's settings. Used alone, it keeps ``density``.
+
+Selection: a threshold estimated from a strided sample (as DGC's), then one pass; if that selects
+more than ``UPPER``·k, the threshold is raised to the k-th largest of the selected magnitudes, and
+if fewer than ``LOWER``·k it is lowered. The selection is never re-ordered, so it stays in index
+order and encoding needs no sort. A budget needs bytes near k, not exactly k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from sparsecomm.errors import SparseCommError
+from sparsecomm.sparse_gradient import SparseGradient
+from sparsecomm.sparsify.base import SPARSIFIERS, Sparsifier, count_from, gather
+from sparsecomm.sparsify.dgc_threshold import sampled_threshold
+from sparsecomm.sparsify.threshold import indices_at_or_above
+
+MIN_SAMPLES = 256
+"""below this many samples a tensor is small enough for an exact top-k"""
+UPPER, LOWER, DECAY, RETRIES = 1.5, 0.7, 0.7, 4
+
+
+@SPARSIFIERS.register("adaptive")
+@dataclass(frozen=True)
+class Adaptive(Sparsifier):
+    budget: int = 0
+    """bytes one rank may send per step, whole model; 0: from the measured link and compute time"""
+    floor: float = 0.001
+    """the least density the budget may set"""
+    probe: int = 200
+    """with a measured budget, every ``probe`` steps one step is sent dense to re-measure the link (0: never)"""
+    sample: float = 0.01
+    """fraction of the entries sampled for the threshold"""
+    density: float = 1.0
+    """the fraction kept when no reducer sets one"""
+
+    def __post_init__(self) -> None:
+        if self.budget < 0:
+            raise SparseCommError("adaptive budget must be >= 0 bytes (0: measured)")
+        if not 0.0 < self.floor <= 1.0 or not 0.0 < self.density <= 1.0:
+            raise SparseCommError("adaptive floor and density must be in (0, 1]")
+        if self.probe < 0:
+            raise SparseCommError("adaptive probe must be >= 0 steps")
+        if not 0.0 < self.sample <= 1.0:
+            raise SparseCommError("adaptive sample must be in (0, 1]")
+
+    def at_density(self, density: float) -> Adaptive:
+        """The same sparsifier keeping ``density`` (clamped to [floor, 1])."""
+        return replace(self, density=min(1.0, max(self.floor, density)))
+
+    def target_count(self, numel: int) -> int:
+        return count_from(numel, self.density, None)
+
+    def sparsify(self, tensor: torch.Tensor, generator: torch.Generator | None = None) -> SparseGradient:
+        flat = tensor.reshape(-1)
+        numel = flat.numel()
+        k = self.target_count(numel)
+        if k >= numel:
+            return SparseGradient.from_dense(tensor)
+        if k == 0:
+            return gather(tensor, torch.zeros(0, dtype=torch.int64, device=flat.device))
+        stride = max(1, round(1.0 / self.sample))
+        if numel // stride < MIN_SAMPLES:  # too small to sample well; an exact top-k is cheap here
+            return gather(tensor, torch.topk(flat.abs(), k, sorted=False).indices.sort().values)
+        threshold = sampled_threshold(flat, k, self.sample, generator)
+        indices = indices_at_or_above(flat, threshold).to(flat.device)
+        for _ in range(RETRIES):
+            if indices.numel() >= LOWER * k or threshold == 0.0:
+                break
+            threshold *= DECAY
+            indices = indices_at_or_above(flat, threshold).to(flat.device)
+        if indices.numel() > UPPER * k:  # raise the threshold to the k-th largest selected magnitude
+            magnitudes = flat[indices].abs()
+            kth = torch.topk(magnitudes, k, sorted=False).values.min()
+            indices = indices[magnitudes >= kth]
+        return gather(tensor, indices)

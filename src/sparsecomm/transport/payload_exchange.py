@@ -1,0 +1,93 @@
+"""The payload allgather in one round: each rank's agreement record travels in front of its payload.
+
+gloo's point-to-point receives need a buffer of the right size before anything arrives, so a
+variable-length allgather used to cost two rounds: the agreement step's all_gather (which carries
+the sizes) and then the payloads. Here every rank posts, for each peer, a receive of the session's
+``capacity`` bytes — a number every rank holds alike, because it is derived only from sizes every
+rank has seen — and sends one message: its agreement record (the *envelope*, `ENVELOPE_BYTES`)
+followed by its payload when both fit in the capacity, the envelope alone when they do not. gloo
+accepts a message shorter than the receive buffer (and aborts the process on a longer one, which is
+why the capacity must be the same everywhere); payloads say how long they are.
+
+Once every envelope is in, every rank holds the same table and checks it exactly as the agreement
+step does (`check_table`), so ranks that disagree still fail together with the same message. Ranks
+whose payload did not fit send it in a second round, whose sizes the envelopes told everyone. The
+next capacity leaves room for twice the largest payload just seen and shrinks slowly, so streams of
+different sizes that alternate (the buckets of a model) keep fitting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from sparsecomm.transport.agreement import RECORD_FIELDS
+from sparsecomm.transport.collectives import Arrivals, Group, world
+
+ENVELOPE_BYTES = RECORD_FIELDS * 8
+NBYTES_FIELD = RECORD_FIELDS - 1
+"""where the payload size sits in a record (see `sparsecomm.transport.agreement`)"""
+CAPACITY_HEADROOM = 2
+CAPACITY_DECAY = 15 / 16
+
+
+def next_capacity(previous: int, sizes: list[int]) -> int:
+    """The capacity for the next call, from the last call's payload sizes (the same on every rank)."""
+    return max(ENVELOPE_BYTES + CAPACITY_HEADROOM * max(sizes, default=0), int(previous * CAPACITY_DECAY))
+
+
+def fits(nbytes: int, capacity: int) -> bool:
+    """Whether a payload of ``nbytes`` travels with its envelope in the first round."""
+    return ENVELOPE_BYTES + nbytes <= capacity
+
+
+class PayloadExchange:
+    """One variable-length allgather of payloads with their agreement records (see the module).
+    Round one starts at construction; iterate `first_round`, read `table`, check it, then iterate
+    `second_round`. `close` (or ``with closing(...)``) waits for whatever is still in flight."""
+
+    def __init__(self, envelope: torch.Tensor, payload: torch.Tensor, capacity: int, group: Group) -> None:
+        self.rank, self.size = world(group)
+        self.group = group
+        self.capacity = max(capacity, ENVELOPE_BYTES)
+        self.envelope, self.payload = envelope, payload
+        self.records: dict[int, torch.Tensor] = {self.rank: envelope}
+        message = torch.cat([envelope.view(torch.uint8), payload]) if fits(payload.numel(), self.capacity) \
+            else envelope.view(torch.uint8)
+        self._buffers = {peer: torch.empty(self.capacity, dtype=torch.uint8)
+                         for peer in range(self.size) if peer != self.rank}
+        self._round = Arrivals(self._buffers, {peer: message for peer in self._buffers}, group)
+
+    def first_round(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
+        """(rank, its record, its payload if it came with the record) for this rank first, at once
+        (its own payload is always at hand), then for each peer as its message arrives."""
+        yield self.rank, self.envelope, self.payload
+        for peer in self._round:
+            buffer = self._buffers[peer]
+            record = buffer[:ENVELOPE_BYTES].view(torch.int64).clone()
+            self.records[peer] = record
+            nbytes = int(record[NBYTES_FIELD])
+            inline = nbytes > 0 and fits(nbytes, self.capacity)
+            yield peer, record, buffer[ENVELOPE_BYTES:ENVELOPE_BYTES + nbytes] if inline else None
+
+    @property
+    def table(self) -> torch.Tensor:
+        """Every rank's record, in rank order (after `first_round`)."""
+        return torch.stack([self.records[r] for r in range(self.size)])
+
+    def second_round(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """(rank, payload) for each peer whose payload did not fit, as it arrives; this rank's own
+        goes to every peer if it did not fit. Sizes come from the table (checked by then)."""
+        late = {r: int(self.records[r][NBYTES_FIELD]) for r in range(self.size)
+                if not fits(int(self.records[r][NBYTES_FIELD]), self.capacity)}
+        if not late:
+            return
+        receives = {r: torch.empty(nbytes, dtype=torch.uint8) for r, nbytes in late.items() if r != self.rank}
+        sends = {peer: self.payload for peer in range(self.size) if peer != self.rank} if self.rank in late else {}
+        self._round = Arrivals(receives, sends, self.group)
+        for peer in self._round:
+            yield peer, receives[peer]
+
+    def close(self) -> None:
+        self._round.close()

@@ -1,0 +1,122 @@
+"""The parts of the ``adaptive`` pipeline that work on one rank: the sparsifier, the int8 value
+codec, and the feedback's flush (a dense step that loses nothing)."""
+
+import numpy as np
+import pytest
+import torch
+
+import sparsecomm as sc
+from sparsecomm.components import Adaptive, DGCMomentum, Feedback, Int8Values, NoFeedback, Residual
+from sparsecomm.errors import PayloadError, SpecError
+
+
+def laplace(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.distributions.Laplace(0.0, 1.0).sample((n,)) if seed is None else torch.from_numpy(
+        np.random.default_rng(seed).laplace(size=n).astype(np.float32))
+
+
+# -- the sparsifier ------------------------------------------------------------------------------
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.1, 0.25])
+def test_adaptive_keeps_the_largest_entries_near_its_density_in_index_order(density):
+    grad = laplace(200_000)
+    chosen = Adaptive().at_density(density).sparsify(grad, torch.Generator().manual_seed(1))
+    k = round(density * grad.numel())
+    assert 0.7 * k <= chosen.nnz <= 1.5 * k
+    assert bool((chosen.indices[1:] > chosen.indices[:-1]).all()), "selection must stay in index order"
+    kept = torch.zeros(grad.numel(), dtype=torch.bool)
+    kept[chosen.indices] = True
+    assert float(grad.abs()[kept].min()) >= float(grad.abs()[~kept].max())  # a threshold: nothing larger left out
+    assert torch.equal(chosen.values, grad[chosen.indices])
+
+
+def test_adaptive_sends_every_nonzero_at_density_one_and_is_exact_on_small_tensors():
+    grad = torch.tensor([0.0, 3.0, -1.0, 0.0, 2.0])
+    assert Adaptive().sparsify(grad).indices.tolist() == [1, 2, 4]  # density 1: every nonzero
+    small = laplace(1000)
+    chosen = Adaptive().at_density(0.01).sparsify(small)
+    assert chosen.indices.tolist() == sorted(torch.topk(small.abs(), 10).indices.tolist())
+
+
+def test_adaptive_density_is_clamped_to_its_floor_and_one_and_its_settings_are_checked():
+    assert Adaptive(floor=0.01).at_density(1e-6).density == 0.01
+    assert Adaptive().at_density(7.0).density == 1.0
+    for bad in ["adaptive(budget=-1)", "adaptive(floor=0)", "adaptive(probe=-2)", "adaptive(sample=2)"]:
+        with pytest.raises(SpecError):
+            sc.SPARSIFIERS.parse(bad)
+
+
+def test_pipeline_density_is_only_for_the_adaptive_sparsifier():
+    with pytest.raises(sc.SparseCommError, match="only the adaptive sparsifier"):
+        sc.Pipeline("topk(ratio=0.1)+residual").step(torch.ones(100), "w", density=0.5)
+
+
+# -- the int8 value codec -------------------------------------------------------------------------
+@pytest.mark.parametrize("bucket", [1, 7, 512])
+def test_int8_decodes_to_what_as_decoded_says_and_within_a_bucket_scale_over_254(bucket):
+    codec = Int8Values(bucket=bucket)
+    values = laplace(5000, seed=3) * torch.logspace(-3, 2, 5000)
+    section = codec.encode(values, np.random.default_rng(0))
+    decoded = codec.decode(memoryview(section), values.numel(), torch.float32)
+    assert torch.equal(decoded, codec.as_decoded(values))  # error feedback may learn it without decoding
+    padded = torch.cat([values.abs(), values.new_zeros(-values.numel() % bucket)])
+    scales = padded.view(-1, bucket).amax(1).repeat_interleave(bucket)[: values.numel()]
+    assert bool(((decoded - values).abs() <= scales / 254 * (1 + 1e-6)).all())
+    assert bool((decoded * values >= 0).all())  # never a flipped sign
+    assert len(section) == 4 * -(-values.numel() // bucket) + values.numel()
+
+
+def test_int8_error_contracts_so_error_feedback_keeps_up():
+    values = laplace(512 * 64, seed=4)
+    error = Int8Values().as_decoded(values) - values
+    assert float(error.square().sum()) <= 512 / (4 * 127**2) * float(values.square().sum())
+
+
+def test_int8_refuses_out_of_range_levels_and_bad_scales():
+    codec = Int8Values(bucket=4)
+    good = bytearray(codec.encode(torch.tensor([1.0, -2.0, 0.5]), np.random.default_rng(0)))
+    for tamper in (lambda b: b.__setitem__(4, 0x80),                      # level -128
+                   lambda b: b.__setitem__(slice(0, 4), np.float32(-1).tobytes()),
+                   lambda b: b.__setitem__(slice(0, 4), np.float32(np.inf).tobytes())):
+        bad = bytearray(good)
+        tamper(bad)
+        with pytest.raises(PayloadError):
+            codec.decode(memoryview(bytes(bad)), 3, torch.float32)
+    with pytest.raises(PayloadError, match="does not fit"):
+        codec.decode(memoryview(bytes(good[:-1])), 3, torch.float32)
+
+
+# -- the feedback's flush --------------------------------------------------------------------------
+FEEDBACKS = [Residual(), DGCMomentum(momentum=0.9, masking=False, nesterov=True), DGCMomentum(momentum=0.9),
+             NoFeedback()]
+
+
+@pytest.mark.parametrize("feedback", FEEDBACKS, ids=lambda f: f.to_spec())
+def test_a_dense_flush_is_update_with_every_entry_however_it_is_computed(feedback):
+    """Mixed sparse and dense (fp32 and fp16) steps: each feedback's own flush (with its shortcut
+    while nothing is kept) sends what the generic one — accumulate, then `update` with every entry
+    as sent — sends, and leaves the same state."""
+    fast, generic = {}, {}
+    for step in range(8):
+        grad = laplace(3000, seed=step)
+        if step % 3 == 2:  # a sparse step: the 100 largest
+            for state in (fast, generic):
+                accumulated = feedback.accumulate(grad, state)
+                feedback.update(accumulated, sc.SPARSIFIERS.create("topk", {"k": 100}).sparsify(accumulated), state)
+            continue
+        dtype, scale = (torch.float16, 0.5) if step % 2 else (torch.float32, 1.0)
+        out, reference = torch.empty(3000, dtype=dtype), torch.empty(3000, dtype=dtype)
+        feedback.flush(grad, fast, out, scale)
+        Feedback.flush(feedback, grad, generic, reference, scale)
+        assert torch.equal(out, reference), f"step {step}"
+        for name, value in generic.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.allclose(fast[name], value, rtol=0, atol=1e-7), f"{name} after step {step}"
+
+
+def test_an_fp16_flush_keeps_the_rounding_in_the_residual():
+    state = {}
+    grad = laplace(1000, seed=9) * 1e-3
+    out = torch.empty(1000, dtype=torch.float16)
+    Residual().flush(grad, state, out, scale=0.25)
+    assert torch.equal(out.to(torch.float32) / 0.25 + state["residual"], grad)  # sent + kept = everything
+    assert float(state["residual"].abs().max()) > 0

@@ -1,0 +1,128 @@
+"""The adaptive pipeline across ranks: every mode (dense fp32, fp16, sparse) gives every rank the same
+sum, a dense step is the optimizer's own update, modes switch without losing anything, a non-finite
+gradient fails every rank, and with a measured budget every rank plans the same steps."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import sparsecomm as sc
+from sparsecomm.integration.budget import DENSE, HALF, SPARSE
+from sparsecomm.launch import run_local
+from test_training import batches, digest, mlp
+
+CORRECTED = "dgc_momentum(masking=false,nesterov=true)+rice+int8+allgather"
+MODEL_BYTES = 4 * sum(p.numel() for p in mlp(0).parameters())
+
+
+def train(rank: int, world: int, spec: str, steps: int, bucket_cap_mb: float | None = None) -> dict:
+    """``steps`` of DDP with the spec's reducer (plain SGD: the pipeline applies momentum), or with
+    spec None DDP's own allreduce and SGD with Nesterov momentum."""
+    model = DDP(mlp(0), **({"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb else {}))
+    reducer = sc.register_ddp_hook(model, spec) if spec else None
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.0 if spec else 0.9, nesterov=not spec)
+    modes = []
+    for data, labels in batches(rank, world, steps):
+        optimizer.zero_grad()
+        F.cross_entropy(model(data), labels).backward()
+        optimizer.step()
+        modes.append(reducer.budget.current.mode if reducer else DENSE)
+    parameters = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    if reducer:
+        reducer.close()
+    return {"digest": digest(model), "modes": modes, "parameters": parameters}
+
+
+def test_dense_steps_are_nesterov_sgd_on_the_average_and_identical_on_every_rank():
+    ours = run_local(2, train, f"adaptive(budget={MODEL_BYTES})+{CORRECTED}", 8)
+    plain = run_local(2, train, None, 8)
+    assert ours[0]["modes"] == [DENSE] * 8 and ours[0]["digest"] == ours[1]["digest"]
+    assert torch.allclose(ours[0]["parameters"], plain[0]["parameters"], rtol=1e-5, atol=1e-6)
+
+
+def test_fp16_steps_stay_within_fp16s_rounding_of_dense_and_identical_on_every_rank():
+    half = run_local(2, train, f"adaptive(budget={MODEL_BYTES // 2})+{CORRECTED}", 8)
+    dense = run_local(2, train, f"adaptive(budget={MODEL_BYTES})+{CORRECTED}", 8)
+    assert half[0]["modes"][1:] == [HALF] * 7  # the first step's magnitudes are not known yet
+    assert half[0]["digest"] == half[1]["digest"]
+    drift = (half[0]["parameters"] - dense[0]["parameters"]).abs().max()
+    assert 0 < float(drift) < 1e-3
+
+
+def test_sparse_steps_give_every_rank_the_same_model():
+    runs = run_local(2, train, f"adaptive(budget=20000)+{CORRECTED}", 8)
+    assert runs[0]["modes"][1:] == [SPARSE] * 7 and runs[0]["digest"] == runs[1]["digest"]
+
+
+def test_switching_between_dense_fp16_and_sparse_loses_nothing():
+    """Modes forced in turn, rank 0 feeding gradients and rank 1 zeros (so the average is rank 0's
+    share alone): everything rank 0 fed in was either delivered or is still in its residual."""
+    fed, delivered, held = run_local(2, switching)[0]
+    assert torch.allclose(fed, delivered + held, atol=1e-5), float((fed - delivered - held).abs().max())
+    assert float(held.abs().max()) > 0  # sparse and fp16 steps did hold something back
+
+
+def switching(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from sparsecomm.integration.budget import Plan
+
+    numel = 50_000
+    fed, delivered = torch.zeros(numel), torch.zeros(numel)
+    with sc.GradientReducer("adaptive+residual+rice+int8+allgather") as reducer:
+        for step, mode in enumerate([DENSE, SPARSE, SPARSE, HALF, SPARSE, DENSE, HALF, SPARSE]):
+            reducer.budget.plan = lambda mode=mode: Plan(mode, 0.01)  # this step's mode, forced
+            grad = torch.randn(numel, generator=torch.Generator().manual_seed(step)) * (rank == 0)
+            fed += grad
+            tensor = grad.clone()
+            reducer.allreduce_([("w", tensor)])
+            delivered += tensor * world  # the average over ranks, times their number: rank 0's share
+        held = reducer.pipeline.states["w"].feedback["residual"].clone()
+    return fed, delivered, held
+
+
+def test_a_non_finite_gradient_fails_every_rank_in_every_mode():
+    for budget in (MODEL_BYTES * 10, MODEL_BYTES // 2 + 1, 5000):
+        errors = run_local(2, nonfinite_in_step_three, f"adaptive(budget={budget})+residual+rice+int8+allgather")
+        assert all("non-finite" in error for error in errors), (budget, errors)
+
+
+def nonfinite_in_step_three(rank: int, world: int, spec: str) -> str:
+    with sc.GradientReducer(spec) as reducer:
+        for step in range(4):
+            grad = torch.randn(20_000)
+            if step == 3 and rank == 1:
+                grad[17] = float("nan")
+            try:
+                reducer.allreduce_([("w", grad)])
+            except sc.SparseCommError as err:
+                return str(err)
+    return "no error"
+
+
+def test_a_measured_budget_plans_alike_on_every_rank_through_several_buckets():
+    runs = run_local(2, train, "adaptive", 24, 0.1)  # ~100 kB buckets: four of them
+    assert runs[0]["modes"] == runs[1]["modes"] and runs[0]["digest"] == runs[1]["digest"]
+    assert runs[0]["modes"][0] == DENSE
+
+
+def embedding_steps(rank: int, world: int, spec: str) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.EmbeddingBag(500, 8, sparse=True), torch.nn.Linear(8, 2))
+    modes = []
+    with sc.GradientReducer(spec, dense_below=1) as reducer:  # the small linear layer under the budget too
+        for step in range(6):
+            tokens = torch.randint(500, (16, 4), generator=torch.Generator().manual_seed(step * 10 + rank))
+            model.zero_grad()
+            model(tokens).square().mean().backward()
+            reducer.allreduce_((name, p.grad) for name, p in model.named_parameters())
+            for p in model.parameters():
+                p.data.add_(p.grad.to_dense() if p.grad.is_sparse else p.grad, alpha=-0.1)
+            modes.append(reducer.budget.current.mode)
+    return {"weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "modes": modes}
+
+
+@pytest.mark.parametrize("budget", [10**8, 200])
+def test_sparse_embedding_rows_travel_in_dense_and_sparse_steps(budget):
+    runs = run_local(2, embedding_steps, f"adaptive(budget={budget})+residual+rice+int8+allgather")
+    assert torch.equal(runs[0]["weights"], runs[1]["weights"])
+    assert runs[0]["modes"][-1] == (DENSE if budget > 1000 else SPARSE)

@@ -1,0 +1,140 @@
+"""`LinkBudget`, the adaptive pipeline's plan: each step's mode (dense fp32, fp16, sparse) and
+density come from agreed numbers alone, by the rules its module states. Reports are built here as
+every rank's MAX-reduced report would be, so these tests need no process group."""
+
+import math
+
+import pytest
+import torch
+
+from sparsecomm.components import Adaptive
+from sparsecomm.integration.budget import (
+    COST_WINDOW,
+    DENSE,
+    HALF,
+    MAX_SPARSE_DENSITY,
+    REEXPLORE,
+    SPARSE,
+    LinkBudget,
+    Plan,
+)
+
+N = 1_000_000
+DENSE_BYTES = 4 * N  # an fp32 all_reduce at P = 2, in allgather bytes per rank
+
+
+def report(compute=0.0, throughput=0.0, dense=None, half=None, sparse=None, per_nnz=0.0, fixed=0.0,
+           magnitude=0.0) -> torch.Tensor:
+    """One step's agreed report (see `LinkBudget.end_step`): costs negated, unmeasured ones +inf."""
+    def negated(value):
+        return -value if value is not None else math.inf
+    return torch.tensor([compute, -throughput if throughput else math.inf, negated(dense), negated(half),
+                         negated(sparse), per_nnz, fixed, magnitude], dtype=torch.float64)
+
+
+def budget(**settings) -> LinkBudget:
+    plan = LinkBudget(Adaptive(**settings), world_size=2)
+    plan.total_numel = plan.budget_numel = N
+    return plan
+
+
+def next_plan(plan: LinkBudget, agreed: torch.Tensor | None = None) -> Plan:
+    if agreed is not None:
+        plan.observe(agreed)
+    chosen = plan.begin_step(now=0.0)
+    plan.measuring.total_numel = plan.measuring.budget_numel = N  # as the reducer counts each call
+    plan.end_step()
+    return chosen
+
+
+def test_the_first_step_is_dense_and_so_is_every_probe_step():
+    plan = budget(probe=10)
+    assert next_plan(plan) == Plan(DENSE)  # nothing measured yet
+    slow = report(compute=0.002, throughput=12.5e6, dense=0.3, per_nnz=2.0, magnitude=1.0)
+    modes = [next_plan(plan, slow).mode for _ in range(1, 25)]
+    assert modes[9] == DENSE and modes[19] == DENSE  # steps 10 and 20
+    assert modes.count(SPARSE) == 22
+
+
+def test_a_link_that_carries_the_whole_gradient_within_the_compute_time_gets_dense_steps():
+    plan = budget()
+    next_plan(plan)
+    fast = report(compute=0.010, throughput=10e9, dense=0.004, half=0.001, sparse=0.0001, per_nnz=2.0, magnitude=1.0)
+    assert {next_plan(plan, fast).mode for _ in range(30)} == {DENSE}
+
+
+def test_a_slow_link_explores_sparse_at_the_floor_then_sends_what_it_carries_while_the_step_computes():
+    plan = budget(floor=0.0005)
+    next_plan(plan)
+    # 10 MB/s and 2 ms of compute: 20 kB per step; 1 kB of it goes outside the budget
+    measured = dict(compute=0.002, throughput=10e6, dense=0.4, per_nnz=2.0, fixed=1000.0, magnitude=1.0)
+    assert next_plan(plan, report(**measured)) == Plan(SPARSE, 0.0005)  # sparse cost unknown: cheap steps
+    assert next_plan(plan, report(**measured)) == Plan(SPARSE, 0.0005)
+    chosen = next_plan(plan, report(**measured, sparse=0.003))
+    assert chosen.mode == SPARSE and chosen.density == pytest.approx((20_000 - 1000) / (2.0 * N))
+
+
+def test_sparse_density_stops_at_its_ceiling_and_dense_wins_where_it_costs_no_more():
+    plan = budget()
+    next_plan(plan)
+    # a budget worth more than a quarter of the entries, sparse steps that cost a lot of CPU, and
+    # magnitudes too large for fp16
+    plan.observe(report(compute=0.002, throughput=1e9, dense=0.006, per_nnz=2.0, magnitude=1e5))
+    for _ in range(COST_WINDOW):
+        plan.observe(report(sparse=0.020))
+    assert next_plan(plan) == Plan(DENSE)
+    cheap = budget()
+    next_plan(cheap)
+    cheap.observe(report(compute=0.002, throughput=1e9, dense=0.006, per_nnz=2.0, magnitude=1.0))
+    for _ in range(COST_WINDOW):
+        cheap.observe(report(sparse=0.0005))
+    assert next_plan(cheap) == Plan(SPARSE, MAX_SPARSE_DENSITY)
+
+
+def test_fp16_steps_need_headroom_below_fp16s_range_and_must_beat_fp32():
+    for magnitude, half_cost, expected in [(1.0, 0.002, HALF), (1e4, 0.002, DENSE), (1.0, 0.008, DENSE)]:
+        plan = budget()
+        next_plan(plan)
+        plan.observe(report(compute=0.002, throughput=1e9, dense=0.006, half=half_cost, per_nnz=2.0,
+                            magnitude=magnitude))
+        for _ in range(COST_WINDOW):
+            plan.observe(report(sparse=0.050))
+        assert next_plan(plan).mode == expected, (magnitude, half_cost)
+
+
+def test_a_close_runner_up_runs_again_after_a_while_and_a_distant_one_does_not():
+    plan = budget()
+    next_plan(plan)
+    plan.observe(report(compute=0.002, throughput=1e9, dense=0.006, half=0.005, per_nnz=2.0, magnitude=1.0))
+    for _ in range(COST_WINDOW):
+        plan.observe(report(sparse=0.050))
+    modes = [next_plan(plan).mode for _ in range(2 * REEXPLORE)]
+    assert modes.count(DENSE) == 2  # fp16 wins; fp32, within 1.25x, runs once per REEXPLORE steps
+    assert SPARSE not in modes  # ten times dearer: never again
+
+
+def test_a_user_set_budget_decides_by_bytes_alone_and_never_probes():
+    for bytes_, expected in [(DENSE_BYTES, DENSE), (DENSE_BYTES // 2, HALF), (20_000, SPARSE)]:
+        plan = budget(budget=bytes_)
+        next_plan(plan)
+        plan.observe(report(per_nnz=2.0, magnitude=1.0))
+        modes = {next_plan(plan).mode for _ in range(250)}
+        assert modes == {expected}, bytes_
+
+
+def test_the_plan_follows_the_slowest_compute_and_link_and_the_cheapest_costs():
+    one, two = report(compute=0.001, throughput=20e6, dense=0.2), report(compute=0.003, throughput=10e6, dense=0.5)
+    plan = budget()
+    plan.observe(torch.maximum(one, two))  # what all_reduce(MAX) hands every rank
+    assert plan.compute_s[-1] == 0.003 and plan.throughput[-1] == 10e6 and plan.dense_cost_s[-1] == 0.2
+
+
+def test_the_budget_state_round_trips_through_a_checkpoint():
+    plan = budget()
+    next_plan(plan)
+    for cost in (0.003, 0.004):
+        next_plan(plan, report(compute=0.002, throughput=10e6, dense=0.4, sparse=cost, per_nnz=2.0, magnitude=3.0))
+    restored = budget()
+    restored.load_state_dict(plan.state_dict())
+    assert restored.state_dict() == plan.state_dict()
+    assert next_plan(restored) == next_plan(plan)
