@@ -16,13 +16,18 @@ def _in_a_temporary_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
+def train_on_loopback(argv: list[str]) -> int:
+    """``sparsecomm train`` on loopback (by default it shapes a link, which these tests are not about)."""
+    return main(["train", "--shaped", "none", *argv])
+
+
 ROW_FIELDS = {"preset", "metric_name", "final_metric", "bytes_per_step", "compression_ratio", "wall_s",
               "compute_s", "encode_s", "communicate_s", "decode_s", "modeled_s", "ranks_identical"}
 
 
 def test_train_runs_each_preset_next_to_dense_and_reports_it(tmp_path, capsys):
     out, picture = tmp_path / "train.json", tmp_path / "train.png"
-    assert main(["train", "--workers", "2", "--steps", "40", "--presets", "dgc,sparcml", "--baselines", "none",
+    assert train_on_loopback(["--workers", "2", "--steps", "40", "--presets", "dgc,sparcml", "--baselines", "none",
                  "--json", str(out), "--plot", str(picture)]) == 0
     assert "compression_ratio" in capsys.readouterr().out
     result = json.loads(out.read_text())
@@ -54,7 +59,7 @@ def test_time_to_target_is_the_first_step_the_smoothed_loss_reaches_it():
 
 def test_train_reports_time_to_a_given_target_loss(tmp_path, capsys):
     out = tmp_path / "t.json"
-    assert main(["train", "--workers", "2", "--steps", "30", "--presets", "dense", "--baselines", "none",
+    assert train_on_loopback(["--workers", "2", "--steps", "30", "--presets", "dense", "--baselines", "none",
                  "--target-loss", "1.5", "--json", str(out)]) == 0
     assert "time to a smoothed training loss of 1.5" in capsys.readouterr().out
     (row,) = json.loads(out.read_text())["rows"]
@@ -64,7 +69,7 @@ def test_train_reports_time_to_a_given_target_loss(tmp_path, capsys):
 
 def test_several_seeds_report_the_metric_mean_and_spread(tmp_path, capsys):
     out = tmp_path / "seeds.json"
-    assert main(["train", "--workers", "2", "--steps", "10", "--presets", "dgc", "--baselines", "none", "--seed",
+    assert train_on_loopback(["--workers", "2", "--steps", "10", "--presets", "dgc", "--baselines", "none", "--seed",
                  "0,1", "--json", str(out)]) == 0
     assert "over seeds 0, 1" in capsys.readouterr().out
     result = json.loads(out.read_text())
@@ -80,19 +85,19 @@ def test_several_seeds_report_the_metric_mean_and_spread(tmp_path, capsys):
 def test_presets_may_be_specs_with_commas_inside_parentheses(tmp_path):
     out = tmp_path / "specs.json"
     spec = "dgc(ratio=0.01,warmup=2)+dgc_momentum(momentum=0.9,nesterov=true)+rle+fp32+allgather"
-    assert main(["train", "--workers", "2", "--steps", "8", "--presets", f"dgc,{spec}", "--baselines", "none",
+    assert train_on_loopback(["--workers", "2", "--steps", "8", "--presets", f"dgc,{spec}", "--baselines", "none",
                  "--json", str(out)]) == 0
     assert [row["preset"] for row in json.loads(out.read_text())["rows"]] == ["dense", "dgc", spec]
 
 
 def test_train_rejects_an_unknown_preset_before_starting_workers(capsys):
-    assert main(["train", "--presets", "nonsense", "--steps", "1"]) == 2
+    assert train_on_loopback(["--presets", "nonsense", "--steps", "1"]) == 2
     assert "unknown component 'nonsense'" in capsys.readouterr().err
 
 
 def test_the_language_model_trains_through_sparse_embedding_gradients(tmp_path):
     out = tmp_path / "lm.json"
-    assert main(["train", "--workload", "lm", "--workers", "2", "--steps", "15", "--presets", "dgc",
+    assert train_on_loopback(["--workload", "lm", "--workers", "2", "--steps", "15", "--presets", "dgc",
                  "--baselines", "allreduce,fp16,powersgd-r1", "--json", str(out), "--plot",
                  str(tmp_path / "lm.png")]) == 0
     rows = {row["preset"]: row for row in json.loads(out.read_text())["rows"]}
@@ -108,7 +113,7 @@ def test_the_language_model_trains_through_sparse_embedding_gradients(tmp_path):
 
 def test_pytorchs_own_hooks_run_as_rows_next_to_the_presets_and_are_the_reference(tmp_path, capsys):
     out = tmp_path / "baselines.json"
-    assert main(["train", "--workers", "2", "--steps", "30", "--presets", "dgc", "--json", str(out)]) == 0
+    assert train_on_loopback(["--workers", "2", "--steps", "30", "--presets", "dgc", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     result = json.loads(out.read_text())
     rows = {row["preset"]: row for row in result["rows"]}
@@ -126,15 +131,49 @@ def test_baselines_are_chosen_by_name_and_an_unknown_one_is_refused(capsys):
     from sparsecomm.cli.main import _baselines
 
     assert _baselines("none") == [] and _baselines("fp16,torch-powersgd-r2") == ["torch-fp16", "torch-powersgd-r2"]
-    assert main(["train", "--baselines", "fp8", "--steps", "1"]) == 2
+    assert train_on_loopback(["--baselines", "fp8", "--steps", "1"]) == 2
     assert "unknown baseline 'fp8'" in capsys.readouterr().err
+
+
+def test_the_default_link_gives_the_workload_resnet50s_ratio_on_1_gbit_ethernet():
+    from sparsecomm.train.runner import REGIME, format_rate, matching_rate
+
+    # 668,712 bytes and 0.7 ms of compute: the link that makes the all_reduce take 15x the compute
+    rate = matching_rate(668_712, 0.0007)
+    assert 668_712 * 8 / rate / 0.0007 == pytest.approx(REGIME.ratio(), rel=0.01)
+    assert format_rate(rate) == "510mbit" and format_rate(1.5e9) == "1.5gbit" and format_rate(2e4) == "20kbit"
+
+
+def test_without_a_link_to_shape_the_job_says_why_and_trains_on_loopback(monkeypatch, capsys, tmp_path):
+    from sparsecomm.netns import ShapedNetwork
+
+    monkeypatch.setattr(ShapedNetwork, "available", staticmethod(lambda: (False, "no namespaces in this test")))
+    out = tmp_path / "l.json"
+    assert main(["train", "--workers", "2", "--steps", "4", "--presets", "dense", "--baselines", "none",
+                 "--json", str(out)]) == 0
+    assert "cannot shape a link here (no namespaces in this test): training on loopback, where no compression " \
+           "can pay" in capsys.readouterr().err
+    assert json.loads(out.read_text())["link"] == "loopback"
+
+
+def test_by_default_the_job_trains_on_a_link_shaped_to_a_real_clusters_ratio(tmp_path, capsys):
+    from sparsecomm.netns import ShapedNetwork
+
+    if not ShapedNetwork.available()[0]:
+        pytest.skip("this machine cannot shape a link")
+    out = tmp_path / "auto.json"
+    assert main(["train", "--workers", "2", "--steps", "6", "--presets", "dense", "--baselines", "none",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["link"].endswith(("mbit", "gbit")) and result["bandwidth"] == result["link"]
+    assert "ResNet-50" in result["link_reason"] and result["link_reason"] in capsys.readouterr().out
 
 
 def test_link_rates_are_read_or_refused_clearly(capsys):
     from sparsecomm.train.runner import bits_per_second
 
     assert bits_per_second("1gbit") == 1e9 and bits_per_second("100mbit") == 1e8 and bits_per_second("5e6") == 5e6
-    assert main(["train", "--bandwidth", "fast", "--steps", "1"]) == 2
+    assert train_on_loopback(["--bandwidth", "fast", "--steps", "1"]) == 2
     assert "cannot read link rate 'fast'" in capsys.readouterr().err
 
 

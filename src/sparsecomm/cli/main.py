@@ -119,12 +119,26 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=_seed_list, default=[0],
                        help="seed, or comma-separated seeds: the metric is then reported as mean ± std over them")
     train.add_argument("--bandwidth", default="1gbit", help="link rate for the modeled communication time")
-    train.add_argument("--shaped", metavar="RATE", help="run the workers on a link shaped to RATE (needs root)")
+    train.add_argument("--shaped", metavar="RATE", default="auto",
+                       help="run the workers on a link shaped to RATE (needs root and network namespaces); 'auto' "
+                            "(default): the rate that gives the workload the communication-to-compute ratio of "
+                            "ResNet-50 on 1 Gbit/s Ethernet; 'none': loopback")
     train.add_argument("--target-loss", type=float, default=None,
                        help="training loss for the time-to-target table (default: the smoothed loss at which "
                             "dense has made 95%% of its improvement)")
     train.add_argument("--json", metavar="PATH", help="write the results as JSON")
     train.add_argument("--plot", metavar="PATH", default="sparsecomm-train.png", help="PNG of the loss curves")
+
+    scaling = commands.add_parser("scaling", help="project a training run to 1-256 workers on 1/10/100 Gbit/s "
+                                                  "links (DGC's Figure 6), checked against the run itself")
+    scaling.add_argument("--from", dest="source", required=True, metavar="TRAIN_JSON",
+                         help="a `sparsecomm train --json` result")
+    scaling.add_argument("--check", nargs="*", default=[], metavar="TRAIN_JSON",
+                         help="other runs of the same workload (another link or worker count) to hold the "
+                              "projection against")
+    scaling.add_argument("--json", metavar="PATH", help="write every projected point as JSON")
+    scaling.add_argument("--plot", metavar="PATH", default="sparsecomm-scaling.png",
+                         help="PNG of speed-up against workers, one panel per link")
 
     calibrate = commands.add_parser("calibrate", help="measure the cost model (alpha, beta, codec speed) and save it")
     calibrate.add_argument("--workers", type=_positive_int, default=2)
@@ -154,6 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _train(args)
         if args.command == "fuzz":
             return _fuzz(args)
+        if args.command == "scaling":
+            return _scaling(args)
         if args.bench == "sparsify":
             return _bench_sparsify(args)
         if args.bench == "collectives":
@@ -304,27 +320,38 @@ def _train(args: argparse.Namespace) -> int:
     presets = [*(name for name in _baselines(args.baselines) if name not in presets), *presets]
     args.workers = args.workers or runner.default_workers()
     in_job = runner.launched_by_torchrun()
-    if in_job and args.shaped:
+    shaped = None if args.shaped == "none" else args.shaped
+    if in_job and shaped and args.shaped != "auto":
         raise SparseCommError("--shaped starts its own local workers; inside a torchrun job the job's network is used")
+    why = ""
     with contextlib.ExitStack() as stack:
         namespaces = None
-        if args.shaped:
+        if shaped and not in_job:
             from sparsecomm.netns import ShapedNetwork
 
-            ok, why = ShapedNetwork.available()
+            ok, unavailable = ShapedNetwork.available()
+            if ok and shaped == "auto":
+                shaped, why = runner.default_link(args.workload, args.workers, args.batch, args.seed[0])
             if ok:
-                namespaces = stack.enter_context(ShapedNetwork(args.workers, args.shaped)).namespaces
+                namespaces = stack.enter_context(ShapedNetwork(args.workers, shaped)).namespaces
             else:
-                print(f"sparsecomm: shaped-link run skipped ({why}); training on loopback", file=sys.stderr)
+                print(f"sparsecomm: cannot shape a link here ({unavailable}): training on loopback, where no "
+                      f"compression can pay; the modeled columns (at --bandwidth {args.bandwidth}) are the guide",
+                      file=sys.stderr)
+        bandwidth = shaped if namespaces and shaped else args.bandwidth  # modeled at the shaped rate
         runs = [runner.run(args.workload, presets, args.workers, args.steps, args.batch, args.lr, seed,
-                           args.shaped if namespaces else args.bandwidth, namespaces, args.target_loss)
+                           bandwidth, namespaces, args.target_loss)
                 for seed in args.seed]
     result = runner.over_seeds(runs, args.seed)
-    result["link"] = args.shaped if namespaces else ("the torchrun job's network" if in_job else "loopback")
+    result["link"] = shaped if namespaces else ("the torchrun job's network" if in_job else "loopback")
+    result["link_reason"] = why
     if not runner.is_reporting_rank():
         return 0  # in a torchrun job, rank 0 reports
     print(f"\ntrain {args.workload}: {result['workers']} workers on {result['link']}, {args.steps} steps, same "
-          f"seed for every preset; modeled communication at {result['bandwidth']}\n")
+          f"seed for every row; modeled communication at {result['bandwidth']}")
+    if why:
+        print(f"link {why}")
+    print()
     print(format_table(result["rows"], [
         "preset", "metric_name", "final_metric", "test_loss", "bytes_per_step", "compression_ratio", "wall_s",
         "compute_s", "encode_s", "communicate_s", "decode_s", "modeled_s", "ranks_identical",
@@ -344,7 +371,48 @@ def _train(args: argparse.Namespace) -> int:
         print(format_table(result["rows"], [
             "preset", "steps_to_target", "time_to_target_s", "speedup_to_target", "modeled_time_to_target_s",
         ]))
+    if any(row["preset"] in ("torch-allreduce", "dense") for row in result["rows"]):
+        from sparsecomm.train import scaling
+
+        projection = scaling.project(result)
+        _print_projection(projection)
+        result["scaling"] = projection
+        print("\n(`sparsecomm scaling --from RESULT.json` plots it, for every P from 1 to 256)")
     return _save(args, result, runner.plot)
+
+
+def _print_projection(projection: dict[str, Any]) -> None:
+    from sparsecomm.train import scaling
+
+    links = ", ".join(f"{name} (alpha {alpha * 1e6:.0f} us)" for name, (_, alpha) in projection["links"].items())
+    anchor = projection["anchor"]
+    anchored = f"anchored at this run's measured steps on {anchor}" if anchor and anchor[0].isdigit() else \
+        "not anchored (no shaped link in this run)"
+    print(f"\nprojected speed-up over one worker (compute and codecs as measured here; network: alpha-beta "
+          f"model of each row's collectives, {anchored}; {links})\n")
+    rows = scaling.table(projection)
+    print(format_table(rows, list(rows[0])))
+    if projection["check"]:
+        print("\nthe projection against other runs' measured steps (median):\n")
+        print(format_table(projection["check"], ["preset", "workers", "link", "measured_ms", "projected_ms",
+                                                 "error_pct"]))
+
+
+def _scaling(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from sparsecomm.train import scaling
+
+    def load(path: str) -> dict[str, Any]:
+        try:
+            return json.loads(Path(path).read_text())
+        except (OSError, ValueError) as err:
+            raise SparseCommError(f"cannot read a train result from {path}: {err}") from None
+
+    projection = scaling.project(load(args.source), others=[load(path) for path in args.check])
+    _print_projection(projection)
+    return _save(args, projection, scaling.plot)
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -49,7 +49,7 @@ def flush_into(whole: torch.Tensor, out: torch.Tensor, scale: float) -> bool:
         flat.zero_()
         return True
     out.copy_(flat * scale)
-    flat.sub_(out.to(flat.dtype).div_(scale))
+    flat.sub_(out.to(flat.dtype), alpha=1.0 / scale)
     return False
 
 

@@ -171,6 +171,8 @@ class GradientReducer:
         """per set of parameters sharing a DDP bucket: the parameter order it was last reduced in"""
         self._restored_layouts: dict[str, list[str]] = {}
         """layouts from a checkpoint that DDP has not yet come back to (see `_reduction_order`)"""
+        self._half_wires: dict[str, torch.Tensor] = {}
+        """per stream: the fp16 buffer its fp16 dense steps send (scratch, not checkpointed)"""
         self._bucket_layouts: dict[tuple, tuple[str, str, list[Segment]]] = {}
         """per DDP bucket as DDP lays it out (index, buffer, parameters): its key, stats key and
         segments, worked out once (derived, so not checkpointed)"""
@@ -230,7 +232,7 @@ class GradientReducer:
                 errors.append(err)
         if self.budget is not None and self._plan is not None:
             report = self.budget.end_step()
-            if self.stats.steps < EVERY_STEP_REPORTS or self.stats.steps % REPORT_EVERY == 0:
+            if self._reports_this_step():
                 # every rank's numbers, reduced while the next steps compute
                 work = dist.all_reduce(report, op=dist.ReduceOp.MAX, group=self.async_group, async_op=True)
                 self._reports.append((self.stats.steps, work, report))
@@ -408,7 +410,9 @@ class GradientReducer:
                 path = "dense"
             elif self._plan.mode == HALF:
                 scale = 1.0 / self.world_size  # as DDP's fp16 hook: the sum of P values stays in range
-                half = torch.empty_like(flat, dtype=torch.float16)
+                half = self._half_wires.get(key)
+                if half is None or half.numel() != flat.numel():
+                    half = self._half_wires[key] = torch.empty_like(flat, dtype=torch.float16)
                 wire, must_raise = self.pipeline.flush(flat, key, segments, out=half, scale=scale)
                 path = "half"
             else:
@@ -417,7 +421,7 @@ class GradientReducer:
             sent, nbytes = wire, wire.numel() * wire.element_size()
         if must_raise:
             sent.fill_(math.nan)
-        elif sent.numel():
+        elif sent.numel() and self._reports_this_step():
             low, high = torch.aminmax(sent)
             measuring = self.budget.measuring
             measuring.max_magnitude = max(measuring.max_magnitude, max(-float(low), float(high)) / scale)
@@ -451,6 +455,10 @@ class GradientReducer:
         work.get_future().add_done_callback(finish)
         self._in_flight.append(result)
         return result
+
+    def _reports_this_step(self) -> bool:
+        """Whether this step's numbers go out in a report (every step at first, then every few)."""
+        return self.stats.steps < EVERY_STEP_REPORTS or self.stats.steps % REPORT_EVERY == 0
 
     def _begin_budget_step(self, now: float) -> None:
         """Learn the ranks' reports from two steps back — a tiny all_reduce can outlast a step's
@@ -537,8 +545,9 @@ class GradientReducer:
             measuring.payload_bytes += nbytes
             if isinstance(contribution, SparseGradient) and contribution.nnz:
                 measuring.payload_nnz += contribution.nnz
-                low, high = torch.aminmax(contribution.values)
-                measuring.max_magnitude = max(measuring.max_magnitude, -float(low), float(high))
+                if self._reports_this_step():
+                    low, high = torch.aminmax(contribution.values)
+                    measuring.max_magnitude = max(measuring.max_magnitude, -float(low), float(high))
         elif path not in ("flush", "half"):
             measuring.fixed_bytes += nbytes
         if path in ("dense", "flush", "half") and nbytes >= MIN_WIRE_BYTES and measuring.first_issue is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,6 +24,59 @@ from sparsecomm.train.workloads import workload as load_workload
 
 RATES = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 MOMENTUM = 0.9
+
+
+@dataclass(frozen=True)
+class Regime:
+    """A real model on a real cluster network: what the default link imitates."""
+
+    model: str
+    gradient_bytes: float
+    step_s: float
+    link_bps: float
+    described: str
+
+    def ratio(self) -> float:
+        """Seconds a dense all_reduce's bytes take per second of compute (the ring's 2(P-1)/P
+        factor left out: both sides share it at equal P)."""
+        return self.gradient_bytes * 8 / self.link_bps / self.step_s
+
+
+REGIME = Regime("ResNet-50", 102.2e6, 0.055, 1e9,
+                "ResNet-50 (102 MB of fp32 gradient, ~55 ms per batch-64 step with mixed precision on a V100) "
+                "on 1 Gbit/s Ethernet")
+"""the default link gives the workload the communication-to-compute ratio of this"""
+
+
+def matching_rate(dense_bytes: float, compute_s: float, regime: Regime = REGIME) -> float:
+    """The link rate (bits/s) at which ``dense_bytes`` per ``compute_s`` of compute has ``regime``'s
+    communication-to-compute ratio, rounded to two significant digits."""
+    rate = dense_bytes * 8 / (regime.ratio() * compute_s)
+    return float(f"{rate:.2g}")
+
+
+def format_rate(bits_per_s: float) -> str:
+    """1.5e8 → '150mbit' (the form ``tc`` and ``bits_per_second`` read)."""
+    for suffix, factor in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if bits_per_s >= factor:
+            return f"{bits_per_s / factor:g}{suffix}"
+    return f"{bits_per_s:g}"
+
+
+def default_link(workload_name: str, workers: int, batch: int, seed: int) -> tuple[str, str]:
+    """(rate, why) of the link the main job trains on when not told: the workload's dense bytes and
+    its compute per step, measured on ``workers`` local workers at once, as training runs them."""
+    task = load_workload(workload_name)
+    compute_s = max(run_local(workers, _compute_probe, task, batch, seed))
+    dense_bytes = 4 * sum(p.numel() for p in task.model(seed).parameters())
+    rate = format_rate(matching_rate(dense_bytes, compute_s))
+    why = (f"{rate}: a dense all_reduce of {task.name}'s {dense_bytes / 1e3:,.0f} kB then takes {REGIME.ratio():.0f}x "
+           f"its {compute_s * 1e3:.1f} ms of compute per step here, as for {REGIME.described}")
+    return rate, why
+
+
+def _compute_probe(rank: int, world: int, task: Workload, batch: int, seed: int) -> float:
+    return compute_seconds_per_step(task, batch, seed, trials=30)
 
 
 def bits_per_second(rate: str) -> float:
@@ -85,10 +139,15 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
         elapsed.append(time.perf_counter() - start)
     wall_s = time.perf_counter() - start
     evaluation = task.evaluate(model.module)
+    budget: dict[str, float] = {}
     if reducer is None:
         summary = {"select_s": 0.0, "transport_s": 0.0, "decode_s": 0.0, "bytes_per_step": cumulative_bytes[-1] / steps}
     else:
         summary = reducer.stats.summary()
+        if reducer.budget is not None and reducer.budget.sparse_overhead_s:
+            # what a sparse step cost beyond its wire time, and its bytes per nonzero (for projections)
+            budget = {"sparse_overhead_s": min(reducer.budget.sparse_overhead_s),
+                      "bytes_per_nnz": reducer.budget.bytes_per_nnz, "fixed_bytes": reducer.budget.fixed_bytes}
         reducer.close()
     numel = sum(p.numel() for p in model.parameters())
     return {
@@ -99,7 +158,7 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
         # measured without communication: forward + backward + step of the bare model, times the steps
         "compute_s": compute_per_step * steps,
         "bytes_per_step": summary["bytes_per_step"], "metric": evaluation.metric,
-        "test_loss": evaluation.loss, "parameters": numel,
+        "test_loss": evaluation.loss, "parameters": numel, "budget": budget,
         "digest": hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest(),
     }
 
@@ -152,7 +211,7 @@ def run(workload_name: str, presets: list[str], workers: int, steps: int, batch:
             "communicate_s": first["communicate_wait_s"],
             "decode_s": first["decode_s"], "modeled_comm_s": modeled_comm_s,
             "modeled_s": first["compute_s"] + first["select_s"] + modeled_comm_s,
-            "workers": workers, "steps": steps, "ranks_identical": identical,
+            "workers": workers, "steps": steps, "ranks_identical": identical, **first["budget"],
         })
         curves[preset] = {"losses": first["losses"], "cumulative_bytes": first["cumulative_bytes"],
                           "elapsed_s": [max(times) for times in zip(*(r["elapsed_s"] for r in results), strict=True)]}

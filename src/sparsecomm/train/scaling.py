@@ -1,0 +1,238 @@
+"""Projected scaling, the analogue of DGC's Figure 6: time per step and speed-up over one worker for
+P = 1…256 workers on 1, 10 and 100 Gbit/s links, for every row of a `sparsecomm train` run.
+
+Compute, encoding and decoding are what the run measured on this machine, per step; the network is
+an α-β model of how each row's bytes travel (α: seconds per message, β: seconds per byte):
+
+- ``allreduce`` (dense, fp16, S2's sketch, PowerSGD): an all_reduce of the bytes one rank hands it
+  by recursive halving and doubling (Rabenseifner, as DGC's model), 2⌈log2 P⌉·α + 2(P−1)/P·bytes·β,
+  once per collective it runs per step (PowerSGD: three);
+- ``allgather`` (payload transports): every rank receives the P−1 other payloads,
+  ⌈log2 P⌉·α + (P−1)·bytes·β, and decodes them: decoding time grows as P−1;
+- ``sparse_allreduce`` (SparCML): recursive doubling, log2 P rounds, round t carrying the union of
+  2^t ranks' selections (SparCML App. B: E[K] = N(1 − (1 − d)^m)), never more than the dense tensor;
+- ``adaptive``: whichever of its modes costs least at that P and link — dense fp32, dense fp16, or
+  sparse at its budget β⁻¹·C/(P−1) bytes (at most a quarter of the entries), paying the overhead a
+  sparse step measured beyond its wire time (O_s: half of it taken as encoding, which stays, half
+  as decoding one peer's payload, which grows as P−1).
+
+Each row is anchored at the run's own point, as DGC's model (Wen et al.) combines profiling with an
+analytical network: what the run's measured median step takes beyond the model at the run's worker
+count and link — the hooks' own compute, software cost per collective — stays in every projected
+step. (A run on loopback has no link rate to anchor at: its rows are the bare model.)
+
+Speed-up over one worker is P·T(1)/T(P): P workers process P batches in T(P), one worker one batch in
+T(1) (its compute alone). `check` sets the projection beside other runs' measured steps — at another
+link rate or worker count — and gives the error.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from sparsecomm.integration.presets import resolve
+from sparsecomm.train.baselines import BASELINES
+
+LINKS = {"1gbit": (1e9, 50e-6), "10gbit": (10e9, 20e-6), "100gbit": (100e9, 5e-6)}
+"""link rate (bits/s) and a typical per-message latency α (s): TCP over Ethernet at 1 and 10 Gbit/s,
+RDMA at 100 Gbit/s"""
+WORKERS = tuple(2**i for i in range(9))
+"""P = 1, 2, 4, …, 256"""
+
+
+@dataclass(frozen=True)
+class RowCosts:
+    """What one row of a training run costs per step, as measured, and how its bytes travel."""
+
+    name: str
+    kind: str
+    compute_s: float
+    encode_s: float
+    decode_s: float
+    bytes_per_step: float
+    dense_bytes: float
+    measured_workers: int
+    collectives: int = 1
+    sparse_overhead_s: float | None = None
+    bytes_per_nnz: float = 1.5
+    unmodeled_s: float = 0.0
+    """what the measured step took beyond the model at the run's own point (see the module)"""
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any], dense_bytes: float) -> RowCosts:
+        steps = row["steps"]
+        kind, collectives = _travel(row["preset"])
+        return cls(row["preset"], kind, row["compute_s"] / steps, row["encode_s"] / steps, row["decode_s"] / steps,
+                   row["bytes_per_step"], dense_bytes, row["workers"], collectives, row.get("sparse_overhead_s"),
+                   row.get("bytes_per_nnz", 1.5))
+
+    def step_s(self, workers: int, rate_bps: float, alpha: float) -> float:
+        """Projected seconds per step at ``workers`` on a link of ``rate_bps`` and latency ``alpha``."""
+        if workers == 1:
+            return self.compute_s
+        return self.modeled_s(workers, rate_bps, alpha) + self.unmodeled_s
+
+    def modeled_s(self, workers: int, rate_bps: float, alpha: float) -> float:
+        """The α-β model alone (no anchoring)."""
+        beta = 8 / rate_bps
+        if self.kind == "adaptive":
+            modes = [self._allreduce(workers, self.dense_bytes, beta, alpha),
+                     self._allreduce(workers, self.dense_bytes / 2, beta, alpha)]
+            if self.sparse_overhead_s is not None:
+                modes.append(self._sparse_at_budget(workers, beta, alpha))
+            return min(modes)
+        if self.kind == "allreduce":
+            return self.compute_s + self.encode_s + self.decode_s + self.collectives * _allreduce_time(
+                workers, self.bytes_per_step, beta, alpha)
+        if self.kind == "sparse_allreduce":
+            return self.compute_s + self.encode_s + self.decode_s + _recursive_doubling(
+                workers, self.bytes_per_step, self.dense_bytes, beta, alpha)
+        return (self.compute_s + self.encode_s + self._decode(workers)
+                + _rounds(workers) * alpha + (workers - 1) * self.bytes_per_step * beta)
+
+    def _decode(self, workers: int) -> float:
+        return self.decode_s * (workers - 1) / max(1, self.measured_workers - 1)
+
+    def _allreduce(self, workers: int, nbytes: float, beta: float, alpha: float) -> float:
+        return self.compute_s + _allreduce_time(workers, nbytes, beta, alpha)
+
+    def _sparse_at_budget(self, workers: int, beta: float, alpha: float) -> float:
+        """adaptive's sparse mode: the bytes the link carries while the step computes (at most a
+        quarter of the entries), plus the overhead its sparse steps measured (see the module)."""
+        assert self.sparse_overhead_s is not None
+        entries = self.dense_bytes / 4
+        budget = min(self.compute_s / beta / (workers - 1), entries / 4 * self.bytes_per_nnz)
+        peers = (workers - 1) / max(1, self.measured_workers - 1)
+        overhead = self.sparse_overhead_s / 2 * (1 + peers)
+        return self.compute_s + overhead + _rounds(workers) * alpha + (workers - 1) * budget * beta
+
+    def speedup(self, workers: int, rate_bps: float, alpha: float) -> float:
+        return workers * self.compute_s / self.step_s(workers, rate_bps, alpha)
+
+
+def _rounds(workers: int) -> int:
+    return math.ceil(math.log2(workers))
+
+
+def _allreduce_time(workers: int, nbytes: float, beta: float, alpha: float) -> float:
+    """Recursive halving and doubling: the ring's bytes in logarithmically many rounds."""
+    return 2 * _rounds(workers) * alpha + 2 * (workers - 1) / workers * nbytes * beta
+
+
+def _recursive_doubling(workers: int, nbytes: float, dense_bytes: float, beta: float, alpha: float) -> float:
+    density = min(1.0, nbytes / dense_bytes)
+    total, members = 0.0, 1
+    for _ in range(math.ceil(math.log2(workers))):
+        union = 1 - (1 - density) ** members
+        total += alpha + min(union * dense_bytes, dense_bytes) * beta
+        members *= 2
+    return total
+
+
+def _travel(row: str) -> tuple[str, int]:
+    """(how a row's bytes travel, collectives per step)."""
+    if row in BASELINES:
+        return "allreduce", 3 if BASELINES[row].powersgd_rank else 1
+    transport = resolve(row).transport.name
+    if resolve(row).sparsifier.name == "adaptive":
+        return "adaptive", 1
+    return {"dense": "allreduce", "sketch_allreduce": "allreduce",
+            "sparse_allreduce": "sparse_allreduce"}.get(transport, "allgather"), 1
+
+
+def project(result: dict[str, Any], links: dict[str, tuple[float, float]] | None = None,
+            workers: tuple[int, ...] = WORKERS, others: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Per row, link and worker count: projected ms per step and speed-up over one worker; with
+    ``others`` (runs of the same workload elsewhere), the projection checked against them."""
+    links = links or LINKS
+    costs = anchored(result)
+    points = [{"preset": c.name, "link": link, "workers": p, "ms": 1e3 * c.step_s(p, rate, alpha),
+               "speedup": c.speedup(p, rate, alpha)}
+              for c in costs for link, (rate, alpha) in links.items() for p in workers]
+    return {"benchmark": "scaling", "workload": result["workload"], "anchor": result.get("link"),
+            "links": {k: list(v) for k, v in links.items()}, "workers": list(workers), "points": points,
+            "check": [row for other in others or [] for row in check(costs, other)]}
+
+
+def anchored(result: dict[str, Any]) -> list[RowCosts]:
+    """Each ran row's costs, anchored at the run's own point when it ran on a link of known rate."""
+    dense_bytes = max(row["bytes_per_step"] for row in result["rows"] if "bytes_per_step" in row
+                      and row["preset"] in ("torch-allreduce", "dense"))
+    costs = [RowCosts.from_row(row, dense_bytes) for row in result["rows"] if "bytes_per_step" in row]
+    point = _point(result)
+    if point is None:
+        return costs
+    rate, alpha = point
+    return [replace(cost, unmodeled_s=max(0.0, median_step_s(result, cost.name)
+                                         - cost.modeled_s(result["workers"], rate, alpha))) for cost in costs]
+
+
+def check(costs: list[RowCosts], other: dict[str, Any]) -> list[dict[str, Any]]:
+    """The projection beside ``other``'s measured median steps, at its worker count and link."""
+    point = _point(other)
+    if point is None:
+        return []
+    rate, alpha = point
+    rows = []
+    for cost in costs:
+        if cost.name not in other.get("curves", {}):
+            continue
+        measured, modeled = median_step_s(other, cost.name), cost.step_s(other["workers"], rate, alpha)
+        rows.append({"preset": cost.name, "workers": other["workers"], "link": other["link"],
+                     "measured_ms": 1e3 * measured, "projected_ms": 1e3 * modeled,
+                     "error_pct": 100 * (modeled - measured) / measured})
+    return rows
+
+
+def median_step_s(result: dict[str, Any], name: str) -> float:
+    elapsed = result["curves"][name]["elapsed_s"]
+    steps = sorted(b - a for a, b in zip([0.0, *elapsed], elapsed, strict=False))
+    return steps[len(steps) // 2]
+
+
+def _point(result: dict[str, Any]) -> tuple[float, float] | None:
+    """(rate, α) of the link a run trained on, if it was a shaped one."""
+    from sparsecomm.train.runner import bits_per_second
+
+    link = result.get("link", "")
+    if not link or not link[0].isdigit():
+        return None
+    return bits_per_second(link), LINKS["1gbit"][1]
+
+
+def table(projection: dict[str, Any], workers: tuple[int, ...] = (8, 64, 256)) -> list[dict[str, Any]]:
+    """One row per preset: speed-up over one worker at ``workers`` on each link."""
+    rows: dict[str, dict[str, Any]] = {}
+    for point in projection["points"]:
+        if point["workers"] in workers:
+            rows.setdefault(point["preset"], {"preset": point["preset"]})[
+                f"{point['link']} P={point['workers']}"] = point["speedup"]
+    return list(rows.values())
+
+
+def plot(projection: dict[str, Any], path: str) -> None:
+    """Speed-up over one worker against P, one panel per link, one line per row (DGC's Figure 6)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    links = list(projection["links"])
+    figure, axes = plt.subplots(1, len(links), figsize=(5 * len(links), 4), sharey=True)
+    for axis, link in zip(axes, links, strict=True):
+        by_row: dict[str, list[tuple[int, float]]] = {}
+        for point in projection["points"]:
+            if point["link"] == link:
+                by_row.setdefault(point["preset"], []).append((point["workers"], point["speedup"]))
+        for preset, series in by_row.items():
+            axis.plot([p for p, _ in series], [s for _, s in series], marker=".", label=preset)
+        axis.plot(projection["workers"], projection["workers"], color="grey", linestyle=":", label="linear")
+        axis.set(xscale="log", yscale="log", xlabel="workers", title=f"{projection['workload']}, {link}")
+        axis.set_xticks(projection["workers"], [str(p) for p in projection["workers"]])
+    axes[0].set_ylabel("speed-up over one worker (projected)")
+    axes[-1].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
