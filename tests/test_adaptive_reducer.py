@@ -126,3 +126,27 @@ def test_sparse_embedding_rows_travel_in_dense_and_sparse_steps(budget):
     runs = run_local(2, embedding_steps, f"adaptive(budget={budget})+residual+rice+int8+allgather")
     assert torch.equal(runs[0]["weights"], runs[1]["weights"])
     assert runs[0]["modes"][-1] == (DENSE if budget > 1000 else SPARSE)
+
+
+def ddp_embedding_steps(rank: int, world: int, budget: int) -> dict:
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.EmbeddingBag(500, 8, sparse=True), torch.nn.Linear(8, 600)))
+    reducer = sc.GradientReducer(f"adaptive(budget={budget})+{CORRECTED}", model=model, dense_below=1)
+    model.register_comm_hook(reducer, sc.ddp_comm_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    modes = []
+    for step in range(6):
+        tokens = torch.randint(500, (16, 4), generator=torch.Generator().manual_seed(step * 10 + rank))
+        optimizer.zero_grad()
+        model(tokens).square().mean().backward()
+        optimizer.step()
+        modes.append(reducer.budget.current.mode)
+    reducer.close()
+    return {"digest": digest(model), "modes": modes}
+
+
+@pytest.mark.parametrize(("budget", "mode"), [(10**8, DENSE), (30_000, HALF), (500, SPARSE)])
+def test_ddp_buckets_of_sparse_embedding_rows_travel_in_every_mode(budget, mode):
+    runs = run_local(2, ddp_embedding_steps, budget)
+    assert runs[0]["digest"] == runs[1]["digest"]
+    assert runs[0]["modes"][-1] == mode

@@ -24,12 +24,12 @@ DENSE_BYTES = 4 * N  # an fp32 all_reduce at P = 2, in allgather bytes per rank
 
 
 def report(compute=0.0, throughput=0.0, dense=None, half=None, sparse=None, per_nnz=0.0, fixed=0.0,
-           magnitude=0.0) -> torch.Tensor:
+           magnitude=0.0, encode=0.0, decode=0.0) -> torch.Tensor:
     """One step's agreed report (see `LinkBudget.end_step`): costs negated, unmeasured ones +inf."""
     def negated(value):
         return -value if value is not None else math.inf
     return torch.tensor([compute, -throughput if throughput else math.inf, negated(dense), negated(half),
-                         negated(sparse), per_nnz, fixed, magnitude], dtype=torch.float64)
+                         negated(sparse), per_nnz, fixed, magnitude, encode, decode], dtype=torch.float64)
 
 
 def budget(**settings) -> LinkBudget:
@@ -72,6 +72,27 @@ def test_a_slow_link_explores_sparse_at_the_floor_then_sends_what_it_carries_whi
     assert next_plan(plan, report(**measured)) == Plan(SPARSE, 0.0005)
     chosen = next_plan(plan, report(**measured, sparse=0.003))
     assert chosen.mode == SPARSE and chosen.density == pytest.approx((20_000 - 1000) / (2.0 * N))
+
+
+def test_the_codecs_time_per_byte_shrinks_the_budget_to_what_link_and_codecs_carry_while_computing():
+    plan = LinkBudget(Adaptive(), world_size=3)
+    plan.total_numel = plan.budget_numel = N
+    next_plan(plan)
+    # 10 MB/s (100 ns a byte on the wire), 2 ms of compute; 40 ns a byte to encode, 20 to decode:
+    # a rank encodes its bytes and receives and decodes the two others'
+    measured = dict(compute=0.002, throughput=10e6, dense=0.4, per_nnz=2.0, magnitude=1.0, sparse=0.001)
+    next_plan(plan, report(**measured, encode=40e-9, decode=20e-9))
+    chosen = next_plan(plan, report(**measured, encode=40e-9, decode=20e-9))
+    assert plan.step_budget() == pytest.approx(0.002 / (40e-9 + 2 * (20e-9 + 100e-9)))
+    assert chosen.density == pytest.approx(plan.step_budget() / (2.0 * N))
+
+
+def test_the_codecs_marginal_cost_is_a_slope_not_an_average():
+    from sparsecomm.components import Int8Values, RiceIndices
+    from sparsecomm.integration.budget import marginal_codec_cost
+
+    encode, decode = marginal_codec_cost(RiceIndices(), Int8Values())
+    assert 0 < encode < 1e-6 and 0 < decode < 1e-6  # nanoseconds a byte, not the microseconds of a call
 
 
 def test_sparse_density_stops_at_its_ceiling_and_dense_wins_where_it_costs_no_more():

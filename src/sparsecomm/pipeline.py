@@ -16,6 +16,7 @@ one payload for all of them. So state follows its tensor, whatever buffer it arr
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -81,11 +82,13 @@ class Segment:
 @dataclass
 class StepOutput:
     """This rank's contribution for one step: the entries to send (values as the receivers will
-    see them after decoding the payload), the payload, and whether the input was non-finite."""
+    see them after decoding the payload), the payload, whether the input was non-finite, and the
+    seconds encoding took (what a byte budget pays per payload byte besides the wire)."""
 
     selection: SparseGradient
     payload: bytes | None
     nonfinite: bool = False
+    encode_s: float = 0.0
 
 
 def seeded_generator(device: torch.device, *words: int) -> torch.Generator:
@@ -164,7 +167,7 @@ class Pipeline:
             parts.append(sparsifier.sparsify(accumulated[-1], generator))
             targets.append(sparsifier.target_count(segment.numel))
         selection = join(parts, segments, grad.shape)
-        payload = None
+        payload, encoding = None, time.perf_counter()
         if make_payload:
             rng = np.random.default_rng([self.seed, key_hash(key), states[0].step])
             selection = selection.sorted()  # as the payload orders it
@@ -178,13 +181,14 @@ class Pipeline:
                 selection = (SparseGradient(selection.indices, received, selection.shape) if received is not None
                              else decode(payload, device=grad.device))
                 parts = split(selection, segments)
+        encode_s = time.perf_counter() - encoding
         for segment, state, acc, part, target in zip(segments, states, accumulated, parts, targets, strict=True):
             if not segment.whole:
                 spec.feedback.update(acc, part, state.feedback)
             state.step += 1
             state.last = StepReport(part.nnz, target if not segment.whole else part.nnz, segment.numel,
                                     len(payload) if payload is not None else 0)
-        return StepOutput(selection, payload)
+        return StepOutput(selection, payload, encode_s=encode_s)
 
     def at_density(self, density: float) -> Adaptive:
         """The ``adaptive`` sparsifier at ``density`` (other sparsifiers have no density to set)."""

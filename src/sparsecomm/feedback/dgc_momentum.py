@@ -77,10 +77,14 @@ class DGCMomentum(Feedback):
                 and velocity.shape == grad.shape):
             if self.nesterov:  # u ← m·(u + g); v (zero) + u + g
                 velocity.add_(grad).mul_(self.momentum)
-                torch.add(velocity, grad, out=accumulated)
             else:  # u ← m·u + g; v (zero) + u
                 velocity.mul_(self.momentum).add_(grad)
-                accumulated.copy_(velocity)
+            if scale == 1.0 and out.dtype == grad.dtype:  # exact: straight to the wire, v stays zero
+                torch.add(velocity, grad, out=out.view(grad.shape)) if self.nesterov else out.copy_(velocity.view(-1))
+                if self.masking:
+                    velocity.zero_()
+                return
+            torch.add(velocity, grad, out=accumulated) if self.nesterov else accumulated.copy_(velocity)
         else:
             accumulated = self.accumulate(grad, state)
         state["clear"] = flush_into(accumulated, out, scale)

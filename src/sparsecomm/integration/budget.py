@@ -13,21 +13,30 @@ Every step, each rank measures:
   ``dense_below``, parameters sent whole, sparse embedding rows), and the largest magnitude it sent;
 - what communicating cost the step: the time it waited for communication plus sparsecomm's local
   stages — for an fp32 or an fp16 dense step as a whole, for a sparse step less its payloads' wire
-  time (the sparse path's own overhead O_s: sparsify, encode, agreement, decode).
+  and codec time (the sparse path's fixed overhead O_s: passes over the gradient, agreement,
+  handoffs).
 
-When a step ends, each rank starts one small all_reduce (MAX) of these numbers, asynchronously, and
-the step after next reads it (a tiny all_reduce can outlast a step's forward and backward; the very
-first report is read at once). So every rank plans alike — from the slowest compute and link, the
-dearest payloads, the largest magnitude, and the costs of the rank that spent least on them (a rank
-that reaches a collective early waits for its peers, and that wait is their compute, not
-communication) — with one small collective per step that no step waits for.
+Once, before the first sparse step, each rank also times its codecs (`marginal_codec_cost`): the
+extra seconds per payload byte to encode a payload and decode one, the slope between a small and a
+large synthetic selection. Only that slope counts per byte — a codec call's fixed cost is the same
+at any budget, and counting it per byte would make small budgets look dear and shrink them further.
+
+When a step ends — each of the first steps, then every fourth — each rank starts one small
+all_reduce (MAX) of these numbers, asynchronously, and the step after next reads it (a tiny
+all_reduce can outlast a step's forward and backward; the very first report is read at once). So
+every rank plans alike — from the slowest compute and link, the dearest payloads and codecs, the
+largest magnitude, and the costs of the rank that spent least on them (a rank that reaches a
+collective early waits for its peers, and that wait is their compute, not communication) — with at
+most one small collective per step, which no step waits for.
 
 Each step runs in one of three modes:
 
-- **sparse**: each rank may send B = β·C/(P−1) bytes (in the allgather every rank receives the
-  P−1 other payloads), less the bytes sent outside the budget; at the measured bytes per nonzero
-  that buys density d = B / (bytes per nonzero · N) of the N budgeted entries, between ``floor``
-  and `MAX_SPARSE_DENSITY`. It costs its payloads' wire time plus O_s;
+- **sparse**: each rank may send what the link — and the codecs feeding it — carry while the step
+  computes, B = C / (κ_e + (P−1)(κ_d + 1/β)) bytes (every rank encodes its payload, receives the P−1
+  others and decodes them; κ_e and κ_d are the calibrated seconds per byte), less the bytes sent
+  outside the budget; at the measured bytes per nonzero that buys density d = B / (bytes per nonzero
+  · N) of the N budgeted entries, between ``floor`` and `MAX_SPARSE_DENSITY`. It costs
+  O_s + (κ_e + (P−1)(κ_d + 1/β))·B;
 - **dense** (fp32): a plain all_reduce, each tensor's feedback flushed into it: exact;
 - **half** (fp16): the same, scaled by 1/P and cast to fp16 (as DDP's fp16 hook does); the feedback
   keeps what the cast rounded away, so nothing is lost. Allowed while the largest magnitude sent
@@ -38,7 +47,8 @@ agreement step (a rank's non-finite gradient travels as NaN, so every rank sees 
 sum and raises together). A step is dense on the first step (to measure), on every ``probe``-th step
 (to measure again), and whenever the link carries the whole fp32 gradient within the compute time.
 Otherwise the cheapest mode wins, an exact one on a tie: half must beat dense by `HALF_MARGIN`,
-sparse must cost less than the dense mode; a mode's cost is the least of its last few. Until sparse
+sparse must cost less than the dense mode; a mode's cost is the least of its last few (the first
+steps, slow for reasons of their own, do not count). Until sparse
 steps have been measured O_s counts as 0, so a link slower than the compute gets sparse steps at
 the ``floor`` density — the first warms the sparse path up and is not counted — until their cost
 is known, cheaply where sparse does not pay.
@@ -46,7 +56,7 @@ A mode not chosen is only ever measured again when it runs, so one predicted wit
 chosen mode's cost runs once every `REEXPLORE` steps: close calls are re-checked (at little cost,
 being close), and on a slow link dense is not tried again beyond the probes.
 
-A user-set ``budget`` (bytes per step) replaces β·C/(P−1) and turns the probes off: bytes alone
+A user-set ``budget`` (bytes per step) replaces B and turns the probes off: bytes alone
 decide the mode then (dense, half or sparse, whichever the budget holds) and a run repeats bit for
 bit.
 """
@@ -55,6 +65,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,9 +81,12 @@ FIRST_BYTES_PER_NNZ = 3.0
 MAX_SPARSE_DENSITY = 0.25
 """a budget that buys more than this is a fast link: sparse steps stop here (their payload is still
 about 6x smaller than dense's) and the dense modes are the alternative"""
-HALF_RANGE, HALF_HEADROOM, HALF_MARGIN = 65504.0, 8.0, 0.05
+HALF_RANGE, HALF_HEADROOM, HALF_MARGIN = 65504.0, 8.0, 0.10
 """fp16's largest finite value; how far below it the largest magnitude must stay for fp16 steps;
 how much cheaper than an fp32 step an fp16 step must be to be chosen"""
+WARMUP_STEPS = 3
+"""the first steps are slow for reasons of their own (allocation, DDP's first iteration): their
+costs are not counted"""
 EXPLORATION_STEPS = 2
 """sparse steps before the sparse path's cost counts (the first is a warm-up)"""
 CLOSE, REEXPLORE = 1.25, 50
@@ -118,8 +132,12 @@ class StepMeasurement:
     """nonzeros of parameters sent whole inside compressed calls (in ``payload_nnz`` too)"""
     fixed_bytes: int = 0
     """bytes of the calls outside the budget (small tensors, sparse rows)"""
+    codec_s: float = 0.0
+    """seconds the codecs took on the budgeted payloads: encoding this rank's, decoding its peers'"""
     max_magnitude: float = 0.0
     """the largest |value| this rank sent (before any 1/P scaling)"""
+    codec_cost: tuple[float, float] = (0.0, 0.0)
+    """this rank's calibrated (κ_e, κ_d), carried by its reports"""
     total_numel: int = 0
     budget_numel: int = 0
 
@@ -134,6 +152,34 @@ class StepMeasurement:
         assert self.first_submit is not None
         waited = max(0.0, self.last_done - self.last_submit)
         return max(0.0, next_start - self.first_submit - waited - self.local_s)
+
+
+CALIBRATION_NUMEL, CALIBRATION_SIZES = 1 << 20, (2_000, 64_000)
+
+
+def marginal_codec_cost(index_codec: Any, value_codec: Any, repeats: int = 3) -> tuple[float, float]:
+    """(encode, decode) seconds per payload byte that the codecs add between a small and a large
+    random selection of a 1M-element tensor: their marginal cost, without the fixed cost of a call."""
+    from sparsecomm.payload import decode, encode
+    from sparsecomm.sparse_gradient import SparseGradient
+
+    generator = torch.Generator().manual_seed(0)
+    timings = []
+    for nnz in CALIBRATION_SIZES:
+        indices = torch.randperm(CALIBRATION_NUMEL, generator=generator)[:nnz].sort().values
+        selection = SparseGradient(indices, torch.randn(nnz, generator=generator), torch.Size([CALIBRATION_NUMEL]))
+        decode(encode(selection, index_codec, value_codec), expect=CALIBRATION_NUMEL)  # warm, untimed
+        encode_s = decode_s = math.inf
+        for _ in range(repeats):
+            start = time.perf_counter()
+            payload = encode(selection, index_codec, value_codec)
+            middle = time.perf_counter()
+            decode(payload, expect=CALIBRATION_NUMEL)
+            encode_s, decode_s = min(encode_s, middle - start), min(decode_s, time.perf_counter() - middle)
+        timings.append((len(payload), encode_s, decode_s))
+    (small, encode_small, decode_small), (large, encode_large, decode_large) = timings
+    span = max(1, large - small)
+    return max(0.0, (encode_large - encode_small) / span), max(0.0, (decode_large - decode_small) / span)
 
 
 def _window(size: int) -> Any:
@@ -162,6 +208,11 @@ class LinkBudget:
     """O_s: what communicating cost a sparse step beyond its payloads' wire time"""
     bytes_per_nnz: float = FIRST_BYTES_PER_NNZ
     fixed_bytes: float = 0.0
+    encode_per_byte: float = 0.0
+    decode_per_byte: float = 0.0
+    """κ_e, κ_d: the slowest rank's calibrated marginal codec seconds per payload byte"""
+    codec_cost: tuple[float, float] = (0.0, 0.0)
+    """this rank's own calibrated (κ_e, κ_d) (`calibrate`), carried by every report"""
     max_magnitude: float = math.inf
     """the largest |value| any rank sent lately (unknown: fp16 not allowed)"""
     current: Plan = Plan(DENSE)
@@ -175,13 +226,17 @@ class LinkBudget:
     """the step each mode last ran"""
 
     # -- the reducer's calls, in step order ------------------------------------------------------
+    def calibrate(self, index_codec: Any, value_codec: Any) -> None:
+        """Time this rank's codecs once (`marginal_codec_cost`); every report carries the result."""
+        self.codec_cost = marginal_codec_cost(index_codec, value_codec)
+
     def begin_step(self, now: float, forward_start: float | None = None) -> Plan:
         """The first call of a step (whose forward pass began at ``forward_start``, when known):
         time the last step's compute if no forward hook did, and plan this step."""
         if self.finished is not None and self.finished.first_submit is not None:
             self.last_compute_s = self.finished.compute_s(now)
         self.finished = None
-        self.measuring = StepMeasurement(first_submit=now, forward_start=forward_start)
+        self.measuring = StepMeasurement(first_submit=now, forward_start=forward_start, codec_cost=self.codec_cost)
         self.current = self.plan()
         self.last_run[self.current.mode] = self.step
         return self.current
@@ -191,7 +246,8 @@ class LinkBudget:
         compute time (of this step, or with no forward hook of the step before); negated, so that
         MAX takes the least: the link throughput and this step's cost in its mode (fp32, fp16, or
         beyond its wire time for sparse); then bytes per nonzero, bytes outside the budget and the
-        largest magnitude sent. Unmeasured: 0 for the slowest-taken numbers, +inf for the negated."""
+        largest magnitude sent; then the calibrated κ_e and κ_d. Unmeasured: 0 for the slowest-taken
+        numbers, +inf for the negated."""
         done = self.measuring
         self.finished = done
         self.total_numel, self.budget_numel = done.total_numel, done.budget_numel
@@ -200,21 +256,22 @@ class LinkBudget:
         fixed = done.fixed_bytes + done.whole_nnz * per_nnz
         cost = done.local_s + max(0.0, done.last_done - done.last_submit)
         costs = {DENSE: math.inf, HALF: math.inf, SPARSE: math.inf}
-        if self.current.mode != SPARSE:
+        if self.current.mode != SPARSE and self.step > WARMUP_STEPS:
             costs[self.current.mode] = -cost
         else:
             self.sparse_steps += 1
             if self.sparse_steps >= EXPLORATION_STEPS and self.throughput:
                 sent = done.payload_bytes + done.fixed_bytes
-                costs[SPARSE] = -max(1e-6, cost - (self.world_size - 1) * sent / statistics.median(self.throughput))
+                wire = (self.world_size - 1) * sent / statistics.median(self.throughput)
+                costs[SPARSE] = -max(1e-6, cost - wire - done.codec_s)
         throughput = done.wire_bytes / done.wire_s if done.wire_s > 0 else 0.0
         compute = done.forward_backward_s() if done.forward_start is not None else self.last_compute_s
         return torch.tensor([compute, -throughput if throughput > 0 else math.inf, costs[DENSE], costs[HALF],
-                             costs[SPARSE], per_nnz, fixed, done.max_magnitude], dtype=torch.float64)
+                             costs[SPARSE], per_nnz, fixed, done.max_magnitude, *done.codec_cost], dtype=torch.float64)
 
     def observe(self, agreed: torch.Tensor) -> None:
         """Every rank's report of one step, reduced by MAX (see `end_step`)."""
-        compute, negative_link, dense, half, sparse, per_nnz, fixed, magnitude = agreed.tolist()
+        compute, negative_link, dense, half, sparse, per_nnz, fixed, magnitude, encode, decode = agreed.tolist()
         self.reports_read += 1
         if compute > 0:
             self.compute_s.append(compute)
@@ -226,6 +283,8 @@ class LinkBudget:
             self.bytes_per_nnz, self.fixed_bytes = per_nnz, fixed
         if magnitude > 0:
             self.max_magnitude = magnitude
+        if encode > 0 or decode > 0:
+            self.encode_per_byte, self.decode_per_byte = encode, decode
 
     # -- the plan -------------------------------------------------------------------------------
     def plan(self) -> Plan:
@@ -251,9 +310,9 @@ class LinkBudget:
             costs[HALF] = (half_cost * (1 + HALF_MARGIN), Plan(HALF))
         exploring = not self.sparse_overhead_s  # until the sparse path's cost is known: cheap steps
         sparse = self._sparse(budget) if not exploring else Plan(SPARSE, self.sparsifier.floor)
-        wire = (self.world_size - 1) * self.step_bytes(sparse.density) / throughput
+        carrying = self.per_byte_s(throughput) * self.step_bytes(sparse.density)
         overhead = min(self.sparse_overhead_s) if not exploring else 0.0
-        costs[SPARSE] = (wire + overhead + 1e-9, sparse)  # a tie goes to a dense mode
+        costs[SPARSE] = (carrying + overhead + 1e-9, sparse)  # a tie goes to a dense mode
         chosen = min(costs, key=lambda mode: costs[mode][0])
         for mode, (cost, plan) in costs.items():
             stale = self.step - self.last_run.get(mode, -REEXPLORE) >= REEXPLORE
@@ -262,13 +321,19 @@ class LinkBudget:
         return costs[chosen][1]
 
     def step_budget(self) -> float | None:
-        """Bytes one rank may send this step (None: not measured yet)."""
+        """Bytes one rank may send this step (None: not measured yet): what the link and the codecs
+        carry while the step computes."""
         if self.sparsifier.budget:
             return float(self.sparsifier.budget)
         if not self.compute_s or not self.throughput:
             return None
-        throughput = statistics.median(self.throughput)
-        return throughput * statistics.median(self.compute_s) / max(1, self.world_size - 1)
+        return statistics.median(self.compute_s) / self.per_byte_s(statistics.median(self.throughput))
+
+    def per_byte_s(self, throughput: float) -> float:
+        """Seconds a step spends per byte a rank sends: encoding it, and receiving and decoding the
+        P−1 others' bytes."""
+        peers = max(1, self.world_size - 1)
+        return self.encode_per_byte + peers * (self.decode_per_byte + 1 / throughput)
 
     def step_bytes(self, density: float) -> float:
         """Bytes one rank sends on a sparse step at ``density``."""
@@ -284,7 +349,9 @@ class LinkBudget:
                 "compute_s": list(self.compute_s), "throughput": list(self.throughput),
                 "dense_cost_s": list(self.dense_cost_s), "half_cost_s": list(self.half_cost_s),
                 "sparse_overhead_s": list(self.sparse_overhead_s), "bytes_per_nnz": self.bytes_per_nnz,
-                "fixed_bytes": self.fixed_bytes, "max_magnitude": self.max_magnitude,
+                "fixed_bytes": self.fixed_bytes, "encode_per_byte": self.encode_per_byte,
+                "decode_per_byte": self.decode_per_byte,
+                "max_magnitude": self.max_magnitude,
                 "last_compute_s": self.last_compute_s, "sparse_steps": self.sparse_steps,
                 "reports_read": self.reports_read, "last_run": dict(self.last_run)}
 
@@ -295,6 +362,7 @@ class LinkBudget:
                            ("sparse_overhead_s", COST_WINDOW)):
             setattr(self, name, deque(state[name], maxlen=size))
         self.bytes_per_nnz, self.fixed_bytes = state["bytes_per_nnz"], state["fixed_bytes"]
+        self.encode_per_byte, self.decode_per_byte = state["encode_per_byte"], state["decode_per_byte"]
         self.max_magnitude, self.last_compute_s = state["max_magnitude"], state["last_compute_s"]
         self.sparse_steps, self.reports_read = state["sparse_steps"], state["reports_read"]
         self.last_run = dict(state["last_run"])

@@ -21,12 +21,17 @@ contributions with the pipeline's transport, and averages over the ranks. Rules:
 - Every call's agreement step carries the tensor's key and call number: ranks that pass different
   tensors, orders or counts get `SparseCommError` naming the key, never a sum of the wrong tensors.
 - At construction all ranks check they have the same spec, seed, options and world size.
+- With the ``adaptive`` sparsifier, a `LinkBudget` plans every step — dense fp32, dense fp16 or
+  sparse at a byte budget — from numbers every rank reported; dense steps run as DDP's own hooks
+  run a bucket (the feedback flushed into it, one asynchronous all_reduce, no agreement step: a
+  non-finite gradient travels as NaN so every rank's sum is non-finite and every rank raises).
 
-Asynchronous calls run their collectives on a process group of their own (created here, on every
-rank) on the reducer's `TransportSession` thread, in submission order, so they never interleave
-with the caller's collectives. The reducer owns all runtime state — per-parameter pipeline state,
-auto's measurements, call counters, the worker thread — checkpoints it with ``state_dict()`` and
-releases it with ``close()`` (or ``with``).
+Collectives run on a process group of their own (created here, on every rank): asynchronous calls
+on the reducer's `TransportSession` thread, in submission order, so they never interleave with the
+caller's collectives; a step's last call on the caller's thread once the calls before it are done
+(nothing is left to overlap it with). The reducer owns all runtime state — per-parameter pipeline
+state, auto's measurements, the adaptive budget and its reports in flight, call counters, the
+worker thread — checkpoints it with ``state_dict()`` and releases it with ``close()`` (or ``with``).
 """
 
 from __future__ import annotations
@@ -114,6 +119,12 @@ class ReducerStats:
         }
 
 
+def _default_group() -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    return _get_default_group()
+
+
 def nonzero_rows(dense: torch.Tensor, sparse_dim: int) -> torch.Tensor:
     """A coalesced sparse COO tensor of ``dense``'s nonzero slices over its first ``sparse_dim``
     dimensions — what ``dense.to_sparse(sparse_dim)`` returns, built from one mask pass and one
@@ -124,6 +135,17 @@ def nonzero_rows(dense: torch.Tensor, sparse_dim: int) -> torch.Tensor:
     indices = torch.stack(torch.unravel_index(rows, leading)) if sparse_dim > 1 else rows[None]
     values = flat[rows].reshape((len(rows), *dense.shape[sparse_dim:]))
     return torch.sparse_coo_tensor(indices, values, dense.shape, is_coalesced=True, check_invariants=False)
+
+
+@dataclass(frozen=True)
+class NativeWire:
+    """What one call of a dense step sends: the tensor all_reduced, its path (``sparse``, ``dense``,
+    ``flush`` or ``half``), its bytes, and the gradient's flat buffer the sum goes back into."""
+
+    tensor: torch.Tensor
+    path: str
+    nbytes: int
+    home: torch.Tensor | None
 
 
 class GradientReducer:
@@ -178,6 +200,8 @@ class GradientReducer:
         segments, worked out once (derived, so not checkpointed)"""
         sparsifier = self.spec.sparsifier
         self.budget = LinkBudget(sparsifier, self.world_size) if isinstance(sparsifier, Adaptive) else None
+        if self.budget is not None and self.world_size > 1 and not self.budget.sparsifier.budget:
+            self.budget.calibrate(self.spec.index_codec, self.spec.value_codec)
         """the adaptive sparsifier's byte budget (None for other pipelines)"""
         self._plan: Plan | None = None
         """this step's plan while a step is open (the adaptive pipeline), else None"""
@@ -191,6 +215,7 @@ class GradientReducer:
               fingerprint(format_spec(self.spec), seed, nonfinite, dense_below, average))
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
         self.async_group = dist.new_group(ranks=ranks)
+        self._process_group = self.async_group if self.async_group is not None else _default_group()
 
     def __repr__(self) -> str:
         return f"GradientReducer({format_spec(self.spec)!r}, world_size={self.world_size}, seed={self.seed})"
@@ -367,6 +392,8 @@ class GradientReducer:
                 stats.transport_s += time.perf_counter() - submitted
                 if self.budget is not None:
                     self._measure_done(path, reduction.record.bytes_sent, contribution)
+                    if path == "compressed":
+                        self.budget.measuring.codec_s += reduction.record.decode_s
                 stats.decode_s += reduction.record.decode_s
                 stats.bytes_sent += reduction.record.bytes_sent
                 total = reduction.total
@@ -390,11 +417,52 @@ class GradientReducer:
         feedback flushed into it (in fp16 scaled by 1/P on a ``half`` step, the feedback keeping the
         rounding), then one asynchronous all_reduce — no agreement step, no worker thread. A rank
         whose gradient is non-finite under ``nonfinite="raise"`` sends NaN, so every rank sums to a
-        non-finite total and raises together. Sparse rows and tensors below ``dense_below`` go in
-        fp32, as they are."""
+        non-finite total and raises together."""
+        assert self.budget is not None
+        wire = self._native_wire(key, tensor, segments)
+        stats.path = wire.path
+        submitted = time.perf_counter()
+        stats.select_s += submitted - start
+        self._measure_submit(tensor, segments, wire.path, submitted - start, submitted)
+        if self.budget.measuring.first_issue is None:
+            self.budget.measuring.first_issue = submitted
+        # posted on the process group itself, as DDP posts its own: dist.all_reduce's checks cost more
+        work = self._process_group.allreduce([wire.tensor])
+        result: torch.futures.Future = torch.futures.Future()
+
+        def finish(done: torch.futures.Future) -> None:
+            try:
+                total = done.value()[0]
+                stats.transport_s += time.perf_counter() - submitted
+                stats.bytes_sent += wire.nbytes
+                self._measure_done(wire.path, wire.nbytes, None)
+                if not all_finite(total.values() if total.is_sparse else total):
+                    raise SparseCommError(f"a rank had a non-finite gradient (NaN or Inf) in {key!r}, or the sum "
+                                          "overflowed; no rank applied it")
+                if wire.path == "half":  # already scaled to the average: back to the gradient's buffer and units
+                    assert wire.home is not None
+                    total = wire.home.copy_(total).mul_(self.world_size if not self.average else 1)
+                elif total.is_sparse:  # dense for the feedback's momentum, as a sparse step's sum is
+                    total = total.to_dense().reshape(-1)
+                    total = total.div_(self.world_size) if self.average else total
+                elif self.average:
+                    total = total.div_(self.world_size)
+                total = self._update_uncompressed(total, key, segments, whole_only=wire.path in ("flush", "half"))
+                result.set_result(nonzero_rows(total.reshape(tensor.shape), tensor.sparse_dim()) if tensor.is_sparse
+                                  else total.reshape(tensor.shape).to(tensor.dtype))
+            except BaseException as err:  # noqa: BLE001 - handed to the waiter
+                result.set_exception(err)
+
+        work.get_future().add_done_callback(finish)
+        self._in_flight.append(result)
+        return result
+
+    def _native_wire(self, key: str, tensor: torch.Tensor, segments: list[Segment] | None) -> NativeWire:
+        """What a dense step sends for ``tensor``: sparse rows and tensors below ``dense_below`` as
+        they are (fp32), everything else flushed from its feedback, in fp16 on a ``half`` step."""
         assert self.budget is not None and self._plan is not None
         nonfinite = self.pipeline.nonfinite
-        scale = 1.0
+        scale, home = 1.0, None
         if tensor.is_sparse:
             coo = tensor.detach().coalesce()
             values, must_raise = screen_nonfinite(coo.values(), nonfinite)
@@ -403,20 +471,20 @@ class GradientReducer:
             sent = wire.values()
             nbytes, path = coo.indices().numel() * 8 + sent.numel() * sent.element_size(), "sparse"
         else:
-            flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+            home = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
             if segments is None and tensor.numel() < self.dense_below:  # no feedback: sent as it is
-                screened, must_raise = screen_nonfinite(flat, nonfinite)
-                wire = flat.zero_() if screened is None else flat if screened is flat else flat.copy_(screened)
+                screened, must_raise = screen_nonfinite(home, nonfinite)
+                wire = home.zero_() if screened is None else home if screened is home else home.copy_(screened)
                 path = "dense"
             elif self._plan.mode == HALF:
                 scale = 1.0 / self.world_size  # as DDP's fp16 hook: the sum of P values stays in range
                 half = self._half_wires.get(key)
-                if half is None or half.numel() != flat.numel():
-                    half = self._half_wires[key] = torch.empty_like(flat, dtype=torch.float16)
-                wire, must_raise = self.pipeline.flush(flat, key, segments, out=half, scale=scale)
+                if half is None or half.numel() != home.numel():
+                    half = self._half_wires[key] = torch.empty_like(home, dtype=torch.float16)
+                wire, must_raise = self.pipeline.flush(home, key, segments, out=half, scale=scale)
                 path = "half"
             else:
-                wire, must_raise = self.pipeline.flush(flat, key, segments, out=flat)
+                wire, must_raise = self.pipeline.flush(home, key, segments, out=home)
                 path = "flush"
             sent, nbytes = wire, wire.numel() * wire.element_size()
         if must_raise:
@@ -425,36 +493,7 @@ class GradientReducer:
             low, high = torch.aminmax(sent)
             measuring = self.budget.measuring
             measuring.max_magnitude = max(measuring.max_magnitude, max(-float(low), float(high)) / scale)
-        stats.path = path
-        submitted = time.perf_counter()
-        stats.select_s += submitted - start
-        self._measure_submit(tensor, segments, path, submitted - start, submitted)
-        if self.budget.measuring.first_issue is None:
-            self.budget.measuring.first_issue = submitted
-        work = dist.all_reduce(wire, group=self.async_group, async_op=True)
-        result: torch.futures.Future = torch.futures.Future()
-
-        def finish(done: torch.futures.Future) -> None:
-            try:
-                total = done.value()[0]
-                stats.transport_s += time.perf_counter() - submitted
-                stats.bytes_sent += nbytes
-                self._measure_done(path, nbytes, None)
-                if not all_finite(total.values() if total.is_sparse else total):
-                    raise SparseCommError(f"a rank had a non-finite gradient (NaN or Inf) in {key!r}, or the sum "
-                                          "overflowed; no rank applied it")
-                if path == "half":  # already scaled to the average: back to the gradient's buffer and units
-                    total = flat.copy_(total).mul_(self.world_size if not self.average else 1)
-                elif self.average:
-                    total = total.div_(self.world_size) if not total.is_sparse else total / self.world_size
-                total = self._update_uncompressed(total, key, segments, whole_only=path in ("flush", "half"))
-                result.set_result(total if total.is_sparse else total.reshape(tensor.shape).to(tensor.dtype))
-            except BaseException as err:  # noqa: BLE001 - handed to the waiter
-                result.set_exception(err)
-
-        work.get_future().add_done_callback(finish)
-        self._in_flight.append(result)
-        return result
+        return NativeWire(wire, path, nbytes, home)
 
     def _reports_this_step(self) -> bool:
         """Whether this step's numbers go out in a report (every step at first, then every few)."""
@@ -516,6 +555,8 @@ class GradientReducer:
         density = self._plan.density if self._plan is not None else None
         output = self.pipeline.step(tensor.reshape(-1) if segments else tensor, key, segments=segments,
                                     density=density)
+        if self.budget is not None:
+            self.budget.measuring.codec_s += output.encode_s
 
         request = replace(request, nonfinite=output.nonfinite, payload=output.payload, payload_is_contribution=True)
         return self.spec.transport, output.selection, request, "compressed"
