@@ -72,6 +72,26 @@ def test_bench_sparsify_json_has_run_and_row_fields(tmp_path):
     assert topk_row["selected"] == topk_row["target"] == 2000
 
 
+def test_bench_ddp_step_times_each_preset_next_to_ddps_allreduce(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    assert main(["bench", "ddp-step", "--numel", "300000", "--presets", "dense,dgc", "--repeat", "2",
+                 "--json", str(out)]) == 0
+    assert "vs_allreduce" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["backend"] == "gloo"
+    assert [row["preset"] for row in result["rows"]] == ["ddp-allreduce", "dense", "dgc"]
+    assert 300_000 <= result["parameters"] < 300_000 + 2048 * 2049  # whole layers of 2048
+    assert result["rows"][0]["vs_allreduce"] == 1.0
+    assert all(row["ms"] > 0 for row in result["rows"])
+
+
+def test_benches_say_which_device_they_ran_on(tmp_path):
+    out = tmp_path / "s.json"
+    assert main(["bench", "sparsify", "--numel", "50000", "--density", "0.01", "--repeat", "1", "--device", "cpu",
+                 "--sparsifier", "dgc(ratio=0.01)", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["device"] == "cpu"
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

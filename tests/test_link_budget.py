@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import sparsecomm as sc
 from sparsecomm.components import Adaptive
 from sparsecomm.integration.budget import (
     COST_WINDOW,
@@ -87,12 +88,11 @@ def test_the_codecs_time_per_byte_shrinks_the_budget_to_what_link_and_codecs_car
     assert chosen.density == pytest.approx(plan.step_budget() / (2.0 * N))
 
 
-def test_the_codecs_marginal_cost_is_a_slope_not_an_average():
-    from sparsecomm.components import Int8Values, RiceIndices
-    from sparsecomm.integration.budget import marginal_codec_cost
+def test_the_sparse_paths_marginal_cost_is_a_slope_not_an_average():
+    from sparsecomm.integration.budget import marginal_sparse_cost
 
-    encode, decode = marginal_codec_cost(RiceIndices(), Int8Values())
-    assert 0 < encode < 1e-6 and 0 < decode < 1e-6  # nanoseconds a byte, not the microseconds of a call
+    sending, receiving = marginal_sparse_cost(sc.resolve("adaptive"))
+    assert 0 < sending < 1e-6 and 0 < receiving < 1e-6  # nanoseconds a byte, not the milliseconds of a pass
 
 
 def test_sparse_density_stops_at_its_ceiling_and_dense_wins_where_it_costs_no_more():

@@ -2,6 +2,7 @@
 dense all_reduce of the same inputs, every rank gets the same bits, empty selections never hang,
 mismatched ranks fail clearly, and the sketch transport is unbiased."""
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -111,6 +112,16 @@ def test_sketch_allreduce_is_exact_when_wide_enough():
     torch.testing.assert_close(result["outputs"][0], result["reference"], rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("count", [0, 1, 7, 8, 9, 1000])
+def test_the_sketch_bitmap_packs_bits_as_numpy_does_with_tensor_ops(count):
+    from sparsecomm.transport.sketch_allreduce import pack_bits, unpack_bits
+
+    marks = torch.rand(count, generator=torch.Generator().manual_seed(count)) < 0.3
+    packed = pack_bits(marks)
+    assert packed.numpy().tobytes() == np.packbits(marks.numpy()).tobytes()
+    assert torch.equal(unpack_bits(packed, count), marks)
+
+
 def into_out(rank: int, world: int) -> bool:
     grad = contribution(rank, world, "random")
     reference = grad.clone()
@@ -134,7 +145,7 @@ def test_every_transport_can_write_the_sum_into_a_given_buffer():
 def run_local_single_out_mismatch():
     from sparsecomm.transport.base import output_buffer
 
-    output_buffer(torch.zeros(3), 4, torch.float32)
+    output_buffer(torch.zeros(3), 4, torch.float32, torch.device("cpu"))
 
 
 def allgather_with_codecs(rank: int, world: int, dtype: torch.dtype, value_codec: str) -> dict:

@@ -217,9 +217,9 @@ def _codec_from_wire(registry: Registry, text: str, kind: type[CodecT]) -> Codec
 
 
 def _sorted_unique(grad: SparseGradient) -> tuple[np.ndarray, torch.Tensor]:
-    grad = grad.sorted()
-    indices = grad.indices.detach().cpu().numpy().astype(np.int64, copy=False)
-    values = grad.values.detach().cpu()
+    grad = grad.sorted().to_host()
+    indices = grad.indices.detach().numpy().astype(np.int64, copy=False)
+    values = grad.values.detach()
     if indices.size:
         repeated = indices[1:] == indices[:-1]
         if repeated.any():

@@ -117,6 +117,19 @@ class SparseGradient:
     def to(self, device: torch.device | str) -> SparseGradient:
         return SparseGradient(self.indices.to(device), self.values.to(device), self.shape)
 
+    def to_host(self) -> SparseGradient:
+        """The same entries on the CPU, where the host codecs read them: ``self`` when already
+        there, else one device-to-host copy of indices and values packed together, into pinned
+        memory (the copy every host codec costs a GPU gradient, and its one synchronisation)."""
+        if self.values.device.type == "cpu" and self.indices.device.type == "cpu":
+            return self
+        index_bytes = self.nnz * 8
+        packed = torch.cat([self.indices.contiguous().view(torch.uint8),
+                            self.values.detach().contiguous().view(torch.uint8)])
+        host = torch.empty(packed.numel(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        host.copy_(packed)
+        return SparseGradient(host[:index_bytes].view(torch.int64), host[index_bytes:].view(self.dtype), self.shape)
+
     def validate(self) -> None:
         """Raise `SparseCommError` unless indices are in range and unique."""
         if self.nnz == 0:

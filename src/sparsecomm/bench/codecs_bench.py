@@ -64,13 +64,15 @@ SUITES = {"all": default_pairs, "deepreduce": lambda: list(DEEPREDUCE_PAIRS),
 
 def measure(selection: SparseGradient, index_text: str, value_text: str, repeat: int,
             dense: torch.Tensor | None = None) -> dict[str, Any]:
-    """One (index codec, value codec) pair on one sparse gradient taken from ``dense``."""
+    """One (index codec, value codec) pair on one sparse gradient taken from ``dense``: encoded
+    from the selection's device and decoded back onto it (on a GPU, the copies are in the times)."""
     index_codec = INDEX_CODECS.parse(index_text)
     value_codec = VALUE_CODECS.parse(value_text)
+    device = selection.device
     encode_ms, payload = time_ms(
-        lambda: encode(selection, index_codec, value_codec, rng=np.random.default_rng(0), dense=dense), repeat
+        lambda: encode(selection, index_codec, value_codec, rng=np.random.default_rng(0), dense=dense), repeat, device
     )
-    decode_ms, decoded = time_ms(lambda: decode(payload), repeat)
+    decode_ms, decoded = time_ms(lambda: decode(payload, device=device), repeat, device)
     info = read_info(payload)
     nnz = max(selection.nnz, 1)
     indices_equal = torch.equal(decoded.indices, selection.indices)
@@ -103,8 +105,8 @@ def measure(selection: SparseGradient, index_text: str, value_text: str, repeat:
 
 
 def run(numel: int, densities: list[float], source: str = "normal", repeat: int = 5, seed: int = 0,
-        pairs: list[tuple[str, str]] | None = None) -> dict[str, Any]:
-    grad = make_gradient(source, numel, seed)
+        pairs: list[tuple[str, str]] | None = None, device: str = "cpu") -> dict[str, Any]:
+    grad = make_gradient(source, numel, seed).to(device)
     pairs = pairs or default_pairs()
     rows, refused = [], []
     with tqdm(total=len(pairs) * len(densities), desc="codecs", disable=None) as progress:
@@ -119,8 +121,8 @@ def run(numel: int, densities: list[float], source: str = "normal", repeat: int 
                     refused.append({"density": density, "index_codec": index_text, "value_codec": value_text,
                                     "error": str(err)})
                 progress.update()
-    return {"benchmark": "codecs", "numel": grad.numel(), "densities": densities, "source": source,
-            "repeat": repeat, "threads": torch.get_num_threads(), "rows": rows, "refused": refused}
+    return {"benchmark": "codecs", "device": str(grad.device), "numel": grad.numel(), "densities": densities,
+            "source": source, "repeat": repeat, "threads": torch.get_num_threads(), "rows": rows, "refused": refused}
 
 
 def plot(result: dict[str, Any], path: str) -> None:

@@ -25,19 +25,19 @@ def default_sparsifiers(density: float, threshold: float) -> list[str]:
 
 
 def run(numel: int, density: float, source: str = "normal", repeat: int = 5, seed: int = 0,
-        sparsifiers: list[str] | None = None) -> dict[str, Any]:
-
-    grad = make_gradient(source, numel, seed)
+        sparsifiers: list[str] | None = None, device: str = "cpu") -> dict[str, Any]:
+    """Every sparsifier on one gradient of ``numel`` on ``device``, next to torch.topk there."""
+    grad = make_gradient(source, numel, seed).to(device)
     numel = grad.numel()
     k = count_from(numel, density, None)
-    topk_ms, (top_values, _) = time_ms(lambda: torch.topk(grad.abs(), k, sorted=False), repeat)
-    pass_ms, _ = time_ms(lambda: grad.sum(), repeat)
+    topk_ms, (top_values, _) = time_ms(lambda: torch.topk(grad.abs(), k, sorted=False), repeat, device)
+    pass_ms, _ = time_ms(lambda: grad.sum(), repeat, device)
     threshold = float(top_values.min())  # the absolute threshold that selects exactly k here
     rows = []
     for text in tqdm(sparsifiers or default_sparsifiers(density, threshold), desc="sparsifiers", disable=None):
         sparsifier = SPARSIFIERS.parse(text)
-        generator = torch.Generator().manual_seed(seed)
-        ms, selection = time_ms(partial(sparsifier.sparsify, grad, generator), repeat)
+        generator = torch.Generator(device=grad.device).manual_seed(seed)
+        ms, selection = time_ms(partial(sparsifier.sparsify, grad, generator), repeat, device)
         target = sparsifier.target_count(numel)
         rows.append({
             "sparsifier": sparsifier.to_spec(),
@@ -48,7 +48,8 @@ def run(numel: int, density: float, source: str = "normal", repeat: int = 5, see
             "selected_over_target": selection.nnz / (target or k) if (target or k) else 0.0,
         })
     return {
-        "benchmark": "sparsify", "numel": numel, "density": density, "source": source, "k": k,
+        "benchmark": "sparsify", "device": str(grad.device), "numel": numel, "density": density, "source": source,
+        "k": k,
         "repeat": repeat, "topk_ms": topk_ms, "pass_ms": pass_ms, "threads": torch.get_num_threads(),
         "rows": rows,
     }

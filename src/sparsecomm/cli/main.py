@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="normal, laplace, mlp (a real MLP gradient; default) or a .npy dense gradient")
         sub.add_argument("--repeat", type=_positive_int, default=5, help="timed repeats, median kept")
         sub.add_argument("--seed", type=int, default=0)
+        sub.add_argument("--device", default="cpu", help="where the gradient lives: cpu (default) or cuda")
         sub.add_argument("--json", metavar="PATH", help="write the results as JSON")
 
     sparsify = benches.add_parser("sparsify", help="each sparsifier next to torch.topk and one memory pass")
@@ -80,6 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
     codecs.add_argument("--suite", choices=["all", "deepreduce", "skcompress"], default="all",
                         help="pairs to run without --pair: all codecs, DeepReduce's combinations, or SKCompress "
                              "next to QSGD (default all)")
+
+    ddp_step = benches.add_parser("ddp-step", help="one DDP step with each preset's hook next to DDP's allreduce")
+    ddp_step.add_argument("--device", default="cpu", help="cpu (gloo; default) or cuda (NCCL, one rank per GPU)")
+    ddp_step.add_argument("--numel", type=_positive_int, default=25_600_000,
+                          help="model parameters (default %(default)s)")
+    ddp_step.add_argument("--presets", default=None, help="comma-separated presets (default: every available preset)")
+    ddp_step.add_argument("--workers", type=_positive_int, default=1, help="ranks (default 1)")
+    ddp_step.add_argument("--repeat", type=_positive_int, default=10, help="timed steps, median kept")
+    ddp_step.add_argument("--json", metavar="PATH", help="write the results as JSON")
 
     collectives = benches.add_parser("collectives", help="every transport next to dense all_reduce and allgather")
     collectives.add_argument("--workers", type=_int_list, default=[2, 4], help="worker counts (default 2,4)")
@@ -174,6 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench_sparsify(args)
         if args.bench == "collectives":
             return _bench_collectives(args)
+        if args.bench == "ddp-step":
+            return _bench_ddp_step(args)
         return _bench_codecs(args)
     except SparseCommError as err:
         print(f"sparsecomm: error: {err}", file=sys.stderr)
@@ -207,10 +219,11 @@ def _bench_sparsify(args: argparse.Namespace) -> int:
 
     results = []
     for density in args.density:
-        result = sparsify_bench.run(args.numel, density, args.source, args.repeat, args.seed, args.sparsifier)
+        result = sparsify_bench.run(args.numel, density, args.source, args.repeat, args.seed, args.sparsifier,
+                                    args.device)
         results.append(result)
         print(f"\nsparsify: numel={result['numel']:,} density={density} k={result['k']:,} "
-              f"source={args.source} threads={result['threads']}")
+              f"source={args.source} device={result['device']} threads={result['threads']}")
         print(f"torch.topk: {result['topk_ms']:.2f} ms   one pass (sum): {result['pass_ms']:.2f} ms\n")
         print(format_table(result["rows"], ["sparsifier", "ms", "speedup_vs_topk", "selected", "target",
                                             "selected_over_target"]))
@@ -230,8 +243,8 @@ def _bench_codecs(args: argparse.Namespace) -> int:
             if not sep:
                 raise SparseCommError(f"--pair takes INDEX/VALUE, got {text!r}")
             pairs.append((index_text.strip(), value_text.strip()))
-    result = codecs_bench.run(args.numel, args.density, args.source, args.repeat, args.seed, pairs)
-    print(f"\ncodecs: numel={result['numel']:,} source={args.source} repeat={args.repeat} "
+    result = codecs_bench.run(args.numel, args.density, args.source, args.repeat, args.seed, pairs, args.device)
+    print(f"\ncodecs: numel={result['numel']:,} source={args.source} repeat={args.repeat} device={result['device']} "
           f"threads={result['threads']}  (bits per nonzero; bound = log2 C(N,k)/k)\n")
     print(format_table(result["rows"], [
         "density", "index_codec", "value_codec", "index_bits_per_nnz", "bound_bits_per_nnz",
@@ -248,6 +261,20 @@ def _save(args: argparse.Namespace, result: dict[str, Any], plot: Callable[[dict
     if args.plot:
         plot(result, args.plot)
         print(f"\nplot: {args.plot}")
+    if args.json:
+        write_json(args.json, result)
+    return 0
+
+
+def _bench_ddp_step(args: argparse.Namespace) -> int:
+    from sparsecomm.bench import ddp_step_bench
+    from sparsecomm.integration.presets import available_presets
+
+    presets = [p.strip() for p in args.presets.split(",")] if args.presets else available_presets()
+    result = ddp_step_bench.run(presets, args.numel, args.device, args.repeat, args.workers)
+    print(f"\nddp-step: {result['parameters']:,} parameters, batch {result['batch']}, {args.workers} rank(s) on "
+          f"{result['device']} ({result['backend']}); ms: median of {args.repeat} steps, slowest rank\n")
+    print(format_table(result["rows"], ["preset", "ms", "vs_allreduce"]))
     if args.json:
         write_json(args.json, result)
     return 0

@@ -16,10 +16,12 @@ Every step, each rank measures:
   and codec time (the sparse path's fixed overhead O_s: passes over the gradient, agreement,
   handoffs).
 
-Once, before the first sparse step, each rank also times its codecs (`marginal_codec_cost`): the
-extra seconds per payload byte to encode a payload and decode one, the slope between a small and a
-large synthetic selection. Only that slope counts per byte — a codec call's fixed cost is the same
-at any budget, and counting it per byte would make small budgets look dear and shrink them further.
+Once, before the first step, each rank also times its sparse path (`marginal_sparse_cost`): the
+extra seconds per payload byte on the sender (selecting, feedback, encoding) and on a receiver
+(decoding, adding into the sum), the slope between a small and a large synthetic selection. Only
+that slope counts per byte — what a step costs at any budget (a pass over the whole gradient, a
+call's overhead) is the same at any budget, and counting it per byte would make small budgets
+look dear and shrink them further.
 
 When a step ends — each of the first steps, then every fourth — each rank starts one small
 all_reduce (MAX) of these numbers, asynchronously, and the step after next reads it (a tiny
@@ -32,8 +34,8 @@ most one small collective per step, which no step waits for.
 Each step runs in one of three modes:
 
 - **sparse**: each rank may send what the link — and the codecs feeding it — carry while the step
-  computes, B = C / (κ_e + (P−1)(κ_d + 1/β)) bytes (every rank encodes its payload, receives the P−1
-  others and decodes them; κ_e and κ_d are the calibrated seconds per byte), less the bytes sent
+  computes, B = C / (κ_e + (P−1)(κ_d + 1/β)) bytes (every rank selects and encodes its payload,
+  receives the P−1 others and decodes them; κ_e and κ_d are the calibrated seconds per byte), less the bytes sent
   outside the budget; at the measured bytes per nonzero that buys density d = B / (bytes per nonzero
   · N) of the N budgeted entries, between ``floor`` and `MAX_SPARSE_DENSITY`. It costs
   O_s + (κ_e + (P−1)(κ_d + 1/β))·B;
@@ -154,32 +156,43 @@ class StepMeasurement:
         return max(0.0, next_start - self.first_submit - waited - self.local_s)
 
 
-CALIBRATION_NUMEL, CALIBRATION_SIZES = 1 << 20, (2_000, 64_000)
+CALIBRATION_NUMEL, CALIBRATION_SIZES = 1 << 20, (2_000, 128_000)
 
 
-def marginal_codec_cost(index_codec: Any, value_codec: Any, repeats: int = 3) -> tuple[float, float]:
-    """(encode, decode) seconds per payload byte that the codecs add between a small and a large
-    random selection of a 1M-element tensor: their marginal cost, without the fixed cost of a call."""
-    from sparsecomm.payload import decode, encode
-    from sparsecomm.sparse_gradient import SparseGradient
+def marginal_sparse_cost(spec: Any, repeats: int = 5) -> tuple[float, float]:
+    """(sender, receiver) seconds per payload byte that the whole sparse path adds between a small
+    and a large selection of a synthetic 1M-element gradient: on the sender, the pipeline's step
+    (feedback, selection, encoding, the feedback's update); on a receiver, decoding a payload and
+    adding it into the sum. The slope, not the average: what a step costs at any budget (a pass
+    over the whole gradient, a call's overhead) cancels out."""
+    from sparsecomm.payload import decode
+    from sparsecomm.pipeline import Pipeline
 
     generator = torch.Generator().manual_seed(0)
-    timings = []
-    for nnz in CALIBRATION_SIZES:
-        indices = torch.randperm(CALIBRATION_NUMEL, generator=generator)[:nnz].sort().values
-        selection = SparseGradient(indices, torch.randn(nnz, generator=generator), torch.Size([CALIBRATION_NUMEL]))
-        decode(encode(selection, index_codec, value_codec), expect=CALIBRATION_NUMEL)  # warm, untimed
-        encode_s = decode_s = math.inf
-        for _ in range(repeats):
-            start = time.perf_counter()
-            payload = encode(selection, index_codec, value_codec)
-            middle = time.perf_counter()
-            decode(payload, expect=CALIBRATION_NUMEL)
-            encode_s, decode_s = min(encode_s, middle - start), min(decode_s, time.perf_counter() - middle)
-        timings.append((len(payload), encode_s, decode_s))
-    (small, encode_small, decode_small), (large, encode_large, decode_large) = timings
+    gradient = torch.randn(CALIBRATION_NUMEL, generator=generator)
+    total = torch.zeros(CALIBRATION_NUMEL)
+    pipelines = [Pipeline(spec) for _ in CALIBRATION_SIZES]
+
+    def timed(pipeline: Pipeline, nnz: int) -> tuple[int, float, float]:
+        start = time.perf_counter()
+        payload = pipeline.step(gradient, "calibration", make_payload=True, density=nnz / CALIBRATION_NUMEL).payload
+        middle = time.perf_counter()
+        assert payload is not None
+        received = decode(payload, expect=CALIBRATION_NUMEL)
+        total.index_add_(0, received.indices, received.values)
+        return len(payload), middle - start, time.perf_counter() - middle
+
+    for _ in range(2):  # warm, untimed: a first call allocates and pages in what later ones reuse
+        for pipeline, nnz in zip(pipelines, CALIBRATION_SIZES, strict=True):
+            timed(pipeline, nnz)
+    best = [(0, math.inf, math.inf) for _ in CALIBRATION_SIZES]
+    for _ in range(repeats):  # the sizes alternate, so a slow spell of the machine hits both alike
+        for which, (pipeline, nnz) in enumerate(zip(pipelines, CALIBRATION_SIZES, strict=True)):
+            size, send_s, receive_s = timed(pipeline, nnz)
+            best[which] = (size, min(best[which][1], send_s), min(best[which][2], receive_s))
+    (small, send_small, receive_small), (large, send_large, receive_large) = best
     span = max(1, large - small)
-    return max(0.0, (encode_large - encode_small) / span), max(0.0, (decode_large - decode_small) / span)
+    return max(0.0, (send_large - send_small) / span), max(0.0, (receive_large - receive_small) / span)
 
 
 def _window(size: int) -> Any:
@@ -210,7 +223,7 @@ class LinkBudget:
     fixed_bytes: float = 0.0
     encode_per_byte: float = 0.0
     decode_per_byte: float = 0.0
-    """κ_e, κ_d: the slowest rank's calibrated marginal codec seconds per payload byte"""
+    """κ_e, κ_d: the slowest rank's calibrated marginal seconds per payload byte, sending and receiving"""
     codec_cost: tuple[float, float] = (0.0, 0.0)
     """this rank's own calibrated (κ_e, κ_d) (`calibrate`), carried by every report"""
     max_magnitude: float = math.inf
@@ -226,9 +239,9 @@ class LinkBudget:
     """the step each mode last ran"""
 
     # -- the reducer's calls, in step order ------------------------------------------------------
-    def calibrate(self, index_codec: Any, value_codec: Any) -> None:
-        """Time this rank's codecs once (`marginal_codec_cost`); every report carries the result."""
-        self.codec_cost = marginal_codec_cost(index_codec, value_codec)
+    def calibrate(self, spec: Any) -> None:
+        """Time this rank's sparse path once (`marginal_sparse_cost`); every report carries the result."""
+        self.codec_cost = marginal_sparse_cost(spec)
 
     def begin_step(self, now: float, forward_start: float | None = None) -> Plan:
         """The first call of a step (whose forward pass began at ``forward_start``, when known):

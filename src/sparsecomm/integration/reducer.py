@@ -59,7 +59,7 @@ from sparsecomm.spec import PipelineSpec, format_spec
 from sparsecomm.transport.agreement import agree
 from sparsecomm.transport.allgather import AllgatherTransport
 from sparsecomm.transport.base import Transport
-from sparsecomm.transport.collectives import fingerprint
+from sparsecomm.transport.collectives import fingerprint, on_wire, wire_device
 from sparsecomm.transport.dense import DenseTransport
 from sparsecomm.transport.request import Reduction, Request
 from sparsecomm.transport.session import TransportSession
@@ -201,7 +201,7 @@ class GradientReducer:
         sparsifier = self.spec.sparsifier
         self.budget = LinkBudget(sparsifier, self.world_size) if isinstance(sparsifier, Adaptive) else None
         if self.budget is not None and self.world_size > 1 and not self.budget.sparsifier.budget:
-            self.budget.calibrate(self.spec.index_codec, self.spec.value_codec)
+            self.budget.calibrate(self.spec)
         """the adaptive sparsifier's byte budget (None for other pipelines)"""
         self._plan: Plan | None = None
         """this step's plan while a step is open (the adaptive pipeline), else None"""
@@ -216,6 +216,8 @@ class GradientReducer:
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
         self.async_group = dist.new_group(ranks=ranks)
         self._process_group = self.async_group if self.async_group is not None else _default_group()
+        self.wire_device = wire_device(self._process_group)
+        """where this reducer's collectives take their tensors (`wire_device`)"""
 
     def __repr__(self) -> str:
         return f"GradientReducer({format_spec(self.spec)!r}, world_size={self.world_size}, seed={self.seed})"
@@ -259,6 +261,7 @@ class GradientReducer:
             report = self.budget.end_step()
             if self._reports_this_step():
                 # every rank's numbers, reduced while the next steps compute
+                report = on_wire(report, self.wire_device)
                 work = dist.all_reduce(report, op=dist.ReduceOp.MAX, group=self.async_group, async_op=True)
                 self._reports.append((self.stats.steps, work, report))
         self._plan = None
@@ -373,7 +376,7 @@ class GradientReducer:
         if self.budget is not None:
             self._measure_submit(tensor, segments, path, submitted - start, submitted)
         # the sum lands in the gradient's own storage: the local stages above already copied what they use
-        out = tensor if not tensor.is_sparse and tensor.is_contiguous() and tensor.device.type == "cpu" else None
+        out = tensor if not tensor.is_sparse and tensor.is_contiguous() else None
         if synchronous:  # on this thread, after the worker thread's calls (collectives stay in order)
             self.session.drain()
             future: torch.futures.Future = torch.futures.Future()
@@ -427,12 +430,12 @@ class GradientReducer:
         if self.budget.measuring.first_issue is None:
             self.budget.measuring.first_issue = submitted
         # posted on the process group itself, as DDP posts its own: dist.all_reduce's checks cost more
-        work = self._process_group.allreduce([wire.tensor])
+        work = self._process_group.allreduce([on_wire(wire.tensor, self.wire_device)])
         result: torch.futures.Future = torch.futures.Future()
 
         def finish(done: torch.futures.Future) -> None:
             try:
-                total = done.value()[0]
+                total = done.value()[0].to(tensor.device)  # itself, unless gloo carried a CUDA gradient
                 stats.transport_s += time.perf_counter() - submitted
                 stats.bytes_sent += wire.nbytes
                 self._measure_done(wire.path, wire.nbytes, None)
@@ -467,7 +470,7 @@ class GradientReducer:
             coo = tensor.detach().coalesce()
             values, must_raise = screen_nonfinite(coo.values(), nonfinite)
             wire = torch.sparse_coo_tensor(coo.indices(), values if values is not None else torch.zeros_like(
-                coo.values()), coo.shape, is_coalesced=True)
+                coo.values()), coo.shape, is_coalesced=True, check_invariants=False)
             sent = wire.values()
             nbytes, path = coo.indices().numel() * 8 + sent.numel() * sent.element_size(), "sparse"
         else:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from sparsecomm.errors import SparseCommError
-from sparsecomm.transport.collectives import Group, all_gather_single, world
+from sparsecomm.transport.collectives import Group, all_gather_single, on_wire, wire_device, world
 from sparsecomm.transport.request import Agreement, Request
 
 _NUMEL, _CONFIG, _KEY, _CALL, _NNZ, _NONFINITE, _NBYTES = range(7)
@@ -27,10 +27,11 @@ def agree(group: Group, request: Request, numel: int, config: int, nnz: int = 0,
     if request.agreement is not None:
         return request.agreement
     _, size = world(group)
-    record = agreement_record(request, numel, config, nnz, nbytes)
-    table = torch.zeros(size, record.numel(), dtype=torch.int64)
+    device = wire_device(group)
+    record = on_wire(agreement_record(request, numel, config, nnz, nbytes), device)
+    table = torch.zeros(size, record.numel(), dtype=torch.int64, device=device)
     all_gather_single(table.view(-1), record, group=group)
-    return check_table(table, request, numel, config)
+    return check_table(table.cpu(), request, numel, config)
 
 
 def agreement_record(request: Request, numel: int, config: int, nnz: int = 0, nbytes: int = 0) -> torch.Tensor:

@@ -2,10 +2,11 @@
 are gathered by a variable-length allgather, and every rank decodes and sums them in rank order
 (so the sums are bit-identical everywhere). An empty selection is still a valid payload.
 
-With a `TransportSession`, a call is one round: each payload travels behind its agreement record
-(`sparsecomm.transport.payload_exchange`), and every rank checks every record before it returns.
-Without one (or when ``auto`` already ran the agreement step), the agreement step's all_gather
-carries the sizes and the payloads follow."""
+With a `TransportSession` on gloo, a call is one round: each payload travels behind its agreement
+record (`sparsecomm.transport.payload_exchange`), and every rank checks every record before it
+returns. Without one, on NCCL (whose receives must match their messages' sizes), or when ``auto``
+already ran the agreement step, the agreement step's all_gather carries the sizes and the payloads
+follow. Payloads are decoded on the host and scattered into the sum on the gradient's device."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from sparsecomm.payload import as_tensor, decode, encode
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.agreement import agree, agreement_record, check_table
 from sparsecomm.transport.base import TRANSPORTS, Transport, as_sparse, deliver, output_buffer
-from sparsecomm.transport.collectives import Group, allgather_arrivals, fingerprint, world
+from sparsecomm.transport.collectives import Group, allgather_arrivals, fingerprint, takes_short_messages, world
 from sparsecomm.transport.payload_exchange import NBYTES_FIELD, PayloadExchange, next_capacity
 from sparsecomm.transport.request import CallRecord, Reduction, Request
 from sparsecomm.transport.session import TransportSession
@@ -88,7 +89,7 @@ class AllgatherTransport(Transport):
         # (its selection holds the values as decoded): no need to decode it
         exact = codecs_lossless(index_codec, value_codec, sparse.dtype)
         own = sparse if exact or (request.payload is not None and request.payload_is_contribution) else None
-        if session is None or request.agreement is not None:
+        if session is None or request.agreement is not None or not takes_short_messages(group):
             total = self._in_two_rounds(sparse, own, payload, group, request, config, out, record)
         else:
             total = self._in_one_round(sparse, own, payload, group, request, config, out, record, session)
@@ -104,7 +105,8 @@ class AllgatherTransport(Transport):
         envelope = agreement_record(request, sparse.numel, config, nbytes=payload.numel())
         with closing(PayloadExchange(envelope, payload, session.payload_capacity, group)) as exchange:
             with record.phase("output"):
-                total = output_buffer(out, sparse.numel, sparse.dtype)  # cleared while the messages travel
+                # cleared while the messages travel
+                total = output_buffer(out, sparse.numel, sparse.dtype, sparse.device)
             summing = RankOrderSum(total)
             for rank, peer, buffer in record.timed(exchange.first_round(), "transfer"):
                 # a payload for another tensor or call, or after a non-finite gradient, is not read:
@@ -131,7 +133,7 @@ class AllgatherTransport(Transport):
             with record.phase("transfer"):
                 first = next(received)  # at once, with the other payloads now in flight
             with record.phase("output"):
-                total = output_buffer(out, sparse.numel, sparse.dtype)  # cleared while they travel
+                total = output_buffer(out, sparse.numel, sparse.dtype, sparse.device)  # cleared while they travel
             summing = RankOrderSum(total)
             arrivals: Iterator[tuple[int, torch.Tensor]] = chain([first], record.timed(received, "transfer"))
             for rank, buffer in arrivals:
@@ -142,7 +144,7 @@ class AllgatherTransport(Transport):
 def _add(summing: RankOrderSum, rank: int, buffer: torch.Tensor, decoded: SparseGradient | None,
          shape: torch.Size, record: CallRecord) -> None:
     with record.phase("decode"):
-        part = decoded if decoded is not None else decode(buffer, expect=shape)
+        part = decoded if decoded is not None else decode(buffer, expect=shape, device=summing.total.device)
     with record.phase("sum"):
         summing.add(rank, part)
 

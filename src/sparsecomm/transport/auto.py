@@ -35,7 +35,7 @@ from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.agreement import agree
 from sparsecomm.transport.allgather import AllgatherTransport, payload_of
 from sparsecomm.transport.base import TRANSPORTS, Transport, as_sparse
-from sparsecomm.transport.collectives import Group, fingerprint, world
+from sparsecomm.transport.collectives import Group, fingerprint, wire_device, world
 from sparsecomm.transport.cost_model import CostModel, load_cost_model
 from sparsecomm.transport.dense import DenseTransport
 from sparsecomm.transport.request import CallRecord, Reduction, Request
@@ -153,7 +153,7 @@ class AutoTransport(Transport):
         assert name is not None
         reduction = build(name).reduce(sparse, group, request, out, session)
         # the whole call is timed, agreement and encoding included, on the slowest rank
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=wire_device(group))
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
         tuning.record(name, float(elapsed), self.explore)
         return reduction, tuning.chosen or tuning.next_to_try(self.explore) or name

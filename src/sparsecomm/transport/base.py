@@ -68,16 +68,17 @@ def as_dense(grad: SparseGradient | torch.Tensor) -> torch.Tensor:
     return grad.to_dense() if isinstance(grad, SparseGradient) else grad
 
 
-def output_buffer(out: torch.Tensor | None, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed flat CPU buffer for a sum: ``out`` itself when it can be (checked), else new."""
+def output_buffer(out: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed flat buffer for a sum on ``device`` (the gradient's): ``out`` itself when it can be
+    (checked), else new."""
     if out is not None:
         if out.numel() != numel or out.dtype != dtype:
             raise SparseCommError(f"out has {out.numel()} {out.dtype} elements; the sum needs {numel} {dtype}")
-        if out.device.type == "cpu" and out.is_contiguous():
+        if out.device == device and out.is_contiguous():
             flat = out.view(-1)
             flat.zero_()
             return flat
-    return torch.zeros(numel, dtype=dtype)
+    return torch.zeros(numel, dtype=dtype, device=device)
 
 
 def deliver(total: torch.Tensor, shape: torch.Size, device: torch.device, out: torch.Tensor | None) -> torch.Tensor:

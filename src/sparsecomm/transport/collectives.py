@@ -1,4 +1,8 @@
-"""Collective building blocks on any torch.distributed backend (gloo's gaps filled in)."""
+"""Collective building blocks on any torch.distributed backend (gloo's gaps filled in).
+
+Every tensor a collective takes or fills lives on its backend's device (`wire_device`): NCCL's
+current CUDA device, the CPU for gloo. The helpers here take buffers from anywhere, send them from
+that device and hand back what arrives on it; byte parsers read it with `host_bytes`."""
 
 from __future__ import annotations
 
@@ -17,6 +21,30 @@ def world(group: Group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def wire_device(group: Group) -> torch.device:
+    """Where ``group``'s collectives take their tensors: NCCL's current CUDA device; the CPU for
+    gloo (which takes CUDA tensors too, but would copy them itself) and every other backend."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def takes_short_messages(group: Group) -> bool:
+    """Whether a point-to-point receive may be posted larger than the message it gets: gloo's may,
+    NCCL's counts must match."""
+    return dist.get_backend(group) == "gloo"
+
+
+def on_wire(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on the wire ``device``: itself when it is there already, else one copy."""
+    return tensor if tensor.device == device else tensor.to(device)
+
+
+def host_bytes(buffer: torch.Tensor) -> torch.Tensor:
+    """A received uint8 buffer on the host, where the byte parsers read it (itself on gloo)."""
+    return buffer if buffer.device.type == "cpu" else buffer.cpu()
+
+
 def fingerprint(*parts: object) -> int:
     """A stable 31-bit hash of a configuration, equal on every rank for equal inputs."""
     return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
@@ -31,18 +59,20 @@ def allgather_bytes(buffer: torch.Tensor, group: Group, counts: list[int] | None
 
 def allgather_arrivals(buffer: torch.Tensor, group: Group,
                        counts: list[int] | None = None) -> Generator[tuple[int, torch.Tensor], None, None]:
-    """Variable-length allgather that yields (rank, buffer) as each arrives: this rank's own at once,
-    while the others are still in flight, so the caller can work on each while the rest travel.
-    gloo has no allgatherv, so sizes go first (unless ``counts`` already holds them), then the
-    buffers, point to point (see `Arrivals`). Close the iterator (or exhaust it) before the next
-    collective."""
+    """Variable-length allgather that yields (rank, buffer) as each arrives: this rank's own (the
+    very tensor passed) at once, while the others are still in flight, so the caller can work on
+    each while the rest travel. gloo has no allgatherv, so sizes go first (unless ``counts`` already
+    holds them), then the buffers, point to point (see `Arrivals`). Close the iterator (or exhaust
+    it) before the next collective."""
     rank, size = world(group)
+    device = wire_device(group)
     if size > 1 and counts is None:
-        sizes = torch.zeros(size, dtype=torch.int64)
-        all_gather_single(sizes, torch.tensor([buffer.numel()], dtype=torch.int64), group=group)
+        sizes = torch.zeros(size, dtype=torch.int64, device=device)
+        all_gather_single(sizes, torch.tensor([buffer.numel()], dtype=torch.int64, device=device), group=group)
         counts = sizes.tolist()
-    received = {r: torch.empty(n, dtype=torch.uint8) for r, n in enumerate(counts or []) if r != rank}
-    with closing(Arrivals(received, sends={r: buffer for r in range(size) if r != rank}, group=group)) as peers:
+    received = {r: torch.empty(n, dtype=torch.uint8, device=device) for r, n in enumerate(counts or []) if r != rank}
+    sent = on_wire(buffer, device)
+    with closing(Arrivals(received, sends={r: sent for r in range(size) if r != rank}, group=group)) as peers:
         yield rank, buffer
         for peer in peers:
             yield peer, received[peer]
@@ -51,10 +81,12 @@ def allgather_arrivals(buffer: torch.Tensor, group: Group,
 def alltoall_bytes(chunks: list[torch.Tensor], group: Group) -> list[torch.Tensor]:
     """Uneven all-to-all: ``chunks[r]`` goes to rank r; returns what each rank sent here."""
     rank, size = world(group)
-    send_counts = torch.tensor([c.numel() for c in chunks], dtype=torch.int64)
-    recv_counts = torch.empty(size, dtype=torch.int64)
+    device = wire_device(group)
+    chunks = [on_wire(c, device) for c in chunks]
+    send_counts = torch.tensor([c.numel() for c in chunks], dtype=torch.int64, device=device)
+    recv_counts = torch.empty(size, dtype=torch.int64, device=device)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
-    received = [chunks[r] if r == rank else torch.empty(n, dtype=torch.uint8)
+    received = [chunks[r] if r == rank else torch.empty(n, dtype=torch.uint8, device=device)
                 for r, n in enumerate(recv_counts.tolist())]
     transfer(receives={r: t for r, t in enumerate(received) if r != rank},
              sends={r: c for r, c in enumerate(chunks) if r != rank}, group=group)
@@ -115,27 +147,44 @@ class Arrivals:
 
 def exchange_bytes(buffer: torch.Tensor, peer: int, group: Group) -> torch.Tensor:
     """Swap a uint8 buffer with one peer (sizes first, then data)."""
-    my_size = torch.tensor([buffer.numel()], dtype=torch.int64)
-    peer_size = torch.empty(1, dtype=torch.int64)
+    device = wire_device(group)
+    my_size = torch.tensor([buffer.numel()], dtype=torch.int64, device=device)
+    peer_size = torch.empty(1, dtype=torch.int64, device=device)
     _sendrecv(my_size, peer_size, peer, group)
-    received = torch.empty(int(peer_size), dtype=torch.uint8)
-    _sendrecv(buffer, received, peer, group)
+    received = torch.empty(int(peer_size), dtype=torch.uint8, device=device)
+    _sendrecv(on_wire(buffer, device), received, peer, group)
     return received
 
 
 def send_bytes(buffer: torch.Tensor, peer: int, group: Group) -> None:
-    dist.send(torch.tensor([buffer.numel()], dtype=torch.int64), _global(peer, group), group=group)
+    device = wire_device(group)
+    dist.send(torch.tensor([buffer.numel()], dtype=torch.int64, device=device), _global(peer, group), group=group)
     if buffer.numel():
-        dist.send(buffer, _global(peer, group), group=group)
+        dist.send(on_wire(buffer, device), _global(peer, group), group=group)
 
 
 def recv_bytes(peer: int, group: Group) -> torch.Tensor:
-    size = torch.empty(1, dtype=torch.int64)
+    device = wire_device(group)
+    size = torch.empty(1, dtype=torch.int64, device=device)
     dist.recv(size, _global(peer, group), group=group)
-    buffer = torch.empty(int(size), dtype=torch.uint8)
+    buffer = torch.empty(int(size), dtype=torch.uint8, device=device)
     if buffer.numel():
         dist.recv(buffer, _global(peer, group), group=group)
     return buffer
+
+
+def all_reduce_or(bitmap: torch.Tensor, group: Group) -> torch.Tensor:
+    """The bitwise OR of a uint8 tensor over the group, in place: gloo's BOR; NCCL has no bitwise
+    reductions, so there every rank's bitmap is gathered and folded."""
+    if dist.get_backend(group) != "nccl":
+        dist.all_reduce(bitmap, op=dist.ReduceOp.BOR, group=group)
+        return bitmap
+    _, size = world(group)
+    gathered = torch.empty(size, bitmap.numel(), dtype=bitmap.dtype, device=bitmap.device)
+    all_gather_single(gathered.view(-1), bitmap.contiguous().view(-1), group=group)
+    for row in gathered:
+        bitmap.view(-1).bitwise_or_(row)
+    return bitmap
 
 
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single

@@ -1,4 +1,5 @@
-"""``dense``: the baseline — a plain all_reduce of the whole tensor in fp32, fp16 or bf16."""
+"""``dense``: the baseline — a plain all_reduce of the whole tensor in fp32, fp16 or bf16, on the
+backend's device (in place in ``out`` when that is where the wire is)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from sparsecomm.errors import SparseCommError
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.agreement import agree
 from sparsecomm.transport.base import TRANSPORTS, Transport, as_dense, deliver
-from sparsecomm.transport.collectives import Group, fingerprint
+from sparsecomm.transport.collectives import Group, fingerprint, wire_device
 from sparsecomm.transport.request import CallRecord, Reduction, Request
 from sparsecomm.transport.session import TransportSession
 
@@ -38,8 +39,8 @@ class DenseTransport(Transport):
         with record.phase("agreement"):
             agree(group, request or Request(), dense.numel(),
                   fingerprint(self.to_spec(), tuple(dense.shape), dense.dtype))
-        wire_dtype = WIRE_DTYPES[self.dtype]
-        in_place = (out is not None and wire_dtype == dense.dtype == out.dtype and out.device.type == "cpu"
+        wire_dtype, device = WIRE_DTYPES[self.dtype], wire_device(group)
+        in_place = (out is not None and wire_dtype == dense.dtype == out.dtype and out.device == device
                     and out.is_contiguous() and out.numel() == dense.numel())
         with record.phase("encode"):
             if in_place:
@@ -48,7 +49,7 @@ class DenseTransport(Transport):
                     out.copy_(dense.detach().reshape(out.shape))
                 wire = out
             else:
-                wire = dense.detach().to(wire_dtype).contiguous().clone()
+                wire = dense.detach().to(device, wire_dtype, copy=True).contiguous()
         with record.phase("transfer"):
             dist.all_reduce(wire, group=group)
         record.bytes_sent = wire.numel() * wire.element_size()

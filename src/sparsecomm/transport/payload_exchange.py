@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from sparsecomm.transport.agreement import RECORD_FIELDS
-from sparsecomm.transport.collectives import Arrivals, Group, world
+from sparsecomm.transport.collectives import Arrivals, Group, on_wire, wire_device, world
 
 ENVELOPE_BYTES = RECORD_FIELDS * 8
 NBYTES_FIELD = RECORD_FIELDS - 1
@@ -51,11 +51,11 @@ class PayloadExchange:
         self.rank, self.size = world(group)
         self.group = group
         self.capacity = max(capacity, ENVELOPE_BYTES)
-        self.envelope, self.payload = envelope, payload
+        self.envelope, self.payload = envelope, on_wire(payload, wire_device(group))
         self.records: dict[int, torch.Tensor] = {self.rank: envelope}
-        message = torch.cat([envelope.view(torch.uint8), payload]) if fits(payload.numel(), self.capacity) \
-            else envelope.view(torch.uint8)
-        self._buffers = {peer: torch.empty(self.capacity, dtype=torch.uint8)
+        message = torch.cat([on_wire(envelope.view(torch.uint8), self.payload.device), self.payload]) \
+            if fits(payload.numel(), self.capacity) else on_wire(envelope.view(torch.uint8), self.payload.device)
+        self._buffers = {peer: torch.empty(self.capacity, dtype=torch.uint8, device=self.payload.device)
                          for peer in range(self.size) if peer != self.rank}
         self._round = Arrivals(self._buffers, {peer: message for peer in self._buffers}, group)
 
@@ -65,7 +65,7 @@ class PayloadExchange:
         yield self.rank, self.envelope, self.payload
         for peer in self._round:
             buffer = self._buffers[peer]
-            record = buffer[:ENVELOPE_BYTES].view(torch.int64).clone()
+            record = buffer[:ENVELOPE_BYTES].view(torch.int64).to("cpu", copy=True)
             self.records[peer] = record
             nbytes = int(record[NBYTES_FIELD])
             inline = nbytes > 0 and fits(nbytes, self.capacity)
@@ -83,7 +83,8 @@ class PayloadExchange:
                 if not fits(int(self.records[r][NBYTES_FIELD]), self.capacity)}
         if not late:
             return
-        receives = {r: torch.empty(nbytes, dtype=torch.uint8) for r, nbytes in late.items() if r != self.rank}
+        receives = {r: torch.empty(nbytes, dtype=torch.uint8, device=self.payload.device)
+                    for r, nbytes in late.items() if r != self.rank}
         sends = {peer: self.payload for peer in range(self.size) if peer != self.rank} if self.rank in late else {}
         self._round = Arrivals(receives, sends, self.group)
         for peer in self._round:

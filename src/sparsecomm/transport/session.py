@@ -13,6 +13,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from sparsecomm.transport.cost_model import CostModel, load_cost_model
 from sparsecomm.transport.tuning import Tuning
 
@@ -34,10 +36,20 @@ class TransportSession:
         self._executor: ThreadPoolExecutor | None = None
 
     def submit(self, task: Callable[[], None]) -> None:
-        """Run ``task`` on the session's worker thread, after every task submitted before it."""
+        """Run ``task`` on the session's worker thread, after every task submitted before it, with
+        the submitting thread's current CUDA device (a new thread's is device 0, whatever rank)."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparsecomm-transport")
-        self._executor.submit(task)
+        if torch.cuda.is_initialized():
+            device = torch.cuda.current_device()
+
+            def on_device() -> None:
+                with torch.cuda.device(device):
+                    task()
+
+            self._executor.submit(on_device)
+        else:
+            self._executor.submit(task)
 
     def drain(self) -> None:
         """Wait until every task submitted so far has run (the caller may then use the group itself)."""

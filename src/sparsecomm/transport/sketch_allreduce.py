@@ -7,7 +7,9 @@ BOR). Every entry of a marked block is decoded as median_j s_j(i)·S[j, h_j(i)].
 ``ratio`` (λ) × nnz cells (nnz: the largest on any rank; the paper's best λ is 0.5). With one row
 the estimate is unbiased; more rows trade a small bias for robustness. Hashes are degree-3
 polynomials modulo 2^31 − 1 (a 4-wise independent family for indices below 2^31 − 1) with
-coefficients drawn from ``seed``, so every rank hashes alike.
+coefficients drawn from ``seed``, so every rank hashes alike. Sketch and bitmap are built and read
+on the gradient's device and cross to the wire's only when the backend needs it (gloo, CUDA
+gradients); NCCL has no bitwise OR, so there the bitmaps are gathered and folded.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -23,7 +24,7 @@ from sparsecomm.errors import SparseCommError
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.agreement import agree
 from sparsecomm.transport.base import TRANSPORTS, Transport, as_sparse, deliver, output_buffer
-from sparsecomm.transport.collectives import Group, fingerprint
+from sparsecomm.transport.collectives import Group, all_reduce_or, fingerprint, on_wire, wire_device
 from sparsecomm.transport.request import CallRecord, Reduction, Request
 from sparsecomm.transport.session import TransportSession
 
@@ -45,6 +46,23 @@ def polynomial_hash(indices: torch.Tensor, coefficients: torch.Tensor) -> torch.
     for coefficient in coefficients[1:].tolist():
         acc = mod_prime(acc * x + coefficient)
     return acc
+
+
+BIT_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)
+
+
+def pack_bits(marks: torch.Tensor) -> torch.Tensor:
+    """A bool vector as bytes, most significant bit first (numpy's ``packbits``), on its device."""
+    padded = torch.zeros(-(-marks.numel() // 8) * 8, dtype=torch.uint8, device=marks.device)
+    padded[: marks.numel()] = marks
+    weights = torch.tensor(BIT_WEIGHTS, dtype=torch.uint8, device=marks.device)
+    return (padded.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """The first ``count`` bits of ``packed`` (`pack_bits`'s layout) as a bool vector."""
+    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=packed.device)
+    return ((packed[:, None] >> shifts) & 1).view(-1)[:count].bool()
 
 
 @dataclass(frozen=True)
@@ -105,28 +123,30 @@ class SketchAllreduce(Transport):
         columns = self.columns(max_nnz)
         hashes = SketchHashes(self.seed + request.step, self.rows)
         n_blocks = -(-numel // self.block)
+        device, wire = sparse.device, wire_device(group)
         with record.phase("encode"):
-            indices = sparse.indices.cpu()
-            values = sparse.values.detach().cpu().to(torch.float32)
-            sketch = torch.zeros(self.rows, columns, dtype=torch.float32)
+            indices = sparse.indices
+            values = sparse.values.detach().to(torch.float32)
+            sketch = torch.zeros(self.rows, columns, dtype=torch.float32, device=device)
             buckets, signs = hashes.buckets_and_signs(indices, columns)
             for row in range(self.rows):
                 sketch[row].index_add_(0, buckets[row], signs[row].to(torch.float32) * values)
-            marks = np.zeros(n_blocks, dtype=np.uint8)
-            marks[(indices // self.block).numpy()] = 1
-            bitmap = torch.from_numpy(np.packbits(marks))
+            marks = torch.zeros(n_blocks, dtype=torch.bool, device=device)
+            marks[indices // self.block] = True
+            sketch, bitmap = on_wire(sketch, wire), on_wire(pack_bits(marks), wire)
         with record.phase("transfer"):
             dist.all_reduce(sketch, op=dist.ReduceOp.SUM, group=group)
-            dist.all_reduce(bitmap, op=dist.ReduceOp.BOR, group=group)
+            all_reduce_or(bitmap, group)
         record.bytes_sent = sketch.numel() * 4 + bitmap.numel()
         with record.phase("decode"):
-            marked = torch.from_numpy(np.flatnonzero(np.unpackbits(bitmap.numpy(), count=n_blocks)))
-            positions = (marked[:, None] * self.block + torch.arange(self.block)).reshape(-1)
+            sketch, bitmap = sketch.to(device), bitmap.to(device)
+            marked = torch.nonzero(unpack_bits(bitmap, n_blocks)).squeeze(1)
+            positions = (marked[:, None] * self.block + torch.arange(self.block, device=device)).reshape(-1)
             positions = positions[positions < numel]
             out_buckets, out_signs = hashes.buckets_and_signs(positions, columns)
             estimates = torch.gather(sketch, 1, out_buckets) * out_signs.to(torch.float32)
             decoded = estimates.median(dim=0).values if self.rows > 1 else estimates[0]
         with record.phase("output"):
-            total = output_buffer(out, numel, sparse.dtype)
+            total = output_buffer(out, numel, sparse.dtype, device)
             total[positions] = decoded.to(sparse.dtype)
             return Reduction(deliver(total, sparse.shape, sparse.device, out), record)

@@ -36,6 +36,7 @@ from sparsecomm.transport.collectives import (
     alltoall_bytes,
     exchange_bytes,
     fingerprint,
+    host_bytes,
     recv_bytes,
     send_bytes,
     world,
@@ -84,9 +85,9 @@ class SparseAllreduce(Transport):
             algorithm = model.best_sparse_algorithm(size, sparse.numel, max_nnz, sparse.values.element_size(),
                                                     self.qsgd_bits)
             record.transport = f"sparse_allreduce(algorithm={algorithm})"
-        stream = Stream.sparse(sparse.indices.cpu(), sparse.values.detach().cpu(), sparse.numel)
+        stream = Stream.sparse(sparse.indices, sparse.values.detach(), sparse.numel)
         with record.phase("output"):
-            total = output_buffer(out, sparse.numel, sparse.dtype)
+            total = output_buffer(out, sparse.numel, sparse.dtype, sparse.device)
         if algorithm == "ssar_rd":
             recursive_doubling(stream, group, record, total)
         elif algorithm == "ssar_sa":
@@ -105,12 +106,13 @@ def recursive_doubling(stream: Stream, group: Group, record: CallRecord, total: 
     rank, size = world(group)
     base = 1 << (size.bit_length() - 1)  # largest power of two ≤ size
     whole = (stream.offset, stream.length)
+    device = stream.values.device
 
     def receive(peer: int) -> Stream:
         with record.phase("transfer"):
             buffer = recv_bytes(peer, group)
         with record.phase("decode"):
-            return Stream.from_bytes(buffer, whole)
+            return Stream.from_bytes(buffer, whole, device)
 
     def send(peer: int) -> None:
         with record.phase("encode"):
@@ -137,7 +139,7 @@ def recursive_doubling(stream: Stream, group: Group, record: CallRecord, total: 
         with record.phase("transfer"):
             buffer = exchange_bytes(wire, rank ^ distance, group)
         with record.phase("decode"):
-            received = Stream.from_bytes(buffer, whole)
+            received = Stream.from_bytes(buffer, whole, device)
         with record.phase("sum"):
             stream = stream + received
         distance <<= 1
@@ -166,7 +168,7 @@ def nonzero_counts(stream: Stream, numel: int, bins: int) -> torch.Tensor:
     bins of [0, numel)."""
     if stream.indices is not None:
         return torch.bincount((stream.indices + stream.offset) * bins // numel, minlength=bins)
-    edges = torch.arange(bins + 1, dtype=torch.int64) * numel // bins
+    edges = torch.arange(bins + 1, dtype=torch.int64, device=stream.values.device) * numel // bins
     return (edges[1:].clamp(stream.offset, stream.offset + stream.length)
             - edges[:-1].clamp(stream.offset, stream.offset + stream.length))
 
@@ -191,7 +193,7 @@ def split_by_range(stream: Stream, bounds: Sequence[int]) -> list[Stream]:
         if stream.indices is None:
             parts.append(Stream(hi - lo, stream.values[lo:hi], None, lo))
             continue
-        start, stop = torch.searchsorted(stream.indices, torch.tensor([lo, hi])).tolist()
+        start, stop = torch.searchsorted(stream.indices, torch.tensor([lo, hi], device=stream.indices.device)).tolist()
         parts.append(Stream.sparse(stream.indices[start:stop] - lo, stream.values[start:stop], hi - lo, lo))
     return parts
 
@@ -215,7 +217,7 @@ def split_allgather(stream: Stream, group: Group, request: Request, record: Call
     with record.phase("transfer"):
         received = alltoall_bytes(outgoing, group)
     with record.phase("decode"):
-        incoming = [Stream.from_bytes(b, owned) for b in received]
+        incoming = [Stream.from_bytes(b, owned, stream.values.device) for b in received]
     with record.phase("sum"):
         mine = sum_streams(incoming)  # only the owner sums this range, so every rank gets its bits
         if dense_phase:
@@ -230,15 +232,15 @@ def split_allgather(stream: Stream, group: Group, request: Request, record: Call
     # each range is written by its owner's bytes alone, so ranges are written as they arrive: this
     # rank's own first, while the others are still in flight
     bins = BALANCE_BINS_PER_RANGE * size
-    counts = torch.zeros(bins, dtype=torch.int64)
+    counts = torch.zeros(bins, dtype=torch.int64, device=out.device)
     with closing(allgather_arrivals(wire, group)) as arrivals:
         for owner, buffer in record.timed(arrivals, "transfer"):
             lo, hi = bounds[owner], bounds[owner + 1]
             with record.phase("decode"):
                 if codec is not None:
-                    codec.decode(buffer.numpy().data, hi - lo, stream.values.dtype, out=out[lo:hi])
+                    codec.decode(host_bytes(buffer).numpy().data, hi - lo, stream.values.dtype, out=out[lo:hi])
                 else:
-                    reduced = Stream.from_bytes(buffer, (lo, hi - lo))
+                    reduced = Stream.from_bytes(buffer, (lo, hi - lo), out.device)
                     reduced.write_into(out[lo:hi])
                     counts += nonzero_counts(reduced, stream.length, bins)
     return counts

@@ -1,6 +1,7 @@
 """SparCML's sparse streams: a vector held as sorted (index, value) pairs while that is smaller,
 and as a dense array once nnz·(c + isize) ≥ N·isize, i.e. beyond δ = N·isize / (c + isize) (§5.1).
-Streams are summed on the way through a reduction and serialised to bytes for the wire."""
+Streams are summed on the way through a reduction and serialised to bytes for the wire; they live
+on the gradient's device, their bytes on the wire's."""
 
 from __future__ import annotations
 
@@ -59,11 +60,11 @@ class Stream:
         return out
 
     def write_into(self, target: torch.Tensor) -> None:
-        """Write this stream's entries into ``target`` (its range, zeroed beforehand)."""
+        """Write this stream's entries into ``target`` (its range, zeroed beforehand, on any device)."""
         if self.indices is None:
             target.copy_(self.values)
         else:
-            target[self.indices] = self.values
+            target[self.indices.to(target.device)] = self.values.to(target.device)
 
     def wire_bytes(self) -> int:
         isize = self.values.element_size()
@@ -74,22 +75,24 @@ class Stream:
 
     # -- wire ---------------------------------------------------------------------------------
     def to_bytes(self) -> torch.Tensor:
+        """The stream's bytes, on the device its entries are on."""
         head = _HEAD.pack(self.is_dense, FLOAT_DTYPES[self.values.dtype], self.length, self.offset, self.nnz)
-        parts = [torch.frombuffer(bytearray(head), dtype=torch.uint8)]
+        parts = [torch.frombuffer(bytearray(head), dtype=torch.uint8).to(self.values.device)]
         if self.indices is not None:
             dtype = torch.int32 if self.index_bytes() == 4 else torch.int64
-            parts.append(self.indices.to(dtype).cpu().view(torch.uint8))
-        parts.append(self.values.detach().cpu().contiguous().view(torch.uint8))
+            parts.append(self.indices.to(dtype).view(torch.uint8))
+        parts.append(self.values.detach().contiguous().view(torch.uint8))
         return torch.cat(parts)
 
     @staticmethod
-    def from_bytes(buffer: torch.Tensor, expect: tuple[int, int] | None = None) -> Stream:
-        """A stream from its bytes; ``expect``: the (offset, length) of the range the receiver expects,
-        checked before anything the size of the range is allocated."""
+    def from_bytes(buffer: torch.Tensor, expect: tuple[int, int] | None = None,
+                   device: torch.device | None = None) -> Stream:
+        """A stream from its bytes (on any device), its entries on ``device`` (default: the bytes');
+        ``expect``: the (offset, length) of the range the receiver expects, checked before anything
+        the size of the range is allocated."""
         if buffer.numel() < _HEAD.size:
             raise PayloadError("stream shorter than its header")
-        raw = buffer.numpy().tobytes()
-        dense, dtype_code, length, offset, count = _HEAD.unpack_from(raw)
+        dense, dtype_code, length, offset, count = _HEAD.unpack(buffer[:_HEAD.size].cpu().numpy().tobytes())
         if dtype_code not in DTYPE_BY_CODE or dense not in (0, 1) or (dense and count != length) or count > length:
             raise PayloadError("stream header is corrupt")
         if expect is not None and (offset, length) != expect:
@@ -98,15 +101,17 @@ class Stream:
         dtype = DTYPE_BY_CODE[dtype_code]
         isize = torch.empty(0, dtype=dtype).element_size()
         index_bytes = 0 if dense else (4 if offset + length <= 2**31 else 8)
-        if len(raw) != _HEAD.size + count * (index_bytes + isize):
-            raise PayloadError(f"stream of {len(raw)} bytes does not hold {count} entries")
-        body = buffer[_HEAD.size :]
-        values = body[count * index_bytes :].clone().view(dtype) if count else torch.zeros(0, dtype=dtype)
+        if buffer.numel() != _HEAD.size + count * (index_bytes + isize):
+            raise PayloadError(f"stream of {buffer.numel()} bytes does not hold {count} entries")
+        device = device if device is not None else buffer.device
+        body = buffer[_HEAD.size :].to(device)
+        values = body[count * index_bytes :].clone().view(dtype) if count else torch.zeros(0, dtype=dtype,
+                                                                                            device=device)
         if dense:
             return Stream(length, values, None, offset)
         index_dtype = torch.int32 if index_bytes == 4 else torch.int64
         indices = body[: count * index_bytes].clone().view(index_dtype).to(torch.int64) if count else (
-            torch.zeros(0, dtype=torch.int64))
+            torch.zeros(0, dtype=torch.int64, device=device))
         if count and (int(indices.min()) < 0 or int(indices.max()) >= length):
             raise PayloadError("stream index outside its range")
         return Stream(length, values, indices, offset)
@@ -130,8 +135,10 @@ def sum_streams(streams: list[Stream]) -> Stream:
     total_nnz = sum(s.nnz for s in streams)
     dense_inputs = [s for s in streams if s.indices is None]
     if dense_inputs or total_nnz >= DENSE_PATH_FRACTION * length:
-        total = dense_inputs[0].values.clone() if dense_inputs else torch.zeros(length, dtype=first.values.dtype)
-        touched = None if dense_inputs else torch.zeros(length, dtype=torch.bool)
+        device = first.values.device
+        total = dense_inputs[0].values.clone() if dense_inputs else torch.zeros(length, dtype=first.values.dtype,
+                                                                                 device=device)
+        touched = None if dense_inputs else torch.zeros(length, dtype=torch.bool, device=device)
         for stream in streams:
             if stream is (dense_inputs[0] if dense_inputs else None):
                 continue
@@ -149,5 +156,5 @@ def sum_streams(streams: list[Stream]) -> Stream:
     indices = torch.cat([s.indices for s in streams if s.indices is not None])
     values = torch.cat([s.values for s in streams])
     unique, inverse = torch.unique(indices, sorted=True, return_inverse=True)
-    summed = torch.zeros(unique.numel(), dtype=values.dtype).index_add_(0, inverse, values)
+    summed = torch.zeros(unique.numel(), dtype=values.dtype, device=values.device).index_add_(0, inverse, values)
     return Stream.sparse(unique, summed, length, offset)

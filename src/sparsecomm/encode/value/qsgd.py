@@ -59,7 +59,7 @@ class QSGDValues(ValueCodec):
         return norms.numpy().astype("<f4").tobytes() + pack_fixed(levels.numpy(), self.bits)
 
     def decode(self, data: memoryview, nnz: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-        """As every value codec's; ``out`` (``nnz`` entries on the CPU), when given, receives the
+        """As every value codec's; ``out`` (``nnz`` entries, on any device), when given, receives the
         values instead of a new tensor — a dense phase decodes straight into the result."""
         n_buckets, s = self._buckets(nnz), self.levels
         if len(data) != 4 * n_buckets + nbytes_for_bits(nnz * self.bits):

@@ -1,0 +1,107 @@
+"""CUDA gradients and NCCL, wherever a GPU is present (skipped elsewhere): every collective on its
+backend's device — NCCL refuses CPU tensors, so one misplaced buffer fails these — results on the
+gradient's device, and the same values as the CPU run of the same inputs and seeds."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import sparsecomm as sc
+from helpers import contribution
+from sparsecomm.launch import run_local
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+
+EXACT = ["allgather", "dense", "auto", "sparse_allreduce(algorithm=ssar_rd)", "sparse_allreduce(algorithm=ssar_sa)",
+         "sparse_allreduce(algorithm=dsar_sa)"]
+LOSSY = ["sparse_allreduce(algorithm=dsar_sa,qsgd_bits=4)", "sketch_allreduce(ratio=2.0,block=16)",
+         "dense(dtype=fp16)"]
+OVERLAPS = ["random", "full", "all_empty", "dense_result"]
+
+
+def every_transport(rank: int, world: int, cpu_group_backend: str) -> dict:
+    """Each transport on this rank's CUDA contribution over the default group, and on the same
+    contribution on the CPU over a gloo group of the same ranks: (device, max |CUDA − CPU|, max |CUDA − exact|)."""
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    cpu_group = dist.new_group(backend=cpu_group_backend)
+    out = {}
+    with sc.TransportSession() as session, sc.TransportSession() as cpu_session:
+        for overlap in OVERLAPS:
+            grad = contribution(rank, world, overlap)
+            exact = grad.clone()
+            dist.all_reduce(exact, group=cpu_group)
+            for text in EXACT + LOSSY:
+                transport = sc.parse_spec(text).transport
+                request = sc.Request(key=f"{overlap} {text}", seed=1, index_codec=sc.INDEX_CODECS.create("rice"))
+                on_gpu = transport.reduce_async(sc.SparseGradient.from_dense(grad.cuda()), request=request,
+                                                session=session).wait().total
+                on_cpu = transport.allreduce(sc.SparseGradient.from_dense(grad), cpu_group, request,
+                                             session=cpu_session)
+                out[(overlap, text)] = (on_gpu.device.type, float((on_gpu.cpu() - on_cpu).abs().max()),
+                                        float((on_gpu.cpu() - exact).abs().max()))
+    return out
+
+
+def check_transports(results: list[dict]) -> None:
+    for per_rank in results:
+        for (overlap, text), (device, versus_cpu, versus_exact) in per_rank.items():
+            assert device == "cuda", (overlap, text)
+            if text in EXACT:
+                assert versus_cpu == 0.0, f"{text} ({overlap}) differs from its CPU run by {versus_cpu}"
+                assert versus_exact <= 1e-5, (overlap, text, versus_exact)
+            else:
+                assert versus_cpu <= 1e-4, f"{text} ({overlap}) differs from its CPU run by {versus_cpu}"
+
+
+def test_every_transport_runs_on_nccl_with_its_buffers_on_the_gpu():
+    check_transports(run_local(1, every_transport, "gloo", backend="nccl", timeout=240))
+
+
+def test_gloo_carries_cuda_gradients_and_returns_them_to_the_gpu():
+    check_transports(run_local(2, every_transport, "gloo", backend="gloo", timeout=240))
+
+
+def ddp_steps(rank: int, world: int, preset: str, device: str, steps: int) -> dict:
+    """A few DDP steps of a small MLP with ``preset`` as the hook, on ``device``."""
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)).to(device)
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.05)
+    reducer = sc.GradientReducer(preset, model=ddp, seed=3, dense_below=64)
+    ddp.register_comm_hook(reducer, sc.ddp_comm_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    generator = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(steps):
+        inputs = torch.randn(32, 64, generator=generator).to(device)
+        targets = torch.randint(0, 10, (32,), generator=generator).to(device)
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(ddp(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    reducer.close()
+    return {"losses": losses, "devices": {p.grad.device.type for p in model.parameters()},
+            "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
+
+
+@pytest.mark.parametrize("preset", sc.available_presets())
+def test_the_ddp_hook_runs_every_preset_on_nccl(preset):
+    (gpu,) = run_local(1, ddp_steps, preset, "cuda", 4, backend="nccl", timeout=240)
+    (cpu,) = run_local(1, ddp_steps, preset, "cpu", 4, backend="gloo", timeout=240)
+    assert gpu["devices"] == {"cuda"} and gpu["finite"]
+    # the same first step (same weights and data; a GPU's matmuls round differently, so close, not equal)
+    torch.testing.assert_close(gpu["losses"][0], cpu["losses"][0], rtol=1e-4, atol=1e-5)
+    assert gpu["losses"][-1] < gpu["losses"][0] + 0.5
+
+
+def test_a_sparse_selection_reaches_the_host_in_one_copy():
+    selection = sc.SparseGradient(torch.tensor([3, 9, 40], device="cuda"),
+                                  torch.tensor([1.5, -2.0, 0.25], device="cuda"), torch.Size([64]))
+    host = selection.to_host()
+    assert host.indices.device.type == "cpu" and host.values.device.type == "cpu"
+    assert host.indices.tolist() == [3, 9, 40] and host.values.tolist() == [1.5, -2.0, 0.25]
+    assert host.values.untyped_storage().data_ptr() == host.indices.untyped_storage().data_ptr()  # one buffer
+    assert host.indices.is_pinned()
