@@ -19,8 +19,7 @@ import torch
 from sparsecomm.errors import SparseCommError
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.sparsify.base import SPARSIFIERS, Sparsifier, count_from, gather
-from sparsecomm.sparsify.dgc_threshold import sampled_threshold
-from sparsecomm.sparsify.threshold import indices_at_or_above
+from sparsecomm.sparsify.dgc_threshold import refined_selection, sampled_threshold
 
 MIN_SAMPLES = 256
 """below this many samples a tensor is small enough for an exact top-k"""
@@ -70,14 +69,4 @@ class Adaptive(Sparsifier):
         if numel // stride < MIN_SAMPLES:  # too small to sample well; an exact top-k is cheap here
             return gather(tensor, torch.topk(flat.abs(), k, sorted=False).indices.sort().values)
         threshold = sampled_threshold(flat, k, self.sample, generator)
-        indices = indices_at_or_above(flat, threshold).to(flat.device)
-        for _ in range(RETRIES):
-            if indices.numel() >= LOWER * k or threshold == 0.0:
-                break
-            threshold *= DECAY
-            indices = indices_at_or_above(flat, threshold).to(flat.device)
-        if indices.numel() > UPPER * k:  # raise the threshold to the k-th largest selected magnitude
-            magnitudes = flat[indices].abs()
-            kth = torch.topk(magnitudes, k, sorted=False).values.min()
-            indices = indices[magnitudes >= kth]
-        return gather(tensor, indices)
+        return gather(tensor, refined_selection(flat, k, threshold, LOWER, UPPER, DECAY, RETRIES, in_order=True))

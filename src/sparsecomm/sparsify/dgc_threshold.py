@@ -65,13 +65,24 @@ class DGCThreshold(CountedSparsifier):
         if flat.numel() * self.sample < MIN_SAMPLES:  # too small to sample well; exact is cheap here
             return gather(tensor, torch.topk(flat.abs(), k, sorted=False).indices)
         threshold = self.sampled_threshold(flat, k, generator)
+        return gather(tensor, refined_selection(flat, k, threshold, self.lower, self.upper, self.decay, self.retries))
+
+
+def refined_selection(flat: torch.Tensor, k: int, threshold: float, lower: float, upper: float, decay: float,
+                      retries: int, in_order: bool = False) -> torch.Tensor:
+    """Indices of the entries of ``flat`` at or above an estimated ``threshold``, corrected towards
+    k: lowered by ``decay`` while fewer than ``lower``·k pass (at most ``retries`` times), and cut
+    when more than ``upper``·k pass — to exactly k by a top-k, or with ``in_order`` to those at or
+    above the k-th largest magnitude, in index order (no sort needed later)."""
+    indices = indices_at_or_above(flat, threshold).to(flat.device)
+    for _ in range(retries):
+        if indices.numel() >= lower * k or threshold == 0.0:
+            break
+        threshold *= decay
         indices = indices_at_or_above(flat, threshold).to(flat.device)
-        for _ in range(self.retries):
-            if indices.numel() >= self.lower * k or threshold == 0.0:
-                break
-            threshold *= self.decay
-            indices = indices_at_or_above(flat, threshold).to(flat.device)
-        if indices.numel() > self.upper * k:
-            _, best = torch.topk(flat[indices].abs(), k, sorted=False)
-            indices = indices[best]
-        return gather(tensor, indices)
+    if indices.numel() > upper * k:
+        magnitudes = flat[indices].abs()
+        if in_order:
+            return indices[magnitudes >= torch.topk(magnitudes, k, sorted=False).values.min()]
+        return indices[torch.topk(magnitudes, k, sorted=False).indices]
+    return indices
