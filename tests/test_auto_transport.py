@@ -114,9 +114,11 @@ def auto_collectives_per_call(rank: int, world: int) -> dict:
     return {"calls": calls, "chosen": chosen, "exact": exact}
 
 
-def test_auto_that_keeps_choosing_allgather_sends_sizes_on_its_agreement_step():
-    # first call: agreement, size exchange, data; later calls: the agreement carries the sizes
+def test_auto_that_keeps_choosing_allgather_runs_it_in_one_round():
+    # first call: agreement, size exchange, data; then allgather's own round, the agreement records
+    # in front of the payloads: the second call's first round is sized from nothing (records only,
+    # payloads in a second round), the third's fits the payloads
     for result in run_local(2, auto_collectives_per_call):
         assert result["chosen"] == ["allgather"] * 3
-        assert result["calls"] == [3, 2, 2]
+        assert result["calls"] == [3, 2, 1]
         assert result["exact"]

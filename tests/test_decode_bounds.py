@@ -153,6 +153,17 @@ def test_a_negative_index_cannot_pass_as_increasing_through_int64_overflow():
     assert isinstance(outcome, sc.PayloadError) and "strictly increasing" in str(outcome)
 
 
+@pytest.mark.parametrize("count", [9, 17, 40])
+def test_rice_positions_that_wrap_int32_are_refused(count):
+    """Below 2**30 elements Rice sums run in int32: low parts of all ones at b=28 push the true
+    positions past 2**31 (and, at 17, round 2**32 back inside the tensor), which must fail."""
+    numel, b = 1 << 29, 28
+    unary = int("1" * count + "0" * (-count % 8), 2).to_bytes(-(-count // 8), "big")  # quotients all 0
+    section = bytes([b]) + unary + b"\xff" * (-(-count * b // 8))
+    outcome, _, _ = decode_measured(craft("rice", "fp32", numel, count, section, b"\0" * 4 * count), expect=numel)
+    assert isinstance(outcome, sc.PayloadError) and "strictly increasing" in str(outcome)
+
+
 @pytest.mark.parametrize("index_codec", ["raw", "bitmap", "rle", "delta_binary", "huffman", "rice"])
 def test_the_densest_claim_each_index_codec_allows_stays_within_the_bound(index_codec):
     numel = 1 << 20

@@ -10,6 +10,10 @@ import torch
 
 from sparsecomm.errors import SparseCommError
 
+TORCH_RADIX_SORT_MIN = 1 << 15
+"""torch sorts a CPU integer tensor of at least this many elements by radix (4x faster than
+below it, where numpy's sort of index-value pairs wins)"""
+
 
 @dataclass(frozen=True)
 class SparseGradient:
@@ -96,18 +100,24 @@ class SparseGradient:
         threshold's selection is: one comparison pass instead of a sort and two gathers)."""
         if self.nnz < 2 or bool((self.indices[1:] > self.indices[:-1]).all()):
             return self
-        if self.indices.device.type != "cpu":
-            order = torch.sort(self.indices).indices
-            return SparseGradient(self.indices[order], self.values[order], self.shape)
-        if self.values.element_size() == 4 and self.numel <= 1 << 31:
+        if (
+            self.indices.device.type == "cpu"
+            and self.nnz < TORCH_RADIX_SORT_MIN
+            and self.values.element_size() == 4
+            and self.numel <= 1 << 31
+        ):
             return self._sorted_as_pairs()
-        order = torch.from_numpy(np.argsort(self.indices.numpy()))  # numpy's is the faster sort on CPU
-        return SparseGradient(self.indices[order], self.values[order], self.shape)
+        # 32-bit keys where they fit: half the radix passes of int64 (160k entries: 1.8 ms, against
+        # 2.9 ms for int64 keys and 7 ms for numpy's sort of pairs)
+        keys = self.indices.to(torch.int32) if self.numel <= 1 << 31 else self.indices
+        ordered, order = torch.sort(keys)
+        return SparseGradient(ordered.to(torch.int64), self.values[order], self.shape)
 
     def _sorted_as_pairs(self) -> SparseGradient:
-        """Sorted by one sort of 64-bit keys, each an index (high 32 bits) with its 4-byte value's
-        bits (low 32): indices are unique, so the keys order as the indices do, and no permutation
-        is gathered afterwards. About 3x faster than an argsort and two gathers."""
+        """Sorted by one numpy sort of 64-bit keys, each an index (high 32 bits) with its 4-byte
+        value's bits (low 32): indices are unique, so the keys order as the indices do, and no
+        permutation is gathered afterwards. Below torch's radix-sort size it is the faster sort
+        (16k entries: 0.5 ms, against 0.7 ms for torch's comparison sort)."""
         keys = (self.indices.numpy() << 32) | self.values.detach().contiguous().view(torch.int32).numpy().view(
             np.uint32).astype(np.int64)
         keys.sort()

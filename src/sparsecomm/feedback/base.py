@@ -58,7 +58,7 @@ def subtract_sent(accumulated: torch.Tensor, sent: SparseGradient) -> torch.Tens
     returns the flat indices of what was sent, on the accumulator's device."""
     flat = accumulated.view(-1)
     indices = sent.indices.to(flat.device)
-    flat.index_put_((indices,), -sent.values.to(flat.device, flat.dtype), accumulate=True)
+    flat.scatter_add_(0, indices, -sent.values.to(flat.device, flat.dtype))
     return indices
 
 

@@ -179,7 +179,7 @@ def marginal_sparse_cost(spec: Any, repeats: int = 5) -> tuple[float, float]:
         middle = time.perf_counter()
         assert payload is not None
         received = decode(payload, expect=CALIBRATION_NUMEL)
-        total.index_add_(0, received.indices, received.values)
+        total.scatter_add_(0, received.indices, received.values)
         return len(payload), middle - start, time.perf_counter() - middle
 
     for _ in range(2):  # warm, untimed: a first call allocates and pages in what later ones reuse

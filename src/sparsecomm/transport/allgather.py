@@ -25,7 +25,15 @@ from sparsecomm.payload import as_tensor, decode, encode
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.agreement import agree, agreement_record, check_table
 from sparsecomm.transport.base import TRANSPORTS, Transport, as_sparse, deliver, output_buffer
-from sparsecomm.transport.collectives import Group, allgather_arrivals, fingerprint, takes_short_messages, world
+from sparsecomm.transport.collectives import (
+    Group,
+    Receiver,
+    allgather_arrivals,
+    fingerprint,
+    fresh_buffer,
+    takes_short_messages,
+    world,
+)
 from sparsecomm.transport.payload_exchange import NBYTES_FIELD, PayloadExchange, next_capacity
 from sparsecomm.transport.request import CallRecord, Reduction, Request
 from sparsecomm.transport.session import TransportSession
@@ -52,19 +60,32 @@ def payload_of(sparse: SparseGradient, group: Group, request: Request) -> torch.
 
 class RankOrderSum:
     """Contributions added to ``total`` in rank order as they become available, so every rank adds
-    the same numbers in the same order and gets the same bits."""
+    the same numbers in the same order and gets the same bits. Ranks 0 and 1 may come in either
+    order: adding to the zeroed buffer is exact (up to a zero's sign, which the second addition
+    settles the same either way) and IEEE addition commutes, so 0 + a + b and 0 + b + a are equal
+    bits. Rank 1 thus adds its own contribution while rank 0's travels."""
 
     def __init__(self, total: torch.Tensor) -> None:
         self.total = total
         self._waiting: dict[int, SparseGradient] = {}
-        self._next = 0
+        self._added: set[int] = set()
+        self._lowest_missing = 0
 
     def add(self, rank: int, part: SparseGradient) -> None:
         self._waiting[rank] = part
-        while self._next in self._waiting:
-            part = self._waiting.pop(self._next)
-            self.total.index_add_(0, part.indices, part.values.to(self.total.dtype))
-            self._next += 1
+        while (ready := self._ready()) is not None:
+            part = self._waiting.pop(ready)
+            self.total.scatter_add_(0, part.indices, part.values.to(self.total.dtype))
+            self._added.add(ready)
+            while self._lowest_missing in self._added:
+                self._lowest_missing += 1
+
+    def _ready(self) -> int | None:
+        if self._lowest_missing in self._waiting:
+            return self._lowest_missing
+        if not self._added and 1 in self._waiting:
+            return 1
+        return None
 
 
 @TRANSPORTS.register("allgather")
@@ -77,8 +98,14 @@ class AllgatherTransport(Transport):
         sparse = as_sparse(grad)
         request = request or Request()
         index_codec, value_codec = codecs_of(request)
-        config = fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype, index_codec.to_spec(),
-                             value_codec.to_spec())
+        config = fingerprint(
+            self.to_spec(),
+            tuple(sparse.shape),
+            sparse.dtype,
+            index_codec.to_spec(),
+            value_codec.to_spec(),
+            request.caller_config,
+        )
         record = CallRecord(self.to_spec())
         with record.phase("encode"):
             if request.payload is None:
@@ -90,7 +117,8 @@ class AllgatherTransport(Transport):
         exact = codecs_lossless(index_codec, value_codec, sparse.dtype)
         own = sparse if exact or (request.payload is not None and request.payload_is_contribution) else None
         if session is None or request.agreement is not None or not takes_short_messages(group):
-            total = self._in_two_rounds(sparse, own, payload, group, request, config, out, record)
+            receiver = session.receiver("payloads") if session is not None else fresh_buffer
+            total = self._in_two_rounds(sparse, own, payload, group, request, config, out, record, receiver)
         else:
             total = self._in_one_round(sparse, own, payload, group, request, config, out, record, session)
         with record.phase("output"):
@@ -102,8 +130,9 @@ class AllgatherTransport(Transport):
                       session: TransportSession) -> torch.Tensor:
         """Payloads behind their agreement records (`PayloadExchange`); the table checked once all
         records are in, before anything late is received or the sum returned."""
-        envelope = agreement_record(request, sparse.numel, config, nbytes=payload.numel())
-        with closing(PayloadExchange(envelope, payload, session.payload_capacity, group)) as exchange:
+        envelope = agreement_record(request, sparse.numel, config, sparse.nnz, payload.numel())
+        receivers = (session.receiver("payloads, first round"), session.receiver("payloads, second round"))
+        with closing(PayloadExchange(envelope, payload, session.payload_capacity, group, receivers)) as exchange:
             with record.phase("output"):
                 # cleared while the messages travel
                 total = output_buffer(out, sparse.numel, sparse.dtype, sparse.device)
@@ -115,7 +144,7 @@ class AllgatherTransport(Transport):
                     _add(summing, rank, buffer, own if buffer is payload else None, sparse.shape, record)
             with record.phase("agreement"):
                 table = exchange.table
-                check_table(table, request, sparse.numel, config)
+                record.agreement = check_table(table, request, sparse.numel, config)
                 sizes = table[:, NBYTES_FIELD].tolist()
                 _check_sizes(sizes, sparse.numel)
             for rank, buffer in record.timed(exchange.second_round(), "transfer"):
@@ -124,12 +153,22 @@ class AllgatherTransport(Transport):
         return total
 
     @staticmethod
-    def _in_two_rounds(sparse: SparseGradient, own: SparseGradient | None, payload: torch.Tensor, group: Group,
-                       request: Request, config: int, out: torch.Tensor | None, record: CallRecord) -> torch.Tensor:
+    def _in_two_rounds(
+        sparse: SparseGradient,
+        own: SparseGradient | None,
+        payload: torch.Tensor,
+        group: Group,
+        request: Request,
+        config: int,
+        out: torch.Tensor | None,
+        record: CallRecord,
+        receiver: Receiver,
+    ) -> torch.Tensor:
         """The agreement step (which carries the sizes, unless ``auto`` ran it), then the payloads."""
         with record.phase("agreement"):
-            sizes = agree(group, request, sparse.numel, config, nbytes=payload.numel()).sizes
-        with closing(allgather_arrivals(payload, group, None if sizes is None else list(sizes))) as received:
+            record.agreement = agree(group, request, sparse.numel, config, sparse.nnz, payload.numel())
+            sizes = record.agreement.sizes
+        with closing(allgather_arrivals(payload, group, None if sizes is None else list(sizes), receiver)) as received:
             with record.phase("transfer"):
                 first = next(received)  # at once, with the other payloads now in flight
             with record.phase("output"):

@@ -14,9 +14,12 @@ passed to the call, whose owner checkpoints it, so a resumed run makes the same 
 decide from agreed numbers (maxima over ranks) and a cost model checked to be the same, so they
 always choose alike.
 
-auto's agreement step stands in for the chosen transport's. When the call is expected to run
-``allgather``, the payload is encoded before it and the step carries the payload sizes too, so
-auto costs no collective more than the transport it picks.
+auto's agreement step stands in for the chosen transport's, so auto costs no collective more than
+the transport it picks. When the call is expected to run ``allgather`` (its size class chose it, or
+tries it next), the payload is encoded first; with a session on gloo, auto then runs allgather's one
+round, its configuration in the agreement records that travel in front of the payloads, and the
+largest nnz they bring decides what the size class runs next. Elsewhere the agreement step carries
+the payload sizes.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.agreement import agree
 from sparsecomm.transport.allgather import AllgatherTransport, payload_of
 from sparsecomm.transport.base import TRANSPORTS, Transport, as_sparse
-from sparsecomm.transport.collectives import Group, fingerprint, wire_device, world
+from sparsecomm.transport.collectives import Group, fingerprint, takes_short_messages, wire_device, world
 from sparsecomm.transport.cost_model import CostModel, load_cost_model
 from sparsecomm.transport.dense import DenseTransport
 from sparsecomm.transport.request import CallRecord, Reduction, Request
@@ -116,19 +119,36 @@ class AutoTransport(Transport):
             # sizes: allgather needs no size exchange of its own
             if expected == "allgather":
                 request = replace(request, payload=payload_of(sparse, group, request))
-        nbytes = len(request.payload) if request.payload is not None else 0
-        with own.phase("agreement"):
-            agreement = agree(group, request, sparse.numel, fingerprint(
-                self.to_spec(), tuple(sparse.shape), sparse.dtype, model.fingerprint(),
-                split_points_of(session, request, sparse.numel, workers)), sparse.nnz, nbytes)
-        best, costs = choose(model, workers, sparse.numel, agreement.max_nnz, isize,
-                             estimated_payload_bytes_per_nnz(request, sparse.numel, agreement.max_nnz))
-        request = replace(request, agreement=agreement)  # the chosen transport needs no agreement step
-        if session is None or self.explore == 0:
-            reduction, upcoming = build(best).reduce(sparse, group, request, out, session), best
+        config = fingerprint(
+            self.to_spec(),
+            tuple(sparse.shape),
+            sparse.dtype,
+            model.fingerprint(),
+            split_points_of(session, request, sparse.numel, workers),
+        )
+        if expected == "allgather" and session is not None and takes_short_messages(group):
+            reduction, upcoming, costs = self._allgather_in_one_round(
+                sparse, group, request, out, session, config, workers, isize, start
+            )
         else:
-            reduction, upcoming = self._explore(sparse, group, request, out, session, best, costs, workers, isize,
-                                                start)
+            nbytes = len(request.payload) if request.payload is not None else 0
+            with own.phase("agreement"):
+                agreement = agree(group, request, sparse.numel, config, sparse.nnz, nbytes)
+            best, costs = choose(
+                model,
+                workers,
+                sparse.numel,
+                agreement.max_nnz,
+                isize,
+                estimated_payload_bytes_per_nnz(request, sparse.numel, agreement.max_nnz),
+            )
+            request = replace(request, agreement=agreement)  # the chosen transport needs no agreement step
+            if session is None or self.explore == 0:
+                reduction, upcoming = build(best).reduce(sparse, group, request, out, session), best
+            else:
+                reduction, upcoming = self._explore(
+                    sparse, group, request, out, session, best, costs, workers, isize, start
+                )
         if session is not None:
             session.expected[stream] = upcoming
         reduction.record.predicted_ms.update({name: 1e3 * cost for name, cost in costs.items()})
@@ -136,27 +156,88 @@ class AutoTransport(Transport):
             reduction.record.phases[phase] = reduction.record.phases.get(phase, 0.0) + seconds
         return reduction
 
-    def _explore(self, sparse: SparseGradient, group: Group, request: Request, out: torch.Tensor | None,
-                 session: TransportSession, best: str, costs: dict[str, float], workers: int, isize: int,
-                 start: float) -> tuple[Reduction, str]:
-        """The sum, by the size class's choice or its next trial, and what its next call will run."""
-        assert request.agreement is not None
-        key = size_class(sparse.numel, request.agreement.max_nnz, isize, workers, (self.explore, self.shortlist))
+    def _allgather_in_one_round(
+        self,
+        sparse: SparseGradient,
+        group: Group,
+        request: Request,
+        out: torch.Tensor | None,
+        session: TransportSession,
+        config: int,
+        workers: int,
+        isize: int,
+        start: float,
+    ) -> tuple[Reduction, str, dict[str, float]]:
+        """``allgather`` in its one round, auto's configuration checked in its agreement records;
+        the largest nnz they bring decides the size class's next call, and the call counts as one
+        of its allgather trials where those are still wanted."""
+        reduction = AllgatherTransport().reduce(sparse, group, replace(request, caller_config=config), out, session)
+        assert reduction.record.agreement is not None
+        max_nnz = reduction.record.agreement.max_nnz
+        best, costs = choose(
+            session.cost_model,
+            workers,
+            sparse.numel,
+            max_nnz,
+            isize,
+            estimated_payload_bytes_per_nnz(request, sparse.numel, max_nnz),
+        )
+        if self.explore == 0:
+            return reduction, best, costs
+        tuning = self._tuning(session, sparse.numel, max_nnz, isize, workers, best, costs)
+        if tuning.wants("allgather", self.explore):
+            tuning.record("allgather", slowest_seconds_since(start, group), self.explore)
+        return reduction, tuning.chosen or tuning.next_to_try(self.explore) or "allgather", costs
+
+    def _tuning(
+        self,
+        session: TransportSession,
+        numel: int,
+        max_nnz: int,
+        isize: int,
+        workers: int,
+        best: str,
+        costs: dict[str, float],
+    ) -> Tuning:
+        """The size class's tuning, started with the model's shortlist."""
+        key = size_class(numel, max_nnz, isize, workers, (self.explore, self.shortlist))
         if key not in session.tunings:
             ranked = sorted(costs, key=costs.__getitem__)
             shortlisted = [n for n in ranked if costs[n] <= self.shortlist * costs[best]]
             session.tunings[key] = Tuning(shortlisted[:MAX_SHORTLIST])
-        tuning = session.tunings[key]
+        return session.tunings[key]
+
+    def _explore(
+        self,
+        sparse: SparseGradient,
+        group: Group,
+        request: Request,
+        out: torch.Tensor | None,
+        session: TransportSession,
+        best: str,
+        costs: dict[str, float],
+        workers: int,
+        isize: int,
+        start: float,
+    ) -> tuple[Reduction, str]:
+        """The sum, by the size class's choice or its next trial, and what its next call will run."""
+        assert request.agreement is not None
+        tuning = self._tuning(session, sparse.numel, request.agreement.max_nnz, isize, workers, best, costs)
         if tuning.chosen is not None:
             return build(tuning.chosen).reduce(sparse, group, request, out, session), tuning.chosen
         name = tuning.next_to_try(self.explore)
         assert name is not None
         reduction = build(name).reduce(sparse, group, request, out, session)
         # the whole call is timed, agreement and encoding included, on the slowest rank
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=wire_device(group))
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-        tuning.record(name, float(elapsed), self.explore)
+        tuning.record(name, slowest_seconds_since(start, group), self.explore)
         return reduction, tuning.chosen or tuning.next_to_try(self.explore) or name
+
+
+def slowest_seconds_since(start: float, group: Group) -> float:
+    """Seconds since ``start`` on the slowest rank (one small all_reduce: exploring calls only)."""
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=wire_device(group))
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+    return float(elapsed)
 
 
 def exploring_calls(transport: Transport) -> int:

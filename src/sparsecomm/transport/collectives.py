@@ -7,13 +7,20 @@ that device and hand back what arrives on it; byte parsers read it with `host_by
 from __future__ import annotations
 
 import zlib
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import closing
 
 import torch
 import torch.distributed as dist
 
 Group = dist.ProcessGroup | None
+Receiver = Callable[[int, int, torch.device], torch.Tensor]
+"""(peer, nbytes, device) → the uint8 buffer that peer's message lands in (`fresh_buffer`, or a
+session's reused ones: `TransportSession.receiver`)"""
+
+
+def fresh_buffer(peer: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def world(group: Group) -> tuple[int, int]:
@@ -57,8 +64,9 @@ def allgather_bytes(buffer: torch.Tensor, group: Group, counts: list[int] | None
     return [received[r] for r in range(len(received))]
 
 
-def allgather_arrivals(buffer: torch.Tensor, group: Group,
-                       counts: list[int] | None = None) -> Generator[tuple[int, torch.Tensor], None, None]:
+def allgather_arrivals(
+    buffer: torch.Tensor, group: Group, counts: list[int] | None = None, receiver: Receiver = fresh_buffer
+) -> Generator[tuple[int, torch.Tensor], None, None]:
     """Variable-length allgather that yields (rank, buffer) as each arrives: this rank's own (the
     very tensor passed) at once, while the others are still in flight, so the caller can work on
     each while the rest travel. gloo has no allgatherv, so sizes go first (unless ``counts`` already
@@ -70,7 +78,7 @@ def allgather_arrivals(buffer: torch.Tensor, group: Group,
         sizes = torch.zeros(size, dtype=torch.int64, device=device)
         all_gather_single(sizes, torch.tensor([buffer.numel()], dtype=torch.int64, device=device), group=group)
         counts = sizes.tolist()
-    received = {r: torch.empty(n, dtype=torch.uint8, device=device) for r, n in enumerate(counts or []) if r != rank}
+    received = {r: receiver(r, n, device) for r, n in enumerate(counts or []) if r != rank}
     sent = on_wire(buffer, device)
     with closing(Arrivals(received, sends={r: sent for r in range(size) if r != rank}, group=group)) as peers:
         yield rank, buffer
@@ -78,7 +86,7 @@ def allgather_arrivals(buffer: torch.Tensor, group: Group,
             yield peer, received[peer]
 
 
-def alltoall_bytes(chunks: list[torch.Tensor], group: Group) -> list[torch.Tensor]:
+def alltoall_bytes(chunks: list[torch.Tensor], group: Group, receiver: Receiver = fresh_buffer) -> list[torch.Tensor]:
     """Uneven all-to-all: ``chunks[r]`` goes to rank r; returns what each rank sent here."""
     rank, size = world(group)
     device = wire_device(group)
@@ -86,10 +94,12 @@ def alltoall_bytes(chunks: list[torch.Tensor], group: Group) -> list[torch.Tenso
     send_counts = torch.tensor([c.numel() for c in chunks], dtype=torch.int64, device=device)
     recv_counts = torch.empty(size, dtype=torch.int64, device=device)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
-    received = [chunks[r] if r == rank else torch.empty(n, dtype=torch.uint8, device=device)
-                for r, n in enumerate(recv_counts.tolist())]
-    transfer(receives={r: t for r, t in enumerate(received) if r != rank},
-             sends={r: c for r, c in enumerate(chunks) if r != rank}, group=group)
+    received = [chunks[r] if r == rank else receiver(r, n, device) for r, n in enumerate(recv_counts.tolist())]
+    transfer(
+        receives={r: t for r, t in enumerate(received) if r != rank},
+        sends={r: c for r, c in enumerate(chunks) if r != rank},
+        group=group,
+    )
     return received
 
 

@@ -36,7 +36,9 @@ class Request:
     already encoded it, and ``payload_is_contribution`` says the contribution passed with it is
     exactly what it decodes to (as a pipeline's selection is: values as receivers see them), so
     ``allgather`` need not decode it; ``nonfinite`` makes every rank raise at the agreement step;
-    ``agreement`` is set by a caller (``auto``) that already ran that step."""
+    ``agreement`` is set by a caller (``auto``) that already ran that step; ``caller_config`` is a
+    calling transport's configuration fingerprint (``auto``'s), which ``allgather`` checks with its
+    own when it runs the agreement step for that caller."""
 
     key: str = ""
     call: int = 0
@@ -48,6 +50,7 @@ class Request:
     payload_is_contribution: bool = False
     nonfinite: bool = False
     agreement: Agreement | None = None
+    caller_config: int = 0
 
     @property
     def key_hash(self) -> int:
@@ -69,10 +72,12 @@ result"""
 @dataclass
 class CallRecord:
     """What one call did: the transport that ran, bytes this rank sent, seconds per phase on this
-    rank (`PHASES`), and (for ``auto``) the model's predictions in milliseconds."""
+    rank (`PHASES`), the agreement it ran on (where it ran that step), and (for ``auto``) the
+    model's predictions in milliseconds."""
 
     transport: str = ""
     bytes_sent: int = 0
+    agreement: Agreement | None = None
     phases: dict[str, float] = field(default_factory=dict)
     predicted_ms: dict[str, float] = field(default_factory=dict)
 

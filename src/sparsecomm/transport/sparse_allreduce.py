@@ -32,10 +32,12 @@ from sparsecomm.transport.agreement import agree
 from sparsecomm.transport.base import TRANSPORTS, Transport, as_sparse, deliver, output_buffer
 from sparsecomm.transport.collectives import (
     Group,
+    Receiver,
     allgather_arrivals,
     alltoall_bytes,
     exchange_bytes,
     fingerprint,
+    fresh_buffer,
     host_bytes,
     recv_bytes,
     send_bytes,
@@ -44,7 +46,7 @@ from sparsecomm.transport.collectives import (
 from sparsecomm.transport.cost_model import load_cost_model
 from sparsecomm.transport.request import CallRecord, Reduction, Request
 from sparsecomm.transport.session import TransportSession
-from sparsecomm.transport.streams import Stream, sum_streams
+from sparsecomm.transport.streams import Stream, sum_streams, sum_streams_into
 
 ALGORITHMS = ("auto", "ssar_rd", "ssar_sa", "dsar_sa")
 
@@ -88,15 +90,31 @@ class SparseAllreduce(Transport):
         stream = Stream.sparse(sparse.indices, sparse.values.detach(), sparse.numel)
         with record.phase("output"):
             total = output_buffer(out, sparse.numel, sparse.dtype, sparse.device)
+        receivers = (
+            (session.receiver("split-allgather, all-to-all"), session.receiver("split-allgather, allgather"))
+            if session is not None
+            else (fresh_buffer, fresh_buffer)
+        )
         if algorithm == "ssar_rd":
             recursive_doubling(stream, group, record, total)
         elif algorithm == "ssar_sa":
-            counts = split_allgather(stream, group, request, record, total, dense_phase=False, bounds=bounds)
+            counts = split_allgather(
+                stream, group, request, record, total, dense_phase=False, bounds=bounds, receivers=receivers
+            )
             if session is not None:
                 session.split_points[(request.key, sparse.numel, size)] = balanced_bounds(counts, sparse.numel, size)
         else:
-            split_allgather(stream, group, request, record, total, dense_phase=True, qsgd_bits=self.qsgd_bits,
-                            bucket=self.bucket)
+            split_allgather(
+                stream,
+                group,
+                request,
+                record,
+                total,
+                dense_phase=True,
+                qsgd_bits=self.qsgd_bits,
+                bucket=self.bucket,
+                receivers=receivers,
+            )
         with record.phase("output"):
             return Reduction(deliver(total, sparse.shape, sparse.device, out), record)
 
@@ -198,12 +216,23 @@ def split_by_range(stream: Stream, bounds: Sequence[int]) -> list[Stream]:
     return parts
 
 
-def split_allgather(stream: Stream, group: Group, request: Request, record: CallRecord, out: torch.Tensor,
-                    dense_phase: bool, qsgd_bits: int = 0, bucket: int = 1024,
-                    bounds: tuple[int, ...] | None = None) -> torch.Tensor:
+def split_allgather(
+    stream: Stream,
+    group: Group,
+    request: Request,
+    record: CallRecord,
+    out: torch.Tensor,
+    dense_phase: bool,
+    qsgd_bits: int = 0,
+    bucket: int = 1024,
+    bounds: tuple[int, ...] | None = None,
+    receivers: tuple[Receiver, Receiver] = (fresh_buffer, fresh_buffer),
+) -> torch.Tensor:
     """Sums ``stream`` over the group into ``out`` (flat, zeroed), splitting [0, N) at ``bounds``
     (P + 1 ascending positions from 0 to N; default equal ranges). Returns the result's nonzero
-    counts in `BALANCE_BINS_PER_RANGE` × P equal bins, the same on every rank."""
+    counts in `BALANCE_BINS_PER_RANGE` × P equal bins, the same on every rank. The dense phase sums
+    this rank's range straight into ``out`` (no buffer of the range's size per call); ``receivers``:
+    where the all-to-all's and the allgather's messages land."""
     rank, size = world(group)
     bounds_list = list(bounds) if bounds is not None else range_bounds(stream.length, size)
     if len(bounds_list) != size + 1 or bounds_list[0] != 0 or bounds_list[-1] != stream.length or any(
@@ -215,13 +244,11 @@ def split_allgather(stream: Stream, group: Group, request: Request, record: Call
     record.bytes_sent += sum(b.numel() for r, b in enumerate(outgoing) if r != rank)
     owned = (bounds[rank], bounds[rank + 1] - bounds[rank])
     with record.phase("transfer"):
-        received = alltoall_bytes(outgoing, group)
+        received = alltoall_bytes(outgoing, group, receivers[0])
     with record.phase("decode"):
         incoming = [Stream.from_bytes(b, owned, stream.values.device) for b in received]
-    with record.phase("sum"):
-        mine = sum_streams(incoming)  # only the owner sums this range, so every rank gets its bits
-        if dense_phase:
-            mine = Stream(mine.length, mine.to_dense(), None, mine.offset)
+    with record.phase("sum"):  # only the owner sums this range, so every rank gets its bits
+        mine = sum_streams_into(incoming, out[owned[0] : owned[0] + owned[1]]) if dense_phase else sum_streams(incoming)
     codec = QSGDValues(bits=qsgd_bits, bucket=bucket) if dense_phase and qsgd_bits else None
     with record.phase("encode"):
         if codec is not None:
@@ -233,14 +260,15 @@ def split_allgather(stream: Stream, group: Group, request: Request, record: Call
     # rank's own first, while the others are still in flight
     bins = BALANCE_BINS_PER_RANGE * size
     counts = torch.zeros(bins, dtype=torch.int64, device=out.device)
-    with closing(allgather_arrivals(wire, group)) as arrivals:
+    with closing(allgather_arrivals(wire, group, receiver=receivers[1])) as arrivals:
         for owner, buffer in record.timed(arrivals, "transfer"):
             lo, hi = bounds[owner], bounds[owner + 1]
             with record.phase("decode"):
-                if codec is not None:
+                if owner == rank and dense_phase and codec is None:
+                    continue  # the exact sum is in place already
+                if codec is not None:  # this rank's range too: every rank must hold the quantized values
                     codec.decode(host_bytes(buffer).numpy().data, hi - lo, stream.values.dtype, out=out[lo:hi])
                 else:
-                    reduced = Stream.from_bytes(buffer, (lo, hi - lo), out.device)
-                    reduced.write_into(out[lo:hi])
+                    reduced = Stream.write_bytes_into(buffer, (lo, hi - lo), out[lo:hi])
                     counts += nonzero_counts(reduced, stream.length, bins)
     return counts

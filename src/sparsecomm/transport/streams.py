@@ -90,19 +90,7 @@ class Stream:
         """A stream from its bytes (on any device), its entries on ``device`` (default: the bytes');
         ``expect``: the (offset, length) of the range the receiver expects, checked before anything
         the size of the range is allocated."""
-        if buffer.numel() < _HEAD.size:
-            raise PayloadError("stream shorter than its header")
-        dense, dtype_code, length, offset, count = _HEAD.unpack(buffer[:_HEAD.size].cpu().numpy().tobytes())
-        if dtype_code not in DTYPE_BY_CODE or dense not in (0, 1) or (dense and count != length) or count > length:
-            raise PayloadError("stream header is corrupt")
-        if expect is not None and (offset, length) != expect:
-            raise PayloadError(f"stream covers [{offset}, {offset + length}), the receiver expects "
-                               f"[{expect[0]}, {expect[0] + expect[1]})")
-        dtype = DTYPE_BY_CODE[dtype_code]
-        isize = torch.empty(0, dtype=dtype).element_size()
-        index_bytes = 0 if dense else (4 if offset + length <= 2**31 else 8)
-        if buffer.numel() != _HEAD.size + count * (index_bytes + isize):
-            raise PayloadError(f"stream of {buffer.numel()} bytes does not hold {count} entries")
+        dense, dtype, length, offset, count, index_bytes = _read_head(buffer, expect)
         device = device if device is not None else buffer.device
         body = buffer[_HEAD.size :].to(device)
         values = body[count * index_bytes :].clone().view(dtype) if count else torch.zeros(0, dtype=dtype,
@@ -115,6 +103,52 @@ class Stream:
         if count and (int(indices.min()) < 0 or int(indices.max()) >= length):
             raise PayloadError("stream index outside its range")
         return Stream(length, values, indices, offset)
+
+    @staticmethod
+    def write_bytes_into(buffer: torch.Tensor, expect: tuple[int, int], target: torch.Tensor) -> Stream:
+        """`from_bytes` then `write_into` ``target``; a dense stream's values go byte for byte into
+        ``target`` with no tensor of the range's size in between (its values are then ``target``)."""
+        dense, dtype, length, offset, count, _ = _read_head(buffer, expect)
+        if dense and count and target.dtype == dtype and target.is_contiguous():
+            target.view(torch.uint8).copy_(buffer[_HEAD.size :])
+            return Stream(length, target, None, offset)
+        stream = Stream.from_bytes(buffer, expect, target.device)
+        stream.write_into(target)
+        return stream
+
+
+def sum_streams_into(streams: list[Stream], target: torch.Tensor) -> Stream:
+    """The sum of ``streams`` (one range, added in list order) written into ``target``, that range
+    of a zeroed buffer: a dense stream over it that needs no buffer of the range's size of its own."""
+    first = streams[0]
+    if any((s.length, s.offset) != (first.length, first.offset) for s in streams) or target.numel() != first.length:
+        raise PayloadError("streams of different ranges cannot be summed")
+    for stream in streams:
+        if stream.indices is None:
+            target += stream.values.to(target.device)
+        else:
+            target.scatter_add_(0, stream.indices.to(target.device), stream.values.to(target.device))
+    return Stream(first.length, target, None, first.offset)
+
+
+def _read_head(buffer: torch.Tensor, expect: tuple[int, int] | None) -> tuple[bool, torch.dtype, int, int, int, int]:
+    """A stream's (dense, dtype, length, offset, count, index bytes), checked against its size and
+    the receiver's ``expect``."""
+    if buffer.numel() < _HEAD.size:
+        raise PayloadError("stream shorter than its header")
+    dense, dtype_code, length, offset, count = _HEAD.unpack(buffer[: _HEAD.size].cpu().numpy().tobytes())
+    if dtype_code not in DTYPE_BY_CODE or dense not in (0, 1) or (dense and count != length) or count > length:
+        raise PayloadError("stream header is corrupt")
+    if expect is not None and (offset, length) != expect:
+        raise PayloadError(
+            f"stream covers [{offset}, {offset + length}), the receiver expects [{expect[0]}, {expect[0] + expect[1]})"
+        )
+    dtype = DTYPE_BY_CODE[dtype_code]
+    isize = torch.empty(0, dtype=dtype).element_size()
+    index_bytes = 0 if dense else (4 if offset + length <= 2**31 else 8)
+    if buffer.numel() != _HEAD.size + count * (index_bytes + isize):
+        raise PayloadError(f"stream of {buffer.numel()} bytes does not hold {count} entries")
+    return bool(dense), dtype, length, offset, count, index_bytes
 
 
 DENSE_PATH_FRACTION = 1 / 20
@@ -145,7 +179,7 @@ def sum_streams(streams: list[Stream]) -> Stream:
             if stream.indices is None:
                 total += stream.values
             else:
-                total.index_add_(0, stream.indices, stream.values)
+                total.scatter_add_(0, stream.indices, stream.values)
                 if touched is not None:
                     touched[stream.indices] = True
         if touched is not None:

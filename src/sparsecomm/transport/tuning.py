@@ -33,10 +33,18 @@ class Tuning:
         return statistics.median(self.seconds[name])
 
     def next_to_try(self, trials: int) -> str | None:
-        pool, target = (self.candidates, trials) if self.finalists is None else (
-            self.finalists, TIE_BREAK_TRIALS * trials)
-        pending = [c for c in pool if len(self.seconds.get(c, [])) < target]
+        pending = self._pending(trials)
         return min(pending, key=lambda c: len(self.seconds.get(c, []))) if pending else None
+
+    def wants(self, name: str, trials: int) -> bool:
+        """Whether a trial of ``name`` still counts (it is a candidate short of its trials)."""
+        return self.chosen is None and name in self._pending(trials)
+
+    def _pending(self, trials: int) -> list[str]:
+        pool, target = (
+            (self.candidates, trials) if self.finalists is None else (self.finalists, TIE_BREAK_TRIALS * trials)
+        )
+        return [c for c in pool if len(self.seconds.get(c, [])) < target]
 
     def record(self, name: str, seconds: float, trials: int) -> None:
         self.seconds.setdefault(name, []).append(seconds)

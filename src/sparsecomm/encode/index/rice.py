@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from sparsecomm.encode.base import INDEX_CODECS, IndexCodec
 from sparsecomm.encode.bits import nbytes_for_bits, pack_fixed, pack_unary, unary_ends, unpack_fixed, unpack_unary
@@ -75,20 +77,35 @@ def decode_gaps(data: memoryview, count: int, limit: int) -> np.ndarray:
     quotients = unpack_unary(quotient_stream, count)
     if count and int(quotients.max()) > (limit >> b):
         raise PayloadError("rice gap exceeds the tensor size")
-    return (quotients << b) | low
+    return (quotients << b) | low.astype(np.int64)
 
 
 def decode_positions(data: memoryview, count: int, limit: int) -> np.ndarray:
     """The positions a Rice stream of ``count`` gaps names, position i = Σ_{j≤i} (gap_j + 1) − 1,
     without forming the gaps: the quotients' running sum is ``unary end − i``, so one cumulative sum
     (of the low parts) does. A last position beyond ``limit`` (by its quotients) is an error;
-    checking the positions' range and order is the caller's."""
+    checking the positions' range and order is the caller's. Below 2**30 positions the arithmetic
+    is int32, in place: 160k positions fit in L2 then (0.8 ms against 1.9 ms in int64). A corrupt
+    stream may wrap a sum, but true positions only grow, so a wrapped run is never ascending and
+    inside [0, limit), which the caller checks."""
     b, quotient_stream, low = _split(data, count)
-    counter = np.arange(count, dtype=np.int64)
-    quotient_sums = unary_ends(quotient_stream, count) - counter
-    if count and int(quotient_sums[-1]) > (limit >> b):
+    ends = unary_ends(quotient_stream, count)
+    if count and int(ends[-1]) - (count - 1) > (limit >> b):  # quotient sums only grow: the last is the largest
         raise PayloadError("rice positions exceed the tensor size")
-    return (quotient_sums << b) + np.cumsum(low) + counter
+    dtype = np.dtype(np.int32) if limit < SMALL_LIMIT else np.dtype(np.int64)
+    positions: npt.NDArray[np.signedinteger[Any]] = ends.astype(dtype, copy=False)
+    counter: npt.NDArray[np.signedinteger[Any]] = np.arange(count, dtype=dtype)
+    positions -= counter  # the quotients' running sums
+    positions <<= b
+    low_sums: npt.NDArray[np.signedinteger[Any]] = np.cumsum(low, dtype=dtype)
+    positions += low_sums
+    positions += counter
+    return positions.astype(np.int64, copy=False)
+
+
+SMALL_LIMIT = 1 << 30
+"""below this many positions, Rice arithmetic runs in int32 (no sum can overflow int32 there, or a
+corrupt one wraps, see `decode_positions`)"""
 
 
 def _split(data: memoryview, count: int) -> tuple[int, memoryview, np.ndarray]:
@@ -100,4 +117,4 @@ def _split(data: memoryview, count: int) -> tuple[int, memoryview, np.ndarray]:
     if b > MAX_PARAMETER or 1 + low_bytes > len(data):
         raise PayloadError(f"rice stream of {len(data)} bytes cannot hold {count} gaps with b={b}")
     unary_end = len(data) - low_bytes
-    return b, data[1:unary_end], unpack_fixed(data[unary_end:], b, count).astype(np.int64)
+    return b, data[1:unary_end], unpack_fixed(data[unary_end:], b, count)
