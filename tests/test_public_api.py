@@ -9,7 +9,8 @@ PUBLIC = [
     "PayloadInfo", "Pipeline", "PipelineSpec", "Reduction", "Request", "SPARSIFIERS", "SparseCommError",
     "SparseGradient", "SpecError", "TRANSPORTS", "Transport", "TransportSession", "VALUE_CODECS", "agree",
     "allreduce_gradients", "as_tensor", "available_presets", "check_optimizer", "components", "ddp_comm_hook",
-    "decode", "encode", "format_spec", "load_cost_model", "parse_spec", "read_info", "register_ddp_hook", "resolve",
+    "decode", "encode", "format_spec", "keep_freed_host_memory", "load_cost_model", "parse_spec", "read_info",
+    "register_ddp_hook", "resolve",
 ]
 
 

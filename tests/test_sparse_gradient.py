@@ -56,3 +56,19 @@ def test_sorted_orders_indices_and_keeps_each_value_with_its_index():
     assert ordered.indices.tolist() == [2, 5, 9] and ordered.values.tolist() == pytest.approx([0.2, 0.5, 0.9])
     assert ordered.sorted() is ordered  # already ascending: nothing to do
     assert torch.equal(ordered.to_dense(), unsorted.to_dense())
+
+
+@pytest.mark.parametrize("nnz, numel, dtype", [
+    (1000, 3_000_000, torch.float32),  # two 16-bit radix passes: the high digit decides most pairs
+    (1000, 40_000, torch.float16),  # every index below 2**16: the high digit is 0 throughout
+    (1 << 15, 16_000_000, torch.float64),  # torch's radix sort of 32-bit keys
+    (2000, (1 << 32) + 5, torch.float32),  # indices past 32 bits: 64-bit keys
+])
+def test_every_sort_path_orders_indices_and_keeps_values_paired(nnz, numel, dtype):
+    generator = torch.Generator().manual_seed(nnz)
+    indices = torch.randint(0, numel, (3 * nnz,), generator=generator).unique()[:nnz]
+    indices = indices[torch.randperm(len(indices), generator=generator)]
+    values = (indices % 1021).to(dtype)  # each value names its index
+    ordered = sc.SparseGradient(indices, values, (numel,)).sorted()
+    assert torch.equal(ordered.indices, indices.sort().values)
+    assert torch.equal(ordered.values, (ordered.indices % 1021).to(dtype))

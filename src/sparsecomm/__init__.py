@@ -8,6 +8,7 @@ from sparsecomm import components  # every component, loaded in one place (fills
 from sparsecomm.encode.base import INDEX_CODECS, VALUE_CODECS
 from sparsecomm.errors import PayloadError, SparseCommError, SpecError
 from sparsecomm.feedback.base import FEEDBACKS
+from sparsecomm.host_memory import keep_freed_host_memory
 from sparsecomm.integration.ddp_hook import ddp_comm_hook, register_ddp_hook
 from sparsecomm.integration.gradients import allreduce_gradients, check_optimizer
 from sparsecomm.integration.presets import PRESETS, available_presets, resolve
@@ -55,6 +56,7 @@ __all__ = [
     "decode",
     "encode",
     "format_spec",
+    "keep_freed_host_memory",
     "load_cost_model",
     "parse_spec",
     "read_info",

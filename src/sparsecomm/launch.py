@@ -2,11 +2,12 @@
 
     results = run_local(4, my_function, arg1, arg2)   # my_function(rank, world_size, arg1, arg2)
 
-Workers are spawned (not forked), join a gloo group through a file store in a private temporary
-directory, and send back their return value (pickled by value, so tensors survive the worker's exit)
-or their traceback. A worker that raises or dies makes `run_local` raise `WorkerError` naming the
-rank; the others get ``FAILURE_GRACE_S`` to report, then are killed (they would otherwise wait in
-a collective for the failed rank). Workers still running after ``timeout`` are killed too.
+Workers are spawned (not forked), keep freed host memory (`keep_freed_host_memory`), join a gloo
+group through a file store in a private temporary directory, and send back their return value
+(pickled by value, so tensors survive the worker's exit) or their traceback. A worker that raises or
+dies makes `run_local` raise `WorkerError` naming the rank; the others get ``FAILURE_GRACE_S`` to
+report, then are killed (they would otherwise wait in a collective for the failed rank). Workers
+still running after ``timeout`` are killed too.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from sparsecomm.host_memory import keep_freed_host_memory
 
 FAILURE_GRACE_S = 5.0
 """after a worker fails, how long the others get to report before they are stopped"""
@@ -88,6 +91,7 @@ def run_local(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
 def _worker(rank: int, world_size: int, init: str, backend: str, threads: int, timeout: float,
             fn: Callable[..., Any], args: tuple, results: Any, namespace: str | None) -> None:
     torch.set_num_threads(threads)
+    keep_freed_host_memory()
     try:
         if namespace:
             from sparsecomm.netns import enter_namespace

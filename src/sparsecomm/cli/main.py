@@ -12,6 +12,7 @@ from typing import Any
 
 from sparsecomm.cli.table import format_table, write_json
 from sparsecomm.errors import SparseCommError
+from sparsecomm.host_memory import keep_freed_host_memory
 
 
 def _densities(text: str) -> list[float]:
@@ -171,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    keep_freed_host_memory()  # this process's codec calls, as in the workers `run_local` starts
     try:
         if args.command == "calibrate":
             return _calibrate(args)
