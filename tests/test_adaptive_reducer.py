@@ -102,7 +102,7 @@ def nonfinite_in_step_three(rank: int, world: int, spec: str) -> str:
 def test_a_measured_budget_plans_alike_on_every_rank_through_several_buckets():
     runs = run_local(2, train, "adaptive", 24, 0.1)  # ~100 kB buckets: four of them
     assert runs[0]["modes"] == runs[1]["modes"] and runs[0]["digest"] == runs[1]["digest"]
-    assert runs[0]["modes"][0] == DENSE
+    assert runs[0]["modes"][0] == SPARSE  # the link was timed at start-up: the first step is the cheap one
 
 
 def embedding_steps(rank: int, world: int, spec: str) -> dict:

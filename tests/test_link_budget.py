@@ -12,9 +12,10 @@ from sparsecomm.components import Adaptive
 from sparsecomm.integration.budget import (
     COST_WINDOW,
     DENSE,
+    EXPLORE_SHARE,
     HALF,
     MAX_SPARSE_DENSITY,
-    REEXPLORE,
+    MIN_REEXPLORE,
     SPARSE,
     LinkBudget,
     Plan,
@@ -55,6 +56,15 @@ def test_the_first_step_is_dense_and_so_is_every_probe_step():
     modes = [next_plan(plan, slow).mode for _ in range(1, 25)]
     assert modes[9] == DENSE and modes[19] == DENSE  # steps 10 and 20
     assert modes.count(SPARSE) == 22
+
+
+def test_with_the_link_timed_at_start_up_the_first_step_is_sparse_at_the_floor():
+    plan = budget(probe=10, floor=0.002)
+    plan.observe_link(12.5e6)
+    assert next_plan(plan) == Plan(SPARSE, 0.002)  # the compute is not timed yet: the cheapest step
+    slow = report(compute=0.002, throughput=12.5e6, per_nnz=2.0, magnitude=1.0)
+    modes = [next_plan(plan, slow).mode for _ in range(1, 25)]
+    assert modes[9] == DENSE and modes[19] == DENSE and modes.count(SPARSE) == 22  # probes as before
 
 
 def test_a_link_that_carries_the_whole_gradient_within_the_compute_time_gets_dense_steps():
@@ -123,15 +133,35 @@ def test_fp16_steps_need_headroom_below_fp16s_range_and_must_beat_fp32():
         assert next_plan(plan).mode == expected, (magnitude, half_cost)
 
 
-def test_a_close_runner_up_runs_again_after_a_while_and_a_distant_one_does_not():
+def test_a_runner_up_runs_again_once_its_extra_cost_is_a_small_share_of_the_time_since():
     plan = budget()
     next_plan(plan)
     plan.observe(report(compute=0.002, throughput=1e9, dense=0.006, half=0.005, per_nnz=2.0, magnitude=1.0))
     for _ in range(COST_WINDOW):
         plan.observe(report(sparse=0.050))
-    modes = [next_plan(plan).mode for _ in range(2 * REEXPLORE)]
-    assert modes.count(DENSE) == 2  # fp16 wins; fp32, within 1.25x, runs once per REEXPLORE steps
-    assert SPARSE not in modes  # ten times dearer: never again
+    modes = [next_plan(plan).mode for _ in range(100)]
+    # fp16 wins: 5.5 ms with its margin, 7.5 ms a step with the compute
+    # fp32, 0.5 ms dearer, runs again as often as allowed
+    assert [step for step, mode in enumerate(modes, 1) if mode == DENSE] == list(range(MIN_REEXPLORE, 101,
+                                                                                       MIN_REEXPLORE))
+    # sparse, over 44.5 ms dearer, once that is EXPLORE_SHARE of the steps' time since it last ran
+    sparse_steps = [step for step, mode in enumerate(modes, 1) if mode == SPARSE]
+    assert len(sparse_steps) == 1 and sparse_steps[0] >= 0.0445 / (EXPLORE_SHARE * 0.0075)
+
+
+def test_an_unlucky_first_measurement_is_checked_again_and_corrected():
+    plan = budget()
+    next_plan(plan)
+    # the first steps saw the link at a tenth of its speed: dense predicted at 41 ms, sparse costs 2 ms
+    plan.observe(report(compute=0.001, throughput=100e6, per_nnz=2.0, magnitude=1e5))
+    for _ in range(COST_WINDOW):
+        plan.observe(report(sparse=0.002))
+    modes = []
+    while DENSE not in modes:
+        modes.append(next_plan(plan).mode)
+    assert len(modes) <= 0.040 / (EXPLORE_SHARE * 0.003) + 1
+    plan.observe(report(dense=0.001))  # the dense step cost 1 ms
+    assert {next_plan(plan).mode for _ in range(MIN_REEXPLORE - 1)} == {DENSE}
 
 
 def test_a_user_set_budget_decides_by_bytes_alone_and_never_probes():

@@ -8,13 +8,14 @@ Every step, each rank measures:
   to hook, the step's whole wall time until the next step less communication waits and local
   stages, known one step later;
 - the link's throughput β: wire bytes per second of its large fp32 all_reduce calls (a ring
-  all_reduce puts 2(P−1)/P of the tensor on each rank's link);
+  all_reduce puts 2(P−1)/P of the tensor on each rank's link), and of one probe at start-up;
 - the bytes per nonzero its payloads took, the bytes it sent outside the budget (tensors below
   ``dense_below``, parameters sent whole, sparse embedding rows), and the largest magnitude it sent;
 - what communicating cost the step: the time it waited for communication plus sparsecomm's local
   stages — for an fp32 or an fp16 dense step as a whole, for a sparse step less its payloads' wire
-  and codec time (the sparse path's fixed overhead O_s: passes over the gradient, agreement,
-  handoffs).
+  time and their calibrated per-byte cost (below): what remains is the sparse path's fixed overhead
+  O_s (passes over the gradient, the codecs' per-call costs, agreement, handoffs), which the plan
+  adds back at any budget.
 
 Once, before the first step, each rank also times its sparse path (`marginal_sparse_cost`): the
 extra seconds per payload byte on the sender (selecting, feedback, encoding) and on a receiver
@@ -46,17 +47,22 @@ Each step runs in one of three modes:
 
 The reducer runs both dense modes as DDP's own hooks do: one asynchronous all_reduce per bucket, no
 agreement step (a rank's non-finite gradient travels as NaN, so every rank sees the same non-finite
-sum and raises together). A step is dense on the first step (to measure), on every ``probe``-th step
-(to measure again), and whenever the link carries the whole fp32 gradient within the compute time.
+sum and raises together). The first step runs sparse at the ``floor`` density when the link was
+timed at start-up (`sparsecomm.integration.link_probe`), dense otherwise (to measure it). A step is
+dense on every ``probe``-th step (to measure again), and whenever the link carries the whole fp32
+gradient within the compute time.
 Otherwise the cheapest mode wins, an exact one on a tie: half must beat dense by `HALF_MARGIN`,
 sparse must cost less than the dense mode; a mode's cost is the least of its last few (the first
 steps, slow for reasons of their own, do not count). Until sparse
 steps have been measured O_s counts as 0, so a link slower than the compute gets sparse steps at
 the ``floor`` density — the first warms the sparse path up and is not counted — until their cost
 is known, cheaply where sparse does not pay.
-A mode not chosen is only ever measured again when it runs, so one predicted within `CLOSE` of the
-chosen mode's cost runs once every `REEXPLORE` steps: close calls are re-checked (at little cost,
-being close), and on a slow link dense is not tried again beyond the probes.
+A mode not chosen is only ever measured again when it runs, and a measurement can be unlucky (the
+first steps' link throughput, say, several times below the link's). So each other mode runs again
+once the steps since it last ran would have paid for its predicted extra cost `EXPLORE_SHARE` times
+over — a re-check costs at most that share of the time since the last — and never more often than
+every `MIN_REEXPLORE` steps: close calls are re-checked often, and on a slow link dense is rarely
+tried beyond the probes.
 
 A user-set ``budget`` (bytes per step) replaces B and turns the probes off: bytes alone
 decide the mode then (dense, half or sparse, whichever the budget holds) and a run repeats bit for
@@ -91,8 +97,9 @@ WARMUP_STEPS = 3
 costs are not counted"""
 EXPLORATION_STEPS = 2
 """sparse steps before the sparse path's cost counts (the first is a warm-up)"""
-CLOSE, REEXPLORE = 1.25, 50
-"""a mode predicted within this factor of the chosen one's cost runs again after this many steps"""
+EXPLORE_SHARE, MIN_REEXPLORE = 0.1, 10
+"""another mode runs again once its predicted extra cost is this share of the steps' time since it
+last ran, and at most once every this many steps"""
 COMPUTE_WINDOW, THROUGHPUT_WINDOW, COST_WINDOW = 9, 3, 5
 """compute and throughput: medians over this many agreed measurements; a mode's cost: the least of
 this many (interference only ever adds time, so the least is the truest)"""
@@ -134,8 +141,6 @@ class StepMeasurement:
     """nonzeros of parameters sent whole inside compressed calls (in ``payload_nnz`` too)"""
     fixed_bytes: int = 0
     """bytes of the calls outside the budget (small tensors, sparse rows)"""
-    codec_s: float = 0.0
-    """seconds the codecs took on the budgeted payloads: encoding this rank's, decoding its peers'"""
     max_magnitude: float = 0.0
     """the largest |value| this rank sent (before any 1/P scaling)"""
     codec_cost: tuple[float, float] = (0.0, 0.0)
@@ -218,7 +223,7 @@ class LinkBudget:
     half_cost_s: deque[float] = _window(COST_WINDOW)
     """the same for an fp16 dense step"""
     sparse_overhead_s: deque[float] = _window(COST_WINDOW)
-    """O_s: what communicating cost a sparse step beyond its payloads' wire time"""
+    """O_s: what communicating cost a sparse step beyond its payloads' wire time and per-byte cost"""
     bytes_per_nnz: float = FIRST_BYTES_PER_NNZ
     fixed_bytes: float = 0.0
     encode_per_byte: float = 0.0
@@ -237,11 +242,17 @@ class LinkBudget:
     reports_read: int = 0
     last_run: dict[str, int] = field(default_factory=dict)
     """the step each mode last ran"""
+    mode_steps: dict[str, int] = field(default_factory=dict)
+    """how many steps ran in each mode"""
 
     # -- the reducer's calls, in step order ------------------------------------------------------
     def calibrate(self, spec: Any) -> None:
         """Time this rank's sparse path once (`marginal_sparse_cost`); every report carries the result."""
         self.codec_cost = marginal_sparse_cost(spec)
+
+    def observe_link(self, throughput: float) -> None:
+        """The link's throughput, probed at start-up (`link_throughput`; the same on every rank)."""
+        self.throughput.append(throughput)
 
     def begin_step(self, now: float, forward_start: float | None = None) -> Plan:
         """The first call of a step (whose forward pass began at ``forward_start``, when known):
@@ -252,6 +263,7 @@ class LinkBudget:
         self.measuring = StepMeasurement(first_submit=now, forward_start=forward_start, codec_cost=self.codec_cost)
         self.current = self.plan()
         self.last_run[self.current.mode] = self.step
+        self.mode_steps[self.current.mode] = self.mode_steps.get(self.current.mode, 0) + 1
         return self.current
 
     def end_step(self) -> torch.Tensor:
@@ -276,7 +288,9 @@ class LinkBudget:
             if self.sparse_steps >= EXPLORATION_STEPS and self.throughput:
                 sent = done.payload_bytes + done.fixed_bytes
                 wire = (self.world_size - 1) * sent / statistics.median(self.throughput)
-                costs[SPARSE] = -max(1e-6, cost - wire - done.codec_s)
+                encode_per_byte, decode_per_byte = done.codec_cost
+                codecs = (encode_per_byte + (self.world_size - 1) * decode_per_byte) * done.payload_bytes
+                costs[SPARSE] = -max(1e-6, cost - wire - codecs)
         throughput = done.wire_bytes / done.wire_s if done.wire_s > 0 else 0.0
         compute = done.forward_backward_s() if done.forward_start is not None else self.last_compute_s
         return torch.tensor([compute, -throughput if throughput > 0 else math.inf, costs[DENSE], costs[HALF],
@@ -302,7 +316,13 @@ class LinkBudget:
     # -- the plan -------------------------------------------------------------------------------
     def plan(self) -> Plan:
         """This step's plan, from agreed numbers only (so every rank's is the same)."""
-        if self.world_size == 1 or self.budget_numel == 0:
+        if self.world_size == 1:
+            return Plan(DENSE)
+        if self.step == 0 and self.throughput and not self.sparsifier.budget:
+            # the link probed at start-up, the compute not timed yet: sparse at the floor density,
+            # cheap on any link (and the sparse path's first step, which warms it up, is out of the way)
+            return Plan(SPARSE, self.sparsifier.floor)
+        if self.budget_numel == 0:
             return Plan(DENSE)
         dense_bytes = 2 / self.world_size * 4 * self.total_numel  # fp32 all_reduce, in allgather bytes per rank
         half_allowed = self.max_magnitude * HALF_HEADROOM < HALF_RANGE
@@ -312,7 +332,7 @@ class LinkBudget:
                 return Plan(DENSE)
             return Plan(HALF) if half_allowed and fixed >= dense_bytes / 2 else self._sparse(fixed)
         budget = self.step_budget()
-        probing = self.sparsifier.probe and self.step % self.sparsifier.probe == 0
+        probing = self.sparsifier.probe and self.step > 0 and self.step % self.sparsifier.probe == 0
         if budget is None or budget >= dense_bytes or probing:
             return Plan(DENSE)
         throughput, compute = statistics.median(self.throughput), statistics.median(self.compute_s)
@@ -327,9 +347,10 @@ class LinkBudget:
         overhead = min(self.sparse_overhead_s) if not exploring else 0.0
         costs[SPARSE] = (carrying + overhead + 1e-9, sparse)  # a tie goes to a dense mode
         chosen = min(costs, key=lambda mode: costs[mode][0])
+        step_s = compute + costs[chosen][0]
         for mode, (cost, plan) in costs.items():
-            stale = self.step - self.last_run.get(mode, -REEXPLORE) >= REEXPLORE
-            if mode != chosen and stale and cost <= CLOSE * costs[chosen][0]:
+            since = self.step - self.last_run.get(mode, 0)
+            if mode != chosen and since >= max(MIN_REEXPLORE, (cost - costs[chosen][0]) / (EXPLORE_SHARE * step_s)):
                 return plan
         return costs[chosen][1]
 
@@ -366,7 +387,8 @@ class LinkBudget:
                 "decode_per_byte": self.decode_per_byte,
                 "max_magnitude": self.max_magnitude,
                 "last_compute_s": self.last_compute_s, "sparse_steps": self.sparse_steps,
-                "reports_read": self.reports_read, "last_run": dict(self.last_run)}
+                "reports_read": self.reports_read, "last_run": dict(self.last_run),
+                "mode_steps": dict(self.mode_steps)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.total_numel, self.budget_numel = state["step"], state["total_numel"], state["budget_numel"]
@@ -379,4 +401,5 @@ class LinkBudget:
         self.max_magnitude, self.last_compute_s = state["max_magnitude"], state["last_compute_s"]
         self.sparse_steps, self.reports_read = state["sparse_steps"], state["reports_read"]
         self.last_run = dict(state["last_run"])
+        self.mode_steps = dict(state.get("mode_steps", {}))
         self.finished = None

@@ -51,6 +51,7 @@ from torch import nn
 from sparsecomm.errors import SparseCommError
 from sparsecomm.finite import all_finite
 from sparsecomm.integration.budget import HALF, MIN_WIRE_BYTES, LinkBudget, Plan
+from sparsecomm.integration.link_probe import link_throughput, probe_numel
 from sparsecomm.integration.presets import resolve
 from sparsecomm.pipeline import Pipeline, Segment, screen_nonfinite
 from sparsecomm.sparse_gradient import SparseGradient
@@ -200,8 +201,6 @@ class GradientReducer:
         segments, worked out once (derived, so not checkpointed)"""
         sparsifier = self.spec.sparsifier
         self.budget = LinkBudget(sparsifier, self.world_size) if isinstance(sparsifier, Adaptive) else None
-        if self.budget is not None and self.world_size > 1 and not self.budget.sparsifier.budget:
-            self.budget.calibrate(self.spec)
         """the adaptive sparsifier's byte budget (None for other pipelines)"""
         self._plan: Plan | None = None
         """this step's plan while a step is open (the adaptive pipeline), else None"""
@@ -218,6 +217,11 @@ class GradientReducer:
         self._process_group = self.async_group if self.async_group is not None else _default_group()
         self.wire_device = wire_device(self._process_group)
         """where this reducer's collectives take their tensors (`wire_device`)"""
+        if self.budget is not None and self.world_size > 1 and not self.budget.sparsifier.budget:
+            # the sparse path's and the link's costs, timed before the first step, so that step can be planned
+            self.budget.calibrate(self.spec)
+            model_numel = sum(p.numel() for p in module.parameters()) if module is not None else None
+            self.budget.observe_link(link_throughput(self.async_group, probe_numel(model_numel), self.wire_device))
 
     def __repr__(self) -> str:
         return f"GradientReducer({format_spec(self.spec)!r}, world_size={self.world_size}, seed={self.seed})"
@@ -395,8 +399,6 @@ class GradientReducer:
                 stats.transport_s += time.perf_counter() - submitted
                 if self.budget is not None:
                     self._measure_done(path, reduction.record.bytes_sent, contribution)
-                    if path == "compressed":
-                        self.budget.measuring.codec_s += reduction.record.decode_s
                 stats.decode_s += reduction.record.decode_s
                 stats.bytes_sent += reduction.record.bytes_sent
                 total = reduction.total
@@ -558,9 +560,6 @@ class GradientReducer:
         density = self._plan.density if self._plan is not None else None
         output = self.pipeline.step(tensor.reshape(-1) if segments else tensor, key, segments=segments,
                                     density=density)
-        if self.budget is not None:
-            self.budget.measuring.codec_s += output.encode_s
-
         request = replace(request, nonfinite=output.nonfinite, payload=output.payload, payload_is_contribution=True)
         return self.spec.transport, output.selection, request, "compressed"
 

@@ -139,14 +139,16 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
         elapsed.append(time.perf_counter() - start)
     wall_s = time.perf_counter() - start
     evaluation = task.evaluate(model.module)
-    budget: dict[str, float] = {}
+    budget: dict[str, Any] = {}
     if reducer is None:
         summary = {"select_s": 0.0, "transport_s": 0.0, "decode_s": 0.0, "bytes_per_step": cumulative_bytes[-1] / steps}
     else:
         summary = reducer.stats.summary()
+        if reducer.budget is not None:
+            budget["mode_steps"] = dict(reducer.budget.mode_steps)
         if reducer.budget is not None and reducer.budget.sparse_overhead_s:
             # what a sparse step cost beyond its wire time, and its bytes per nonzero (for projections)
-            budget = {"sparse_overhead_s": min(reducer.budget.sparse_overhead_s),
+            budget |= {"sparse_overhead_s": min(reducer.budget.sparse_overhead_s),
                       "bytes_per_nnz": reducer.budget.bytes_per_nnz, "fixed_bytes": reducer.budget.fixed_bytes}
         reducer.close()
     numel = sum(p.numel() for p in model.parameters())

@@ -1,0 +1,40 @@
+"""The link's throughput, timed once at start-up: the adaptive pipeline can then plan its first
+steps without a dense step to measure the link (on a slow link that one step can cost as much as
+tens of sparse ones)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+PROBE_REPEATS = 3
+MIN_PROBE_NUMEL, MAX_PROBE_NUMEL = 1 << 14, 1 << 18
+"""the probe all_reduces as many fp32 elements as the model has, within these bounds (64 kB to
+1 MB): large enough that the link's throughput, not its latency, sets the time"""
+
+
+def probe_numel(model_numel: int | None) -> int:
+    """Elements one probe all_reduce carries for a model of ``model_numel`` elements (None: unknown)."""
+    return min(MAX_PROBE_NUMEL, max(MIN_PROBE_NUMEL, model_numel or MAX_PROBE_NUMEL))
+
+
+def link_throughput(group: dist.ProcessGroup | None, numel: int, device: torch.device) -> float:
+    """Wire bytes per second of an fp32 all_reduce of ``numel`` elements (each rank's link carries
+    2(P−1)/P of the tensor, as the adaptive budget counts it): the slowest rank's best of
+    `PROBE_REPEATS` timed calls after one untimed one, the same on every rank."""
+    size = dist.get_world_size(group)
+    tensor = torch.zeros(numel, device=device)
+    best = math.inf
+    for repeat in range(PROBE_REPEATS + 1):
+        start = time.perf_counter()
+        dist.all_reduce(tensor, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if repeat:  # the first call sets up connections and buffers
+            best = min(best, time.perf_counter() - start)
+    slowest = torch.tensor([best], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return 2 * (size - 1) / size * 4 * numel / max(float(slowest), 1e-9)
