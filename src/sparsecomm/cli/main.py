@@ -400,6 +400,12 @@ def _train(args: argparse.Namespace) -> int:
         print(format_table(result["rows"], [
             "preset", "steps_to_target", "time_to_target_s", "speedup_to_target", "modeled_time_to_target_s",
         ]))
+        if len(args.seed) > 1:  # single runs of a few seconds vary by tens of percent here: every seed's
+            print(f"\ntime to target over seeds {', '.join(map(str, args.seed))}; speed-up over {result['reference']} "
+                  "as mean ± std of each seed's side-by-side ratio\n")
+            print(format_table(result["rows"], [
+                "preset", "time_to_target_by_seed", "time_to_target_median_s", "speedup_mean", "speedup_std",
+            ]))
     if any(row["preset"] in ("torch-allreduce", "dense") for row in result["rows"]):
         from sparsecomm.train import scaling
 

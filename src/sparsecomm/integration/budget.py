@@ -97,7 +97,7 @@ WARMUP_STEPS = 3
 costs are not counted"""
 EXPLORATION_STEPS = 2
 """sparse steps before the sparse path's cost counts (the first is a warm-up)"""
-EXPLORE_SHARE, MIN_REEXPLORE = 0.1, 10
+EXPLORE_SHARE, MIN_REEXPLORE = 0.05, 20
 """another mode runs again once its predicted extra cost is this share of the steps' time since it
 last ran, and at most once every this many steps"""
 COMPUTE_WINDOW, THROUGHPUT_WINDOW, COST_WINDOW = 9, 3, 5

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -248,7 +249,8 @@ TARGET_SLACK = 0.05
 
 def over_seeds(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
     """One result from runs that differ only in seed: the first run's rows and curves, each row with
-    its metric's (and its speed-up's) mean, standard deviation and per-seed values, and every run
+    its metric's (and its speed-up's) mean, standard deviation and per-seed values, its time to the
+    target per seed and their median (each seed's target is its own reference's), and every run
     kept under ``runs``. Rows that did not run (a baseline that cannot) stay as they are."""
     result = dict(runs[0])
 
@@ -266,13 +268,15 @@ def over_seeds(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
             rows.append(row)
             continue
         mean = float(values.mean())
-        speedups = spread(index, "speedup_to_target")
+        speedups, times = spread(index, "speedup_to_target"), spread(index, "time_to_target_s")
         rows.append({**row, "final_metric_mean": mean,
                      "final_metric_std": float(values.std()) if len(values) > 1 else 0.0,
                      "final_metric_by_seed": " ".join(f"{float(v):.4g}" for v in values),
                      "metric_vs_reference": mean - baseline if baseline is not None else None,
                      "speedup_mean": float(speedups.mean()) if speedups is not None else None,
-                     "speedup_std": float(speedups.std()) if speedups is not None and len(speedups) > 1 else None})
+                     "speedup_std": float(speedups.std()) if speedups is not None and len(speedups) > 1 else None,
+                     "time_to_target_median_s": statistics.median(times.tolist()) if times is not None else None,
+                     "time_to_target_by_seed": "-" if times is None else " ".join(f"{v:.3g}" for v in times.tolist())})
     result.update(rows=rows, seeds=seeds, runs=runs if len(runs) > 1 else [])
     return result
 
