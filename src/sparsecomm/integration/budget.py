@@ -59,10 +59,10 @@ the ``floor`` density — the first warms the sparse path up and is not counted 
 is known, cheaply where sparse does not pay.
 A mode not chosen is only ever measured again when it runs, and a measurement can be unlucky (the
 first steps' link throughput, say, several times below the link's). So each other mode runs again
-once the steps since it last ran would have paid for its predicted extra cost `EXPLORE_SHARE` times
-over — a re-check costs at most that share of the time since the last — and never more often than
-every `MIN_REEXPLORE` steps: close calls are re-checked often, and on a slow link dense is rarely
-tried beyond the probes.
+once its predicted extra cost has come down to `EXPLORE_SHARE` of the steps' time since it last ran
+— a re-check costs at most that share of the time since the last — and never more often than every
+`MIN_REEXPLORE` steps: close calls are re-checked often, and on a slow link dense is rarely tried
+beyond the probes.
 
 A user-set ``budget`` (bytes per step) replaces B and turns the probes off: bytes alone
 decide the mode then (dense, half or sparse, whichever the budget holds) and a run repeats bit for
@@ -320,7 +320,7 @@ class LinkBudget:
             return Plan(DENSE)
         if self.step == 0 and self.throughput and not self.sparsifier.budget:
             # the link probed at start-up, the compute not timed yet: sparse at the floor density,
-            # cheap on any link (and the sparse path's first step, which warms it up, is out of the way)
+            # cheap on any link, and a first sparse step warms the sparse path up
             return Plan(SPARSE, self.sparsifier.floor)
         if self.budget_numel == 0:
             return Plan(DENSE)
