@@ -90,7 +90,7 @@ def predicted(model: CostModel, text: str, workers: int, numel: int, nnz: int, r
         return model.sketch(workers, numel, nnz, transport.ratio, transport.block,  # type: ignore[attr-defined]
                             transport.rows)  # type: ignore[attr-defined]
     if name == "auto":
-        best, costs = choose(model, workers, numel, nnz, 4, estimated_payload_bytes_per_nnz(request, numel, nnz))
+        best, costs = choose(model, workers, numel, nnz, 4, request)
         return costs[best]  # the model's first choice
     algorithms = model.sparse_algorithms(workers, numel, nnz, 4, transport.qsgd_bits)  # type: ignore[attr-defined]
     algorithm = transport.algorithm  # type: ignore[attr-defined]

@@ -98,14 +98,8 @@ class AllgatherTransport(Transport):
         sparse = as_sparse(grad)
         request = request or Request()
         index_codec, value_codec = codecs_of(request)
-        config = fingerprint(
-            self.to_spec(),
-            tuple(sparse.shape),
-            sparse.dtype,
-            index_codec.to_spec(),
-            value_codec.to_spec(),
-            request.caller_config,
-        )
+        config = fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype, index_codec.to_spec(),
+                             value_codec.to_spec(), request.caller_config)
         record = CallRecord(self.to_spec())
         with record.phase("encode"):
             if request.payload is None:
@@ -153,17 +147,9 @@ class AllgatherTransport(Transport):
         return total
 
     @staticmethod
-    def _in_two_rounds(
-        sparse: SparseGradient,
-        own: SparseGradient | None,
-        payload: torch.Tensor,
-        group: Group,
-        request: Request,
-        config: int,
-        out: torch.Tensor | None,
-        record: CallRecord,
-        receiver: Receiver,
-    ) -> torch.Tensor:
+    def _in_two_rounds(sparse: SparseGradient, own: SparseGradient | None, payload: torch.Tensor, group: Group,
+                       request: Request, config: int, out: torch.Tensor | None, record: CallRecord,
+                       receiver: Receiver) -> torch.Tensor:
         """The agreement step (which carries the sizes, unless ``auto`` ran it), then the payloads."""
         with record.phase("agreement"):
             record.agreement = agree(group, request, sparse.numel, config, sparse.nnz, payload.numel())

@@ -70,9 +70,9 @@ def predicted_costs(model: CostModel, workers: int, numel: int, nnz: int, isize:
 
 
 def choose(model: CostModel, workers: int, numel: int, nnz: int, isize: int,
-           payload_bytes_per_nnz: float) -> tuple[str, dict[str, float]]:
-    """The model's first choice and all its predictions."""
-    costs = predicted_costs(model, workers, numel, nnz, isize, payload_bytes_per_nnz)
+           request: Request) -> tuple[str, dict[str, float]]:
+    """The model's first choice and all its predictions, for payloads of ``request``'s codecs."""
+    costs = predicted_costs(model, workers, numel, nnz, isize, estimated_payload_bytes_per_nnz(request, numel, nnz))
     return min(costs, key=costs.__getitem__), costs
 
 
@@ -119,36 +119,22 @@ class AutoTransport(Transport):
             # sizes: allgather needs no size exchange of its own
             if expected == "allgather":
                 request = replace(request, payload=payload_of(sparse, group, request))
-        config = fingerprint(
-            self.to_spec(),
-            tuple(sparse.shape),
-            sparse.dtype,
-            model.fingerprint(),
-            split_points_of(session, request, sparse.numel, workers),
-        )
+        config = fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype, model.fingerprint(),
+                             split_points_of(session, request, sparse.numel, workers))
         if expected == "allgather" and session is not None and takes_short_messages(group):
-            reduction, upcoming, costs = self._allgather_in_one_round(
-                sparse, group, request, out, session, config, workers, isize, start
-            )
+            reduction, upcoming, costs = self._allgather_in_one_round(sparse, group, request, out, session, config,
+                                                                      workers, isize, start)
         else:
             nbytes = len(request.payload) if request.payload is not None else 0
             with own.phase("agreement"):
                 agreement = agree(group, request, sparse.numel, config, sparse.nnz, nbytes)
-            best, costs = choose(
-                model,
-                workers,
-                sparse.numel,
-                agreement.max_nnz,
-                isize,
-                estimated_payload_bytes_per_nnz(request, sparse.numel, agreement.max_nnz),
-            )
+            best, costs = choose(model, workers, sparse.numel, agreement.max_nnz, isize, request)
             request = replace(request, agreement=agreement)  # the chosen transport needs no agreement step
             if session is None or self.explore == 0:
                 reduction, upcoming = build(best).reduce(sparse, group, request, out, session), best
             else:
-                reduction, upcoming = self._explore(
-                    sparse, group, request, out, session, best, costs, workers, isize, start
-                )
+                reduction, upcoming = self._explore(sparse, group, request, out, session, best, costs, workers, isize,
+                                                    start)
         if session is not None:
             session.expected[stream] = upcoming
         reduction.record.predicted_ms.update({name: 1e3 * cost for name, cost in costs.items()})
@@ -156,32 +142,16 @@ class AutoTransport(Transport):
             reduction.record.phases[phase] = reduction.record.phases.get(phase, 0.0) + seconds
         return reduction
 
-    def _allgather_in_one_round(
-        self,
-        sparse: SparseGradient,
-        group: Group,
-        request: Request,
-        out: torch.Tensor | None,
-        session: TransportSession,
-        config: int,
-        workers: int,
-        isize: int,
-        start: float,
-    ) -> tuple[Reduction, str, dict[str, float]]:
+    def _allgather_in_one_round(self, sparse: SparseGradient, group: Group, request: Request,
+                                out: torch.Tensor | None, session: TransportSession, config: int, workers: int,
+                                isize: int, start: float) -> tuple[Reduction, str, dict[str, float]]:
         """``allgather`` in its one round, auto's configuration checked in its agreement records;
         the largest nnz they bring decides the size class's next call, and the call counts as one
         of its allgather trials where those are still wanted."""
         reduction = AllgatherTransport().reduce(sparse, group, replace(request, caller_config=config), out, session)
         assert reduction.record.agreement is not None
         max_nnz = reduction.record.agreement.max_nnz
-        best, costs = choose(
-            session.cost_model,
-            workers,
-            sparse.numel,
-            max_nnz,
-            isize,
-            estimated_payload_bytes_per_nnz(request, sparse.numel, max_nnz),
-        )
+        best, costs = choose(session.cost_model, workers, sparse.numel, max_nnz, isize, request)
         if self.explore == 0:
             return reduction, best, costs
         tuning = self._tuning(session, sparse.numel, max_nnz, isize, workers, best, costs)
@@ -189,16 +159,8 @@ class AutoTransport(Transport):
             tuning.record("allgather", slowest_seconds_since(start, group), self.explore)
         return reduction, tuning.chosen or tuning.next_to_try(self.explore) or "allgather", costs
 
-    def _tuning(
-        self,
-        session: TransportSession,
-        numel: int,
-        max_nnz: int,
-        isize: int,
-        workers: int,
-        best: str,
-        costs: dict[str, float],
-    ) -> Tuning:
+    def _tuning(self, session: TransportSession, numel: int, max_nnz: int, isize: int, workers: int, best: str,
+                costs: dict[str, float]) -> Tuning:
         """The size class's tuning, started with the model's shortlist."""
         key = size_class(numel, max_nnz, isize, workers, (self.explore, self.shortlist))
         if key not in session.tunings:
@@ -207,19 +169,9 @@ class AutoTransport(Transport):
             session.tunings[key] = Tuning(shortlisted[:MAX_SHORTLIST])
         return session.tunings[key]
 
-    def _explore(
-        self,
-        sparse: SparseGradient,
-        group: Group,
-        request: Request,
-        out: torch.Tensor | None,
-        session: TransportSession,
-        best: str,
-        costs: dict[str, float],
-        workers: int,
-        isize: int,
-        start: float,
-    ) -> tuple[Reduction, str]:
+    def _explore(self, sparse: SparseGradient, group: Group, request: Request, out: torch.Tensor | None,
+                 session: TransportSession, best: str, costs: dict[str, float], workers: int, isize: int,
+                 start: float) -> tuple[Reduction, str]:
         """The sum, by the size class's choice or its next trial, and what its next call will run."""
         assert request.agreement is not None
         tuning = self._tuning(session, sparse.numel, request.agreement.max_nnz, isize, workers, best, costs)

@@ -64,9 +64,8 @@ def allgather_bytes(buffer: torch.Tensor, group: Group, counts: list[int] | None
     return [received[r] for r in range(len(received))]
 
 
-def allgather_arrivals(
-    buffer: torch.Tensor, group: Group, counts: list[int] | None = None, receiver: Receiver = fresh_buffer
-) -> Generator[tuple[int, torch.Tensor], None, None]:
+def allgather_arrivals(buffer: torch.Tensor, group: Group, counts: list[int] | None = None,
+                       receiver: Receiver = fresh_buffer) -> Generator[tuple[int, torch.Tensor], None, None]:
     """Variable-length allgather that yields (rank, buffer) as each arrives: this rank's own (the
     very tensor passed) at once, while the others are still in flight, so the caller can work on
     each while the rest travel. gloo has no allgatherv, so sizes go first (unless ``counts`` already
@@ -95,11 +94,8 @@ def alltoall_bytes(chunks: list[torch.Tensor], group: Group, receiver: Receiver 
     recv_counts = torch.empty(size, dtype=torch.int64, device=device)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
     received = [chunks[r] if r == rank else receiver(r, n, device) for r, n in enumerate(recv_counts.tolist())]
-    transfer(
-        receives={r: t for r, t in enumerate(received) if r != rank},
-        sends={r: c for r, c in enumerate(chunks) if r != rank},
-        group=group,
-    )
+    transfer(receives={r: t for r, t in enumerate(received) if r != rank},
+             sends={r: c for r, c in enumerate(chunks) if r != rank}, group=group)
     return received
 
 

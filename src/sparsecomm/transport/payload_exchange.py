@@ -48,30 +48,18 @@ class PayloadExchange:
     `second_round`. `close` (or ``with closing(...)``) waits for whatever is still in flight.
     ``receivers``: where each round's messages land (a session's reused buffers, say)."""
 
-    def __init__(
-        self,
-        envelope: torch.Tensor,
-        payload: torch.Tensor,
-        capacity: int,
-        group: Group,
-        receivers: tuple[Receiver, Receiver] = (fresh_buffer, fresh_buffer),
-    ) -> None:
+    def __init__(self, envelope: torch.Tensor, payload: torch.Tensor, capacity: int, group: Group,
+                 receivers: tuple[Receiver, Receiver] = (fresh_buffer, fresh_buffer)) -> None:
         self.rank, self.size = world(group)
         self.group = group
         self.capacity = max(capacity, ENVELOPE_BYTES)
         self.envelope, self.payload = envelope, on_wire(payload, wire_device(group))
         self.records: dict[int, torch.Tensor] = {self.rank: envelope}
-        message = (
-            torch.cat([on_wire(envelope.view(torch.uint8), self.payload.device), self.payload])
-            if fits(payload.numel(), self.capacity)
-            else on_wire(envelope.view(torch.uint8), self.payload.device)
-        )
+        record_bytes = on_wire(envelope.view(torch.uint8), self.payload.device)
+        message = torch.cat([record_bytes, self.payload]) if fits(payload.numel(), self.capacity) else record_bytes
         self._second_receiver = receivers[1]
-        self._buffers = {
-            peer: receivers[0](peer, self.capacity, self.payload.device)
-            for peer in range(self.size)
-            if peer != self.rank
-        }
+        self._buffers = {peer: receivers[0](peer, self.capacity, self.payload.device)
+                         for peer in range(self.size) if peer != self.rank}
         self._round = Arrivals(self._buffers, {peer: message for peer in self._buffers}, group)
 
     def first_round(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
@@ -98,9 +86,8 @@ class PayloadExchange:
                 if not fits(int(self.records[r][NBYTES_FIELD]), self.capacity)}
         if not late:
             return
-        receives = {
-            r: self._second_receiver(r, nbytes, self.payload.device) for r, nbytes in late.items() if r != self.rank
-        }
+        receives = {r: self._second_receiver(r, nbytes, self.payload.device)
+                    for r, nbytes in late.items() if r != self.rank}
         sends = {peer: self.payload for peer in range(self.size) if peer != self.rank} if self.rank in late else {}
         self._round = Arrivals(receives, sends, self.group)
         for peer in self._round:

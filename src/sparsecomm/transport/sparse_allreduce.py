@@ -90,31 +90,18 @@ class SparseAllreduce(Transport):
         stream = Stream.sparse(sparse.indices, sparse.values.detach(), sparse.numel)
         with record.phase("output"):
             total = output_buffer(out, sparse.numel, sparse.dtype, sparse.device)
-        receivers = (
-            (session.receiver("split-allgather, all-to-all"), session.receiver("split-allgather, allgather"))
-            if session is not None
-            else (fresh_buffer, fresh_buffer)
-        )
+        receivers = ((session.receiver("split-allgather, all-to-all"), session.receiver("split-allgather, allgather"))
+                     if session is not None else (fresh_buffer, fresh_buffer))
         if algorithm == "ssar_rd":
             recursive_doubling(stream, group, record, total)
         elif algorithm == "ssar_sa":
-            counts = split_allgather(
-                stream, group, request, record, total, dense_phase=False, bounds=bounds, receivers=receivers
-            )
+            counts = split_allgather(stream, group, request, record, total, dense_phase=False, bounds=bounds,
+                                     receivers=receivers)
             if session is not None:
                 session.split_points[(request.key, sparse.numel, size)] = balanced_bounds(counts, sparse.numel, size)
         else:
-            split_allgather(
-                stream,
-                group,
-                request,
-                record,
-                total,
-                dense_phase=True,
-                qsgd_bits=self.qsgd_bits,
-                bucket=self.bucket,
-                receivers=receivers,
-            )
+            split_allgather(stream, group, request, record, total, dense_phase=True, qsgd_bits=self.qsgd_bits,
+                            bucket=self.bucket, receivers=receivers)
         with record.phase("output"):
             return Reduction(deliver(total, sparse.shape, sparse.device, out), record)
 
@@ -216,18 +203,9 @@ def split_by_range(stream: Stream, bounds: Sequence[int]) -> list[Stream]:
     return parts
 
 
-def split_allgather(
-    stream: Stream,
-    group: Group,
-    request: Request,
-    record: CallRecord,
-    out: torch.Tensor,
-    dense_phase: bool,
-    qsgd_bits: int = 0,
-    bucket: int = 1024,
-    bounds: tuple[int, ...] | None = None,
-    receivers: tuple[Receiver, Receiver] = (fresh_buffer, fresh_buffer),
-) -> torch.Tensor:
+def split_allgather(stream: Stream, group: Group, request: Request, record: CallRecord, out: torch.Tensor,
+                    dense_phase: bool, qsgd_bits: int = 0, bucket: int = 1024, bounds: tuple[int, ...] | None = None,
+                    receivers: tuple[Receiver, Receiver] = (fresh_buffer, fresh_buffer)) -> torch.Tensor:
     """Sums ``stream`` over the group into ``out`` (flat, zeroed), splitting [0, N) at ``bounds``
     (P + 1 ascending positions from 0 to N; default equal ranges). Returns the result's nonzero
     counts in `BALANCE_BINS_PER_RANGE` × P equal bins, the same on every rank. The dense phase sums

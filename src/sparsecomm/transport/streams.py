@@ -124,11 +124,16 @@ def sum_streams_into(streams: list[Stream], target: torch.Tensor) -> Stream:
     if any((s.length, s.offset) != (first.length, first.offset) for s in streams) or target.numel() != first.length:
         raise PayloadError("streams of different ranges cannot be summed")
     for stream in streams:
-        if stream.indices is None:
-            target += stream.values.to(target.device)
-        else:
-            target.scatter_add_(0, stream.indices.to(target.device), stream.values.to(target.device))
+        _add_into(target, stream)
     return Stream(first.length, target, None, first.offset)
+
+
+def _add_into(total: torch.Tensor, stream: Stream) -> None:
+    """``stream``'s entries added into ``total``, the dense range it covers."""
+    if stream.indices is None:
+        total += stream.values.to(total.device)
+    else:
+        total.scatter_add_(0, stream.indices.to(total.device), stream.values.to(total.device))
 
 
 def _read_head(buffer: torch.Tensor, expect: tuple[int, int] | None) -> tuple[bool, torch.dtype, int, int, int, int]:
@@ -140,9 +145,8 @@ def _read_head(buffer: torch.Tensor, expect: tuple[int, int] | None) -> tuple[bo
     if dtype_code not in DTYPE_BY_CODE or dense not in (0, 1) or (dense and count != length) or count > length:
         raise PayloadError("stream header is corrupt")
     if expect is not None and (offset, length) != expect:
-        raise PayloadError(
-            f"stream covers [{offset}, {offset + length}), the receiver expects [{expect[0]}, {expect[0] + expect[1]})"
-        )
+        raise PayloadError(f"stream covers [{offset}, {offset + length}), the receiver expects "
+                           f"[{expect[0]}, {expect[0] + expect[1]})")
     dtype = DTYPE_BY_CODE[dtype_code]
     isize = torch.empty(0, dtype=dtype).element_size()
     index_bytes = 0 if dense else (4 if offset + length <= 2**31 else 8)
@@ -176,12 +180,9 @@ def sum_streams(streams: list[Stream]) -> Stream:
         for stream in streams:
             if stream is (dense_inputs[0] if dense_inputs else None):
                 continue
-            if stream.indices is None:
-                total += stream.values
-            else:
-                total.scatter_add_(0, stream.indices, stream.values)
-                if touched is not None:
-                    touched[stream.indices] = True
+            _add_into(total, stream)
+            if touched is not None and stream.indices is not None:
+                touched[stream.indices] = True
         if touched is not None:
             union = torch.nonzero(touched).squeeze(1)
             if union.numel() < Stream(length, total, None, offset).switch_point():

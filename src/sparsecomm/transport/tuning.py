@@ -41,9 +41,8 @@ class Tuning:
         return self.chosen is None and name in self._pending(trials)
 
     def _pending(self, trials: int) -> list[str]:
-        pool, target = (
-            (self.candidates, trials) if self.finalists is None else (self.finalists, TIE_BREAK_TRIALS * trials)
-        )
+        pool, target = ((self.candidates, trials) if self.finalists is None
+                        else (self.finalists, TIE_BREAK_TRIALS * trials))
         return [c for c in pool if len(self.seconds.get(c, [])) < target]
 
     def record(self, name: str, seconds: float, trials: int) -> None:
