@@ -40,7 +40,7 @@ def pack_fixed(values: np.ndarray, width: int) -> bytes:
         return _pack_bytewise(values, width)
     if width < 8:
         return _pack_small(values, width)
-    return np.packbits(_uint_to_rows(values.astype(_U64), width).reshape(-1)).tobytes()
+    return _pack_words(values.astype(_U64, copy=False), width)
 
 
 _BYTEWISE = (1, 2, 4)
@@ -123,8 +123,41 @@ def unpack_fixed(data: bytes | memoryview, width: int, count: int) -> np.ndarray
         return _unpack_bytewise(data, width, count)
     if width < 8:
         return _unpack_small(data, width, count)
-    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=count * width)
-    return _rows_to_uint(bits.reshape(count, width))
+    return _unpack_words(data, width, count)
+
+
+def _field_places(count: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """For each of ``count`` fields of ``width`` bits: the 64-bit word it starts in and its bit
+    offset there (from the word's most significant bit)."""
+    starts = np.arange(count, dtype=_U64) * _U64(width)
+    return starts >> _U64(6), starts & _U64(63)
+
+
+def _pack_words(values: np.ndarray, width: int) -> bytes:
+    """Widths 9–63: each field, moved to the top of a 64-bit word, is shifted right by its offset
+    into the word it starts in (head) and left into the next (tail: zero unless it spills over);
+    a word's heads and the previous word's tails are OR-ed by ``reduceat`` — at these widths every
+    word but perhaps the last holds the start of a field — with no array of bits."""
+    count = values.size
+    _, offset = _field_places(count, width)
+    top = values << _U64(64 - width)
+    starting = (count - 1) * width // 64 + 1  # words where a field starts: all but perhaps the last
+    firsts = -(-np.arange(starting, dtype=np.int64) * 64 // width)  # the first field in each of them
+    words = np.zeros(starting + 1, dtype=_U64)
+    words[:-1] = np.bitwise_or.reduceat(top >> offset, firsts)
+    words[1:] |= np.bitwise_or.reduceat((top << _U64(1)) << (_U64(63) - offset), firsts)
+    return words.astype(">u8").tobytes()[: nbytes_for_bits(count * width)]
+
+
+def _unpack_words(data: bytes | memoryview, width: int, count: int) -> np.ndarray:
+    """Inverse of `_pack_words`: the 64 bits from each field's start, read from its word and the
+    next, shifted down to the field's ``width``."""
+    stream = np.zeros(-(-len(data) // 8) * 8 + 8, dtype=np.uint8)
+    stream[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+    words = stream.view(">u8").astype(_U64)
+    word, offset = _field_places(count, width)
+    following = (words[word + _U64(1)] >> _U64(1)) >> (_U64(63) - offset)  # two shifts: never by 64
+    return ((words[word] << offset) | following) >> _U64(64 - width)
 
 
 def pack_unary(quotients: np.ndarray) -> bytes:
