@@ -105,3 +105,45 @@ def test_a_sparse_selection_reaches_the_host_in_one_copy():
     assert host.indices.tolist() == [3, 9, 40] and host.values.tolist() == [1.5, -2.0, 0.25]
     assert host.values.untyped_storage().data_ptr() == host.indices.untyped_storage().data_ptr()  # one buffer
     assert host.indices.is_pinned()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_one_pass_gpu_selection_keeps_exactly_what_nonzero_keeps(dtype):
+    from sparsecomm.sparsify.threshold import indices_at_or_above
+
+    generator = torch.Generator(device="cuda").manual_seed(4)
+    for numel in (1, 4095, 4097, 1_000_003):
+        flat = torch.randn(numel, generator=generator, device="cuda").to(dtype)
+        flat[:: max(1, numel // 7)] = float("nan")
+        flat[1 :: max(1, numel // 5)] = float("-inf")
+        for threshold in (0.0, 1e-3, 1.0, torch.tensor(2.5, device="cuda"), 1e9):
+            got = indices_at_or_above(flat, threshold)
+            want = torch.nonzero(flat.abs() >= threshold).squeeze(1)
+            assert torch.equal(got, want), (numel, threshold)
+
+
+def test_dgc_on_the_gpu_selects_about_k_without_a_host_round_trip_for_the_threshold():
+    flat = torch.randn(2_000_000, generator=torch.Generator(device="cuda").manual_seed(1), device="cuda")
+    dgc = sc.SPARSIFIERS.parse("dgc(ratio=0.001)")
+    threshold = dgc.sampled_threshold(flat, 2000, torch.Generator(device="cuda").manual_seed(2))
+    assert isinstance(threshold, torch.Tensor) and threshold.device.type == "cuda"
+    selection = dgc.sparsify(flat, torch.Generator(device="cuda").manual_seed(2))
+    assert selection.indices.device.type == "cuda" and 0.8 * 2000 <= selection.nnz <= 1.3 * 2000
+    assert torch.equal(selection.indices, selection.indices.sort().values)
+    assert torch.equal(selection.values, flat[selection.indices])
+    assert float(selection.values.abs().min()) >= float(flat.abs().kthvalue(flat.numel() - 2 * 2000).values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_gpu_sampled_threshold_is_the_sample_top_rounded_down_to_8_significant_bits(dtype):
+    from sparsecomm.sparsify.dgc_threshold import device_sampled_threshold
+
+    flat = torch.randn(3_000_001, generator=torch.Generator(device="cuda").manual_seed(5), device="cuda").to(dtype)
+    for k, stride in ((3000, 100), (30, 1000), (300_000, 7), (1, 1)):
+        threshold = device_sampled_threshold(flat, k, stride, torch.Generator(device="cuda").manual_seed(6))
+        start = int(torch.randint(stride, (1,), generator=torch.Generator(device="cuda").manual_seed(6), device="cuda"))
+        count = flat.numel() // stride
+        samples = flat[start + torch.arange(count, device="cuda") * stride].abs().float()
+        exact = torch.topk(samples, -(-count * k // flat.numel())).values.min()
+        rounded = torch.tensor(int(exact.view(torch.int32)) >> 15 << 15, dtype=torch.int32).view(torch.float32)
+        assert threshold.device.type == "cuda" and float(threshold) == float(rounded), (k, stride)

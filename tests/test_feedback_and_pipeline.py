@@ -45,6 +45,19 @@ def test_lossy_values_leave_their_quantization_error_in_the_residual():
     torch.testing.assert_close(total_sent + residual, total_in, rtol=0, atol=1e-9)
 
 
+def test_a_lossy_index_pipeline_takes_tensors_past_the_scan_limit_of_an_unasked_decode(monkeypatch):
+    """The pipeline decodes its own Bloom payload to feed back what receivers will see; it knows the
+    tensor, so it says which, and a tensor longer than decode scans unasked (2^24; lowered here) works."""
+    monkeypatch.setattr(sc.payload, "SCAN_WITHOUT_EXPECT", 100)
+    pipe = sc.Pipeline("topk(ratio=0.05)+residual+bloom(policy=p0)+fp32", seed=1)
+    grad = torch.randint(-50, 51, (1000,), generator=torch.Generator().manual_seed(0)).float()
+    payload = pipe.compress(grad)
+    with pytest.raises(sc.PayloadError, match="expect"):
+        sc.decode(payload)
+    sent = sc.decode(payload, expect=grad.shape).to_dense()
+    assert torch.equal(sent + pipe.states[""].feedback["residual"], grad)
+
+
 def test_without_feedback_unsent_entries_are_dropped_and_the_input_is_untouched():
     pipe = sc.Pipeline("topk(k=1)+none+raw+fp32")
     grad = torch.tensor([1.0, -3.0, 2.0])

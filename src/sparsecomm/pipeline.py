@@ -179,7 +179,7 @@ class Pipeline:
                 received = (spec.value_codec.as_decoded(selection.values)
                             if spec.index_codec.lossless and not spec.index_codec.codes_values else None)
                 selection = (SparseGradient(selection.indices, received, selection.shape) if received is not None
-                             else decode(payload, device=grad.device))
+                             else decode(payload, device=grad.device, expect=grad.shape))
                 parts = split(selection, segments)
         encode_s = time.perf_counter() - encoding
         for segment, state, acc, part, target in zip(segments, states, accumulated, parts, targets, strict=True):

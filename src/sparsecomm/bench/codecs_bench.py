@@ -72,7 +72,7 @@ def measure(selection: SparseGradient, index_text: str, value_text: str, repeat:
     encode_ms, payload = time_ms(
         lambda: encode(selection, index_codec, value_codec, rng=np.random.default_rng(0), dense=dense), repeat, device
     )
-    decode_ms, decoded = time_ms(lambda: decode(payload, device=device), repeat, device)
+    decode_ms, decoded = time_ms(lambda: decode(payload, device=device, expect=selection.shape), repeat, device)
     info = read_info(payload)
     nnz = max(selection.nnz, 1)
     indices_equal = torch.equal(decoded.indices, selection.indices)

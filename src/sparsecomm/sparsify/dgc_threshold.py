@@ -24,11 +24,15 @@ from sparsecomm.sparsify.threshold import indices_at_or_above
 MIN_SAMPLES = 100
 
 
-def sampled_threshold(flat: torch.Tensor, k: int, sample: float, generator: torch.Generator | None) -> float:
+def sampled_threshold(flat: torch.Tensor, k: int, sample: float,
+                      generator: torch.Generator | None) -> float | torch.Tensor:
     """The smallest of the top ceil(samples·k/numel) magnitudes of a strided sample of about
-    ``sample`` of ``flat`` (random start from ``generator``): a threshold that about k entries pass."""
+    ``sample`` of ``flat`` (random start from ``generator``): a threshold that about k entries pass.
+    On a GPU it stays there, a 0-d tensor, so that no host round trip waits for it."""
     numel = flat.numel()
     stride = max(1, round(1.0 / sample))
+    if flat.device.type == "cuda":
+        return device_sampled_threshold(flat, k, stride, generator)
     if generator is not None and stride > 1:
         start = int(torch.randint(min(stride, numel), (1,), generator=generator, device=generator.device))
     else:
@@ -36,6 +40,28 @@ def sampled_threshold(flat: torch.Tensor, k: int, sample: float, generator: torc
     samples = flat[start::stride].abs()
     top = min(samples.numel(), max(1, math.ceil(samples.numel() * k / numel)))
     return float(torch.topk(samples, top, sorted=False).values.min())
+
+
+def device_sampled_threshold(flat: torch.Tensor, k: int, stride: int,
+                             generator: torch.Generator | None) -> torch.Tensor:
+    """`sampled_threshold` without leaving the device: numel // stride samples from a random start
+    (two Triton launches where Triton is installed, `sparsecomm.sparsify.cuda_threshold`; else torch's)."""
+    try:
+        from sparsecomm.sparsify import cuda_threshold
+    except ImportError:  # no Triton: torch's ops below
+        pass
+    else:
+        if flat.dtype in cuda_threshold.FUSED_DTYPES:
+            return cuda_threshold.sampled_threshold(flat, k, stride, generator)
+    numel = flat.numel()
+    count = max(1, numel // stride)
+    if generator is not None and stride > 1:
+        start = torch.randint(stride, (1,), generator=generator, device=generator.device).to(flat.device)
+    else:
+        start = torch.zeros(1, dtype=torch.int64, device=flat.device)
+    samples = flat[torch.arange(count, device=flat.device).mul_(stride).add_(start)].abs()
+    top = min(count, max(1, math.ceil(count * k / numel)))
+    return torch.topk(samples, top, sorted=False).values.min()
 
 
 @SPARSIFIERS.register("dgc")
@@ -54,7 +80,8 @@ class DGCThreshold(CountedSparsifier):
         if not (0.0 < self.lower <= 1.0 <= self.upper and 0.0 < self.decay < 1.0 and self.retries >= 0):
             raise SparseCommError("dgc needs 0 < lower <= 1 <= upper, 0 < decay < 1, retries >= 0")
 
-    def sampled_threshold(self, flat: torch.Tensor, k: int, generator: torch.Generator | None) -> float:
+    def sampled_threshold(self, flat: torch.Tensor, k: int,
+                          generator: torch.Generator | None) -> float | torch.Tensor:
         return sampled_threshold(flat, k, self.sample, generator)
 
     def sparsify(self, tensor: torch.Tensor, generator: torch.Generator | None = None) -> SparseGradient:
@@ -68,8 +95,8 @@ class DGCThreshold(CountedSparsifier):
         return gather(tensor, refined_selection(flat, k, threshold, self.lower, self.upper, self.decay, self.retries))
 
 
-def refined_selection(flat: torch.Tensor, k: int, threshold: float, lower: float, upper: float, decay: float,
-                      retries: int, in_order: bool = False) -> torch.Tensor:
+def refined_selection(flat: torch.Tensor, k: int, threshold: float | torch.Tensor, lower: float, upper: float,
+                      decay: float, retries: int, in_order: bool = False) -> torch.Tensor:
     """Indices of the entries of ``flat`` at or above an estimated ``threshold``, corrected towards
     k: lowered by ``decay`` while fewer than ``lower``·k pass (at most ``retries`` times), and cut
     when more than ``upper``·k pass — to exactly k by a top-k, or with ``in_order`` to those at or
@@ -78,7 +105,7 @@ def refined_selection(flat: torch.Tensor, k: int, threshold: float, lower: float
     for _ in range(retries):
         if indices.numel() >= lower * k or threshold == 0.0:
             break
-        threshold *= decay
+        threshold = threshold * decay
         indices = indices_at_or_above(flat, threshold).to(flat.device)
     if indices.numel() > upper * k:
         magnitudes = flat[indices].abs()

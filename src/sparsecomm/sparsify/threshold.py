@@ -26,11 +26,22 @@ class _MaskBuffers(threading.local):
 _BUFFERS = _MaskBuffers()
 
 
-def indices_at_or_above(flat: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Flat indices with |x| ≥ threshold. On the CPU: one cache-blocked numpy pass that never
-    materialises |x| for the whole tensor (cache-resident, unlike abs → ge → nonzero in torch)."""
+def indices_at_or_above(flat: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
+    """Flat indices, ascending, with |x| ≥ threshold (a number, or a 0-d tensor on ``flat``'s device).
+    On the CPU: one cache-blocked numpy pass that never materialises |x| for the whole tensor
+    (cache-resident, unlike abs → ge → nonzero in torch). On a GPU with Triton: one pass that writes
+    the mask (`sparsecomm.sparsify.cuda_select`)."""
+    if flat.device.type == "cuda":
+        try:
+            from sparsecomm.sparsify import cuda_select
+        except ImportError:  # no Triton: torch's passes below
+            pass
+        else:
+            if flat.dtype in cuda_select.FUSED_DTYPES:
+                return cuda_select.indices_at_or_above(flat.reshape(-1), threshold)
     if flat.device.type != "cpu" or flat.dtype != torch.float32:
         return torch.nonzero(flat.abs() >= threshold).squeeze(1)
+    threshold = float(threshold)
     values = flat.detach().numpy()
     found = []
     magnitudes, mask = _BUFFERS.magnitudes, _BUFFERS.mask

@@ -181,6 +181,7 @@ def nonzero_counts(stream: Stream, numel: int, bins: int) -> torch.Tensor:
 def balanced_bounds(counts: torch.Tensor, numel: int, parts: int) -> tuple[int, ...]:
     """Range bounds at bin edges that split the counted nonzeros into ``parts`` near-equal shares
     (equal ranges when there is nothing to count)."""
+    counts = counts.cpu()  # a few bins per rank; the bounds are needed on the host
     total = int(counts.sum())
     if total == 0:
         return tuple(range_bounds(numel, parts))
