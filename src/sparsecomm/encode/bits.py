@@ -127,10 +127,10 @@ def unpack_fixed(data: bytes | memoryview, width: int, count: int) -> np.ndarray
 
 
 def _field_places(count: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-    """For each of ``count`` fields of ``width`` bits: the 64-bit word it starts in and its bit
-    offset there (from the word's most significant bit)."""
-    starts = np.arange(count, dtype=_U64) * _U64(width)
-    return starts >> _U64(6), starts & _U64(63)
+    """For each of ``count`` fields of ``width`` bits: the 64-bit word it starts in (an index
+    array) and its bit offset there, from the word's most significant bit (uint64, for shifts)."""
+    starts = np.arange(count, dtype=np.int64) * width
+    return starts >> 6, (starts & 63).view(_U64)
 
 
 def _pack_words(values: np.ndarray, width: int) -> bytes:
@@ -156,8 +156,12 @@ def _unpack_words(data: bytes | memoryview, width: int, count: int) -> np.ndarra
     stream[: len(data)] = np.frombuffer(data, dtype=np.uint8)
     words = stream.view(">u8").astype(_U64)
     word, offset = _field_places(count, width)
-    following = (words[word + _U64(1)] >> _U64(1)) >> (_U64(63) - offset)  # two shifts: never by 64
-    return ((words[word] << offset) | following) >> _U64(64 - width)
+    following = (words[1:][word] >> _U64(1)) >> (_U64(63) - offset)  # two shifts: never one by 64
+    head = words[word]
+    head <<= offset
+    head |= following
+    head >>= _U64(64 - width)
+    return head
 
 
 def pack_unary(quotients: np.ndarray) -> bytes:
