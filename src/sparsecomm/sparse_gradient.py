@@ -98,7 +98,7 @@ class SparseGradient:
     def sorted(self) -> SparseGradient:
         """The same entries with indices in ascending order (``self`` when they already are, as a
         threshold's selection is: one comparison pass instead of a sort and two gathers)."""
-        if self.nnz < 2 or bool((self.indices[1:] > self.indices[:-1]).all()):
+        if self.nnz < 2 or _strictly_increasing(self.indices):
             return self
         if self.indices.device.type == "cpu" and self.nnz < TORCH_RADIX_SORT_MIN and self.numel <= 1 << 32:
             return self._sorted_by_16_bit_digits()
@@ -151,3 +151,12 @@ class SparseGradient:
             f"SparseGradient(shape={tuple(self.shape)}, nnz={self.nnz}, dtype={self.dtype}, "
             f"device={self.device})"
         )
+
+
+def _strictly_increasing(indices: torch.Tensor) -> bool:
+    """On the CPU through numpy: for 25.6k indices torch's compare and reduce took 28 µs here
+    against numpy's 8 µs (the host codecs check every selection they encode)."""
+    if indices.device.type == "cpu":
+        ordered = indices.numpy()
+        return bool((ordered[1:] > ordered[:-1]).all())
+    return bool((indices[1:] > indices[:-1]).all())
