@@ -19,6 +19,7 @@ from sparsecomm.integration.budget import (
     SPARSE,
     LinkBudget,
     Plan,
+    StepMeasurement,
 )
 
 N = 1_000_000
@@ -139,9 +140,9 @@ def test_a_runner_up_runs_again_once_its_extra_cost_is_a_small_share_of_the_time
     plan.observe(report(compute=0.002, throughput=1e9, dense=0.006, half=0.005, per_nnz=2.0, magnitude=1.0))
     for _ in range(COST_WINDOW):
         plan.observe(report(sparse=0.050))
-    sparse_due = 0.0445 / (EXPLORE_SHARE * 0.0075)  # sparse is over 44.5 ms dearer: due after this many steps
+    sparse_due = 0.0465 / (EXPLORE_SHARE * 0.0055)  # sparse is over 46.5 ms dearer: due after this many steps
     modes = [next_plan(plan).mode for _ in range(int(sparse_due) + MIN_REEXPLORE)]
-    # fp16 wins: 5.5 ms with its margin, 7.5 ms a step with the compute
+    # fp16 wins: 5.5 ms a step with its margin, against 6 ms for fp32 and 52 ms for sparse
     # fp32, 0.5 ms dearer, runs again as often as allowed
     dense_steps = [step for step, mode in enumerate(modes, 1) if mode == DENSE]
     gaps = {later - earlier for earlier, later in zip([0, *dense_steps[:-1]], dense_steps, strict=True)}
@@ -164,6 +165,51 @@ def test_an_unlucky_first_measurement_is_checked_again_and_corrected():
     assert len(modes) <= 0.040 / (EXPLORE_SHARE * 0.003) + 1
     plan.observe(report(dense=0.001))  # the dense step cost 1 ms
     assert {next_plan(plan).mode for _ in range(MIN_REEXPLORE - 1)} == {DENSE}
+
+
+def test_a_dense_modes_cost_is_its_whole_step_so_compute_it_slowed_counts_against_it():
+    plan = budget(probe=0)
+    for _ in range(5):  # past the warm-up steps
+        next_plan(plan)
+    plan.current = Plan(HALF)
+    # an fp16 step whose collective waited 1 ms but slowed the backward to 6 ms (gloo's fp16 sums
+    # share the processor with it): 7 ms
+    plan.measuring = StepMeasurement(forward_start=0.0, last_submit=0.0065, last_done=0.0075, local_s=0.0005)
+    assert plan.end_step()[3].item() == pytest.approx(-0.0075)
+    # against it, an fp32 step not yet run: 3 ms of compute and 4 MB at 1 GB/s
+    plan.observe(report(compute=0.003, throughput=1e9, half=0.0075, per_nnz=2.0, magnitude=1.0))
+    for _ in range(COST_WINDOW):
+        plan.observe(report(sparse=0.050))
+    assert next_plan(plan).mode == DENSE
+
+
+def test_fp16_is_tried_only_once_fp32_has_been_measured_and_judged_by_its_median_step():
+    plan = budget(probe=0)
+    next_plan(plan)
+    # a fast link: fp16 would be predicted at 1.5 + 1 ms (x1.1) against fp32's 1.5 + 2 ms, but fp32 runs first
+    plan.observe(report(compute=0.0015, throughput=2e9, per_nnz=2.0, magnitude=1.0))
+    for _ in range(COST_WINDOW):
+        plan.observe(report(sparse=0.050))
+    assert next_plan(plan).mode == DENSE
+    plan.observe(report(dense=0.0035))
+    assert next_plan(plan).mode == HALF  # predicted at 3.5 - 1 ms, x1.1
+    for half in (0.0025, 0.006, 0.006, 0.006, 0.006):  # one lucky fp16 step among slow ones
+        plan.observe(report(half=half))
+    assert {next_plan(plan).mode for _ in range(MIN_REEXPLORE - 1)} == {DENSE}
+
+
+def test_a_step_in_another_mode_than_the_step_before_is_flagged_so_that_its_cost_is_reported():
+    plan = budget()
+    next_plan(plan)
+    plan.observe(report(compute=0.002, throughput=1e9, dense=0.006, half=0.005, per_nnz=2.0, magnitude=1.0))
+    for _ in range(COST_WINDOW):
+        plan.observe(report(sparse=0.050))
+    modes, switched = [], []
+    for _ in range(3 * MIN_REEXPLORE):
+        modes.append(next_plan(plan).mode)
+        switched.append(plan.switched)
+    assert DENSE in modes and HALF in modes
+    assert switched[1:] == [now != before for before, now in zip(modes, modes[1:], strict=False)]
 
 
 def test_a_user_set_budget_decides_by_bytes_alone_and_never_probes():

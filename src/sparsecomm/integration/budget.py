@@ -12,8 +12,8 @@ Every step, each rank measures:
 - the bytes per nonzero its payloads took, the bytes it sent outside the budget (tensors below
   ``dense_below``, parameters sent whole, sparse embedding rows), and the largest magnitude it sent;
 - what communicating cost the step: the time it waited for communication plus sparsecomm's local
-  stages — for an fp32 or an fp16 dense step as a whole, for a sparse step less its payloads' wire
-  time and their calibrated per-byte cost (below): what remains is the sparse path's fixed overhead
+  stages — for an fp32 or an fp16 dense step as a whole, with its compute, for a sparse step less
+  its payloads' wire time and their calibrated per-byte cost (below): what remains is the sparse path's fixed overhead
   O_s (passes over the gradient, the codecs' per-call costs, agreement, handoffs), which the plan
   adds back at any budget.
 
@@ -43,7 +43,8 @@ Each step runs in one of three modes:
 - **dense** (fp32): a plain all_reduce, each tensor's feedback flushed into it: exact;
 - **half** (fp16): the same, scaled by 1/P and cast to fp16 (as DDP's fp16 hook does); the feedback
   keeps what the cast rounded away, so nothing is lost. Allowed while the largest magnitude sent
-  leaves `HALF_HEADROOM` of fp16's range; until measured, it costs dense's time less half the wire.
+  leaves `HALF_HEADROOM` of fp16's range, and once fp32 has been measured (the exact mode is tried
+  first); until measured itself, it costs fp32's time less half the wire.
 
 The reducer runs both dense modes as DDP's own hooks do: one asynchronous all_reduce per bucket, no
 agreement step (a rank's non-finite gradient travels as NaN, so every rank sees the same non-finite
@@ -52,8 +53,11 @@ timed at start-up (`sparsecomm.integration.link_probe`), dense otherwise (to mea
 dense on every ``probe``-th step (to measure again), and whenever the link carries the whole fp32
 gradient within the compute time.
 Otherwise the cheapest mode wins, an exact one on a tie: half must beat dense by `HALF_MARGIN`,
-sparse must cost less than the dense mode; a mode's cost is the least of its last few (the first
-steps, slow for reasons of their own, do not count). Until sparse
+sparse must cost less than the dense mode. Modes are compared by whole steps: a dense mode's cost is
+the median of its last few steps' compute and communication (the first steps, slow for reasons of
+their own, do not count) — its collectives' own work may slow the compute it overlaps (gloo sums
+fp16 on the processor that runs the backward) — and until dense has run, the compute plus its wire
+time at the measured throughput; a sparse step's is the compute plus its cost at the budget. Until sparse
 steps have been measured O_s counts as 0, so a link slower than the compute gets sparse steps at
 the ``floor`` density — the first warms the sparse path up and is not counted — until their cost
 is known, cheaply where sparse does not pay.
@@ -62,7 +66,8 @@ first steps' link throughput, say, several times below the link's). So each othe
 once its predicted extra cost has come down to `EXPLORE_SHARE` of the steps' time since it last ran
 — a re-check costs at most that share of the time since the last — and never more often than every
 `MIN_REEXPLORE` steps: close calls are re-checked often, and on a slow link dense is rarely tried
-beyond the probes.
+beyond the probes. A step whose mode differs from the step before's always reports, so that what
+such a re-check measured is heard.
 
 A user-set ``budget`` (bytes per step) replaces B and turns the probes off: bytes alone
 decide the mode then (dense, half or sparse, whichever the budget holds) and a run repeats bit for
@@ -101,8 +106,9 @@ EXPLORE_SHARE, MIN_REEXPLORE = 0.05, 20
 """another mode runs again once its predicted extra cost is this share of the steps' time since it
 last ran, and at most once every this many steps"""
 COMPUTE_WINDOW, THROUGHPUT_WINDOW, COST_WINDOW = 9, 3, 5
-"""compute and throughput: medians over this many agreed measurements; a mode's cost: the least of
-this many (interference only ever adds time, so the least is the truest)"""
+"""compute and throughput: medians over this many agreed measurements; a mode's cost: the median of
+this many (an fp16 step on gloo varied 1.8-5.5 ms on loopback while fp32 held near 2: the least
+flattered the noisy mode)"""
 DENSE, HALF, SPARSE = "dense", "half", "sparse"
 
 
@@ -234,6 +240,8 @@ class LinkBudget:
     max_magnitude: float = math.inf
     """the largest |value| any rank sent lately (unknown: fp16 not allowed)"""
     current: Plan = Plan(DENSE)
+    switched: bool = False
+    """whether this step's mode differs from the step before's: its cost must reach a report"""
     measuring: StepMeasurement = field(default_factory=StepMeasurement)
     finished: StepMeasurement | None = None
     last_compute_s: float = 0.0
@@ -261,7 +269,8 @@ class LinkBudget:
             self.last_compute_s = self.finished.compute_s(now)
         self.finished = None
         self.measuring = StepMeasurement(first_submit=now, forward_start=forward_start, codec_cost=self.codec_cost)
-        self.current = self.plan()
+        previous, self.current = self.current.mode, self.plan()
+        self.switched = self.current.mode != previous
         self.last_run[self.current.mode] = self.step
         self.mode_steps[self.current.mode] = self.mode_steps.get(self.current.mode, 0) + 1
         return self.current
@@ -280,9 +289,12 @@ class LinkBudget:
         per_nnz = done.payload_bytes / done.payload_nnz if done.payload_nnz else 0.0
         fixed = done.fixed_bytes + done.whole_nnz * per_nnz
         cost = done.local_s + max(0.0, done.last_done - done.last_submit)
+        compute = done.forward_backward_s() if done.forward_start is not None else self.last_compute_s
         costs = {DENSE: math.inf, HALF: math.inf, SPARSE: math.inf}
         if self.current.mode != SPARSE and self.step > WARMUP_STEPS:
-            costs[self.current.mode] = -cost
+            # the whole step: where a collective's own work competes with the backward for the
+            # processor (gloo's fp16 sums on a CPU), the compute it slowed counts against it
+            costs[self.current.mode] = -(compute + cost)
         else:
             self.sparse_steps += 1
             if self.sparse_steps >= EXPLORATION_STEPS and self.throughput:
@@ -292,7 +304,6 @@ class LinkBudget:
                 codecs = (encode_per_byte + (self.world_size - 1) * decode_per_byte) * done.payload_bytes
                 costs[SPARSE] = -max(1e-6, cost - wire - codecs)
         throughput = done.wire_bytes / done.wire_s if done.wire_s > 0 else 0.0
-        compute = done.forward_backward_s() if done.forward_start is not None else self.last_compute_s
         return torch.tensor([compute, -throughput if throughput > 0 else math.inf, costs[DENSE], costs[HALF],
                              costs[SPARSE], per_nnz, fixed, done.max_magnitude, *done.codec_cost], dtype=torch.float64)
 
@@ -336,18 +347,19 @@ class LinkBudget:
         if budget is None or budget >= dense_bytes or probing:
             return Plan(DENSE)
         throughput, compute = statistics.median(self.throughput), statistics.median(self.compute_s)
-        dense_cost = min(self.dense_cost_s) if self.dense_cost_s else dense_bytes / throughput + compute
+        dense_cost = statistics.median(self.dense_cost_s) if self.dense_cost_s else compute + dense_bytes / throughput
         costs = {DENSE: (dense_cost, Plan(DENSE))}
-        if half_allowed:
-            half_cost = min(self.half_cost_s) if self.half_cost_s else dense_cost - dense_bytes / 2 / throughput
+        if half_allowed and self.dense_cost_s:  # fp16 is judged against fp32 measured: exact first
+            half_cost = (statistics.median(self.half_cost_s) if self.half_cost_s
+                         else dense_cost - dense_bytes / 2 / throughput)
             costs[HALF] = (half_cost * (1 + HALF_MARGIN), Plan(HALF))
         exploring = not self.sparse_overhead_s  # until the sparse path's cost is known: cheap steps
         sparse = self._sparse(budget) if not exploring else Plan(SPARSE, self.sparsifier.floor)
         carrying = self.per_byte_s(throughput) * self.step_bytes(sparse.density)
-        overhead = min(self.sparse_overhead_s) if not exploring else 0.0
-        costs[SPARSE] = (carrying + overhead + 1e-9, sparse)  # a tie goes to a dense mode
+        overhead = statistics.median(self.sparse_overhead_s) if not exploring else 0.0
+        costs[SPARSE] = (compute + carrying + overhead + 1e-9, sparse)  # a tie goes to a dense mode
         chosen = min(costs, key=lambda mode: costs[mode][0])
-        step_s = compute + costs[chosen][0]
+        step_s = costs[chosen][0]
         for mode, (cost, plan) in costs.items():
             since = self.step - self.last_run.get(mode, 0)
             if mode != chosen and since >= max(MIN_REEXPLORE, (cost - costs[chosen][0]) / (EXPLORE_SHARE * step_s)):
@@ -388,7 +400,7 @@ class LinkBudget:
                 "max_magnitude": self.max_magnitude,
                 "last_compute_s": self.last_compute_s, "sparse_steps": self.sparse_steps,
                 "reports_read": self.reports_read, "last_run": dict(self.last_run),
-                "mode_steps": dict(self.mode_steps)}
+                "mode_steps": dict(self.mode_steps), "mode": self.current.mode}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.total_numel, self.budget_numel = state["step"], state["total_numel"], state["budget_numel"]
@@ -402,4 +414,5 @@ class LinkBudget:
         self.sparse_steps, self.reports_read = state["sparse_steps"], state["reports_read"]
         self.last_run = dict(state["last_run"])
         self.mode_steps = dict(state.get("mode_steps", {}))
+        self.current = Plan(state.get("mode", DENSE))  # the last step's mode: whether the next one switches
         self.finished = None

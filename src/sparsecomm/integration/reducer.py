@@ -501,8 +501,11 @@ class GradientReducer:
         return NativeWire(wire, path, nbytes, home)
 
     def _reports_this_step(self) -> bool:
-        """Whether this step's numbers go out in a report (every step at first, then every few)."""
-        return self.stats.steps < EVERY_STEP_REPORTS or self.stats.steps % REPORT_EVERY == 0
+        """Whether this step's numbers go out in a report: every step at first, then every few — and
+        every step whose mode differs from the step before's, or a re-check of another mode would be
+        run and its cost never heard (3 times in 4)."""
+        return (self.stats.steps < EVERY_STEP_REPORTS or self.stats.steps % REPORT_EVERY == 0
+                or (self.budget is not None and self.budget.switched))
 
     def _begin_budget_step(self, now: float) -> None:
         """Learn the ranks' reports from two steps back — a tiny all_reduce can outlast a step's

@@ -12,8 +12,6 @@ Imported only for CUDA tensors where Triton is installed (PyTorch's CUDA builds 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -55,21 +53,14 @@ def _lower_edge_of_top(hist_ptr, top, out_ptr, SHIFT: tl.constexpr, BINS: tl.con
     tl.store(out_ptr, ((BINS - 1 - chosen * CHUNK - first) << SHIFT).to(tl.float32, bitcast=True))
 
 
-def sampled_threshold(flat: torch.Tensor, k: int, stride: int, generator: torch.Generator | None) -> torch.Tensor:
-    """A 0-d float32 tensor on ``flat``'s device (1-D, float32/16/bf16, on a GPU): about the
-    smallest of the top ceil(samples·k/numel) magnitudes of every ``stride``-th entry from a random
-    start (from ``generator``), rounded down to 8 significant bits."""
+def top_sample_lower_edge(flat: torch.Tensor, start: torch.Tensor, count: int, stride: int, top: int) -> torch.Tensor:
+    """A 0-d float32 tensor on ``flat``'s device (1-D, float32/16/bf16, on a GPU): the ``top``-th
+    largest magnitude of the ``count`` entries ``start + i·stride`` (``start``: a 1-element int64
+    tensor there), rounded down to 8 significant bits."""
     flat = flat.detach().contiguous()
-    numel = flat.numel()
-    count = max(1, numel // stride)
-    if generator is not None and stride > 1:
-        start = torch.randint(stride, (1,), generator=generator, device=generator.device).to(flat.device)
-    else:
-        start = torch.zeros(1, dtype=torch.int64, device=flat.device)
     hist = torch.zeros(BINS, dtype=torch.int32, device=flat.device)
     _sample_histogram[(triton.cdiv(count, SAMPLE_BLOCK),)](flat, start, hist, count, stride, SHIFT=KEY_SHIFT,
                                                           BLOCK=SAMPLE_BLOCK, num_warps=8)
     threshold = torch.empty(1, dtype=torch.float32, device=flat.device)
-    top = min(count, max(1, math.ceil(count * k / numel)))
     _lower_edge_of_top[(1,)](hist, top, threshold, SHIFT=KEY_SHIFT, BINS=BINS, CHUNK=SCAN_CHUNK, num_warps=4)
     return threshold.reshape(())

@@ -45,22 +45,23 @@ def sampled_threshold(flat: torch.Tensor, k: int, sample: float,
 def device_sampled_threshold(flat: torch.Tensor, k: int, stride: int,
                              generator: torch.Generator | None) -> torch.Tensor:
     """`sampled_threshold` without leaving the device: numel // stride samples from a random start
-    (two Triton launches where Triton is installed, `sparsecomm.sparsify.cuda_threshold`; else torch's)."""
-    try:
-        from sparsecomm.sparsify import cuda_threshold
-    except ImportError:  # no Triton: torch's ops below
-        pass
-    else:
-        if flat.dtype in cuda_threshold.FUSED_DTYPES:
-            return cuda_threshold.sampled_threshold(flat, k, stride, generator)
+    (two Triton launches where Triton is installed, `sparsecomm.sparsify.cuda_threshold`, whose
+    threshold is the sample's rounded down to 8 significant bits; else torch's ops)."""
     numel = flat.numel()
     count = max(1, numel // stride)
     if generator is not None and stride > 1:
         start = torch.randint(stride, (1,), generator=generator, device=generator.device).to(flat.device)
     else:
         start = torch.zeros(1, dtype=torch.int64, device=flat.device)
-    samples = flat[torch.arange(count, device=flat.device).mul_(stride).add_(start)].abs()
     top = min(count, max(1, math.ceil(count * k / numel)))
+    try:
+        from sparsecomm.sparsify import cuda_threshold
+    except ImportError:  # no Triton: torch's ops below
+        pass
+    else:
+        if flat.dtype in cuda_threshold.FUSED_DTYPES:
+            return cuda_threshold.top_sample_lower_edge(flat, start, count, stride, top)
+    samples = flat[torch.arange(count, device=flat.device).mul_(stride).add_(start)].abs()
     return torch.topk(samples, top, sorted=False).values.min()
 
 
