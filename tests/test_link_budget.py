@@ -50,6 +50,16 @@ def next_plan(plan: LinkBudget, agreed: torch.Tensor | None = None) -> Plan:
     return chosen
 
 
+def measured(plan: LinkBudget, sparse: float, **first) -> LinkBudget:
+    """``plan`` after its first step, one report of ``first`` and `COST_WINDOW` sparse steps that
+    cost ``sparse`` each beyond their wire time."""
+    next_plan(plan)
+    plan.observe(report(**first))
+    for _ in range(COST_WINDOW):
+        plan.observe(report(sparse=sparse))
+    return plan
+
+
 def test_the_first_step_is_dense_and_so_is_every_probe_step():
     plan = budget(probe=10)
     assert next_plan(plan) == Plan(DENSE)  # nothing measured yet
@@ -107,39 +117,24 @@ def test_the_sparse_paths_marginal_cost_is_a_slope_not_an_average():
 
 
 def test_sparse_density_stops_at_its_ceiling_and_dense_wins_where_it_costs_no_more():
-    plan = budget()
-    next_plan(plan)
     # a budget worth more than a quarter of the entries, sparse steps that cost a lot of CPU, and
     # magnitudes too large for fp16
-    plan.observe(report(compute=0.002, throughput=1e9, dense=0.006, per_nnz=2.0, magnitude=1e5))
-    for _ in range(COST_WINDOW):
-        plan.observe(report(sparse=0.020))
+    plan = measured(budget(), sparse=0.020, compute=0.002, throughput=1e9, dense=0.006, per_nnz=2.0, magnitude=1e5)
     assert next_plan(plan) == Plan(DENSE)
-    cheap = budget()
-    next_plan(cheap)
-    cheap.observe(report(compute=0.002, throughput=1e9, dense=0.006, per_nnz=2.0, magnitude=1.0))
-    for _ in range(COST_WINDOW):
-        cheap.observe(report(sparse=0.0005))
+    cheap = measured(budget(), sparse=0.0005, compute=0.002, throughput=1e9, dense=0.006, per_nnz=2.0, magnitude=1.0)
     assert next_plan(cheap) == Plan(SPARSE, MAX_SPARSE_DENSITY)
 
 
 def test_fp16_steps_need_headroom_below_fp16s_range_and_must_beat_fp32():
     for magnitude, half_cost, expected in [(1.0, 0.002, HALF), (1e4, 0.002, DENSE), (1.0, 0.008, DENSE)]:
-        plan = budget()
-        next_plan(plan)
-        plan.observe(report(compute=0.002, throughput=1e9, dense=0.006, half=half_cost, per_nnz=2.0,
-                            magnitude=magnitude))
-        for _ in range(COST_WINDOW):
-            plan.observe(report(sparse=0.050))
+        plan = measured(budget(), sparse=0.050, compute=0.002, throughput=1e9, dense=0.006, half=half_cost,
+                        per_nnz=2.0, magnitude=magnitude)
         assert next_plan(plan).mode == expected, (magnitude, half_cost)
 
 
 def test_a_runner_up_runs_again_once_its_extra_cost_is_a_small_share_of_the_time_since():
-    plan = budget()
-    next_plan(plan)
-    plan.observe(report(compute=0.002, throughput=1e9, dense=0.006, half=0.005, per_nnz=2.0, magnitude=1.0))
-    for _ in range(COST_WINDOW):
-        plan.observe(report(sparse=0.050))
+    plan = measured(budget(), sparse=0.050, compute=0.002, throughput=1e9, dense=0.006, half=0.005, per_nnz=2.0,
+                    magnitude=1.0)
     sparse_due = 0.0465 / (EXPLORE_SHARE * 0.0055)  # sparse is over 46.5 ms dearer: due after this many steps
     modes = [next_plan(plan).mode for _ in range(int(sparse_due) + MIN_REEXPLORE)]
     # fp16 wins: 5.5 ms a step with its margin, against 6 ms for fp32 and 52 ms for sparse
@@ -153,12 +148,9 @@ def test_a_runner_up_runs_again_once_its_extra_cost_is_a_small_share_of_the_time
 
 
 def test_an_unlucky_first_measurement_is_checked_again_and_corrected():
-    plan = budget(probe=0)  # no probe steps: the re-check alone
-    next_plan(plan)
-    # the first steps saw the link at a tenth of its speed: dense predicted at 41 ms, sparse costs 2 ms
-    plan.observe(report(compute=0.001, throughput=100e6, per_nnz=2.0, magnitude=1e5))
-    for _ in range(COST_WINDOW):
-        plan.observe(report(sparse=0.002))
+    # no probe steps: the re-check alone; the first steps saw the link at a tenth of its speed:
+    # dense predicted at 41 ms, sparse costs 2 ms
+    plan = measured(budget(probe=0), sparse=0.002, compute=0.001, throughput=100e6, per_nnz=2.0, magnitude=1e5)
     modes = []
     while DENSE not in modes:
         modes.append(next_plan(plan).mode)
@@ -184,12 +176,8 @@ def test_a_dense_modes_cost_is_its_whole_step_so_compute_it_slowed_counts_agains
 
 
 def test_fp16_is_tried_only_once_fp32_has_been_measured_and_judged_by_its_median_step():
-    plan = budget(probe=0)
-    next_plan(plan)
     # a fast link: fp16 would be predicted at 1.5 + 1 ms (x1.1) against fp32's 1.5 + 2 ms, but fp32 runs first
-    plan.observe(report(compute=0.0015, throughput=2e9, per_nnz=2.0, magnitude=1.0))
-    for _ in range(COST_WINDOW):
-        plan.observe(report(sparse=0.050))
+    plan = measured(budget(probe=0), sparse=0.050, compute=0.0015, throughput=2e9, per_nnz=2.0, magnitude=1.0)
     assert next_plan(plan).mode == DENSE
     plan.observe(report(dense=0.0035))
     assert next_plan(plan).mode == HALF  # predicted at 3.5 - 1 ms, x1.1
@@ -199,11 +187,8 @@ def test_fp16_is_tried_only_once_fp32_has_been_measured_and_judged_by_its_median
 
 
 def test_a_step_in_another_mode_than_the_step_before_is_flagged_so_that_its_cost_is_reported():
-    plan = budget()
-    next_plan(plan)
-    plan.observe(report(compute=0.002, throughput=1e9, dense=0.006, half=0.005, per_nnz=2.0, magnitude=1.0))
-    for _ in range(COST_WINDOW):
-        plan.observe(report(sparse=0.050))
+    plan = measured(budget(), sparse=0.050, compute=0.002, throughput=1e9, dense=0.006, half=0.005, per_nnz=2.0,
+                    magnitude=1.0)
     modes, switched = [], []
     for _ in range(3 * MIN_REEXPLORE):
         modes.append(next_plan(plan).mode)
