@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass, replace
+from types import ModuleType
 
 import torch
 
@@ -90,6 +92,21 @@ def count_from(numel: int, ratio: float | None, k: int | None) -> int:
 def gather(tensor: torch.Tensor, indices: torch.Tensor) -> SparseGradient:
     flat = tensor.reshape(-1)
     return SparseGradient(indices, flat[indices], tensor.shape)
+
+
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""dtypes the GPU kernels take: their magnitudes compare exactly in float32 inside them"""
+
+
+def gpu_kernels(tensor: torch.Tensor, module: str) -> ModuleType | None:
+    """The Triton kernels of ``sparsecomm.sparsify.<module>`` where they serve ``tensor`` (on a
+    GPU, of a `TRITON_DTYPES` dtype, Triton installed); None where torch's own ops must."""
+    if tensor.device.type != "cuda" or tensor.dtype not in TRITON_DTYPES:
+        return None
+    try:
+        return importlib.import_module(f"sparsecomm.sparsify.{module}")
+    except ImportError:  # no Triton
+        return None
 
 
 SPARSIFIERS: Registry[Sparsifier] = Registry("sparsifier")

@@ -7,7 +7,8 @@ instead of 13. The threshold may be a device tensor, so no host round trip is ne
 the one left is nonzero's, which must learn how many passed. (Compacting in Triton instead —
 count each block's hits, then write them after a cumulative sum of the counts — was slower.)
 
-Imported only for CUDA tensors where Triton is installed (PyTorch's CUDA builds ship it).
+Imported through `sparsecomm.sparsify.base.gpu_kernels`, for CUDA tensors where Triton is installed
+(PyTorch's CUDA builds ship it).
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import triton.language as tl
 
 BLOCK = 8192
 """entries per program"""
-FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-"""dtypes whose magnitudes compare exactly in float32 inside the kernel"""
 
 
 @triton.jit

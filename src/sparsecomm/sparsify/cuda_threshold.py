@@ -7,7 +7,8 @@ the magnitudes), and one program walks the bins down from the largest until ``to
 counted. The threshold is that bin's lower edge: the ``top``-th largest sample rounded down to 8
 significant bits, so a few more entries than the exact sample top-k would keep pass it.
 
-Imported only for CUDA tensors where Triton is installed (PyTorch's CUDA builds ship it).
+Imported through `sparsecomm.sparsify.base.gpu_kernels`, for CUDA tensors where Triton is installed
+(PyTorch's CUDA builds ship it).
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ KEY_SHIFT = 15
 BINS = 1 << (31 - KEY_SHIFT)
 SAMPLE_BLOCK = 4096
 SCAN_CHUNK = 2048
-FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-"""dtypes whose magnitudes are exact in float32 inside the kernels"""
 
 
 @triton.jit

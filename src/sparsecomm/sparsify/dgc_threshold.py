@@ -18,7 +18,7 @@ import torch
 
 from sparsecomm.errors import SparseCommError
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.sparsify.base import SPARSIFIERS, CountedSparsifier, gather
+from sparsecomm.sparsify.base import SPARSIFIERS, CountedSparsifier, gather, gpu_kernels
 from sparsecomm.sparsify.threshold import indices_at_or_above
 
 MIN_SAMPLES = 100
@@ -54,13 +54,8 @@ def device_sampled_threshold(flat: torch.Tensor, k: int, stride: int,
     else:
         start = torch.zeros(1, dtype=torch.int64, device=flat.device)
     top = min(count, max(1, math.ceil(count * k / numel)))
-    try:
-        from sparsecomm.sparsify import cuda_threshold
-    except ImportError:  # no Triton: torch's ops below
-        pass
-    else:
-        if flat.dtype in cuda_threshold.FUSED_DTYPES:
-            return cuda_threshold.top_sample_lower_edge(flat, start, count, stride, top)
+    if (kernels := gpu_kernels(flat, "cuda_threshold")) is not None:
+        return kernels.top_sample_lower_edge(flat, start, count, stride, top)
     samples = flat[torch.arange(count, device=flat.device).mul_(stride).add_(start)].abs()
     return torch.topk(samples, top, sorted=False).values.min()
 

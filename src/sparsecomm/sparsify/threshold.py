@@ -10,7 +10,7 @@ import torch
 
 from sparsecomm.errors import SparseCommError
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.sparsify.base import SPARSIFIERS, Sparsifier, gather
+from sparsecomm.sparsify.base import SPARSIFIERS, Sparsifier, gather, gpu_kernels
 
 _CHUNK = 1 << 20  # elements per cache-sized block in the CPU pass
 
@@ -31,14 +31,8 @@ def indices_at_or_above(flat: torch.Tensor, threshold: float | torch.Tensor) -> 
     On the CPU: one cache-blocked numpy pass that never materialises |x| for the whole tensor
     (cache-resident, unlike abs → ge → nonzero in torch). On a GPU with Triton: one pass that writes
     the mask (`sparsecomm.sparsify.cuda_select`)."""
-    if flat.device.type == "cuda":
-        try:
-            from sparsecomm.sparsify import cuda_select
-        except ImportError:  # no Triton: torch's passes below
-            pass
-        else:
-            if flat.dtype in cuda_select.FUSED_DTYPES:
-                return cuda_select.indices_at_or_above(flat.reshape(-1), threshold)
+    if (kernels := gpu_kernels(flat, "cuda_select")) is not None:
+        return kernels.indices_at_or_above(flat.reshape(-1), threshold)
     if flat.device.type != "cpu" or flat.dtype != torch.float32:
         return torch.nonzero(flat.abs() >= threshold).squeeze(1)
     threshold = float(threshold)
