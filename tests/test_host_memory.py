@@ -1,11 +1,13 @@
-"""Keeping freed host memory: a codec call's temporaries reuse the last call's pages."""
+"""Host memory: a codec call's temporaries reuse the last call's pages, and large buffers are
+cleared through the C library's memset — to exactly zero, and only the tensor's own elements."""
 
 import subprocess
 import sys
 
 import pytest
+import torch
 
-from sparsecomm.host_memory import MAX_MMAP_THRESHOLD, keep_freed_host_memory
+from sparsecomm.host_memory import MAX_MMAP_THRESHOLD, MEMSET, MEMSET_MIN_BYTES, clear_, keep_freed_host_memory
 
 FAULTS_PER_ROUND = """
 import resource, numpy as np
@@ -40,3 +42,30 @@ def test_out_of_range_settings_are_refused():
         keep_freed_host_memory(mmap_threshold=MAX_MMAP_THRESHOLD + 1)
     with pytest.raises(ValueError, match="trim_threshold"):
         keep_freed_host_memory(trim_threshold=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.int64])
+def test_a_large_buffer_is_cleared_to_exact_zeros(dtype):
+    buffer = torch.full((MEMSET_MIN_BYTES // 2 + 3,), -7, dtype=dtype)  # 1-4 MB, not a round size
+    assert clear_(buffer) is buffer
+    assert torch.equal(buffer.view(torch.uint8), torch.zeros(buffer.numel() * buffer.element_size(), dtype=torch.uint8))
+
+
+def test_memset_clears_only_the_tensors_own_bytes():
+    if MEMSET is None:
+        pytest.skip("no C library to load")
+    storage = torch.full((3 * MEMSET_MIN_BYTES // 4,), 5.0)
+    middle = storage[MEMSET_MIN_BYTES // 8: 5 * MEMSET_MIN_BYTES // 8]  # 2 MB inside a 3 MB storage
+    clear_(middle)
+    assert bool((middle == 0).all())
+    before, after = storage[: MEMSET_MIN_BYTES // 8], storage[5 * MEMSET_MIN_BYTES // 8:]
+    assert bool((before == 5).all()) and bool((after == 5).all())
+
+
+@pytest.mark.parametrize("make", [lambda: torch.ones(MEMSET_MIN_BYTES // 2, 2).t(),  # strided: not one span
+                                  lambda: torch.ones(8)])  # small: torch's zero_
+def test_buffers_memset_cannot_or_need_not_clear_are_zeroed_by_torch(make):
+    tensor = make()
+    base = tensor._base if tensor._base is not None else tensor
+    clear_(tensor)
+    assert bool((tensor == 0).all()) and bool((base == 0).all())

@@ -1,5 +1,6 @@
-"""Keep freed host memory in the process, so the host codecs' temporaries are not page-faulted in
-afresh on every call.
+"""Host memory: keep what the process freed, so the host codecs' temporaries are not page-faulted
+in afresh on every call (`keep_freed_host_memory`), and clear large buffers at memory speed
+(`clear_`).
 
 glibc serves blocks above its mmap threshold with fresh mappings and returns the top of its heap
 to the kernel once a little of it is free; every new page then costs a fault and a kernel clear on
@@ -13,12 +14,43 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
+from collections.abc import Callable
+
+import torch
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 """glibc's ``mallopt`` parameters"""
 MAX_MMAP_THRESHOLD = 32 << 20
 """the largest mmap threshold glibc accepts on 64-bit systems"""
 DEFAULT_TRIM_THRESHOLD = 128 << 20
+MEMSET_MIN_BYTES = 1 << 20
+"""below this, torch's own zero_: as fast (16 MB here: 225 µs either way); memset gains only on
+buffers beyond the cache, which it writes with streaming stores"""
+
+
+def _c_library_memset() -> Callable[[int, int, int], object] | None:
+    """The C library's memset, or None where there is no C library to load."""
+    try:
+        memset = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").memset
+    except (OSError, AttributeError):
+        return None
+    memset.argtypes, memset.restype = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t], ctypes.c_void_p
+    return memset
+
+
+MEMSET = _c_library_memset()
+"""loaded once: a ctypes function, read-only"""
+
+
+def clear_(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor.zero_()``, faster for contiguous host buffers larger than the cache: the C library's
+    memset writes them with streaming stores, which neither read each line before writing it nor
+    evict the cache the codecs work in (a 64 MB sum buffer: 0.88 ms here, against 2.3 ms)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if MEMSET is None or tensor.device.type != "cpu" or nbytes < MEMSET_MIN_BYTES or not tensor.is_contiguous():
+        return tensor.zero_()
+    MEMSET(tensor.data_ptr(), 0, nbytes)
+    return tensor
 
 
 def keep_freed_host_memory(mmap_threshold: int = MAX_MMAP_THRESHOLD,

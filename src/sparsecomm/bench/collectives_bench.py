@@ -18,6 +18,7 @@ import torch.distributed as dist
 from sparsecomm.bench.bounds import subset_bits
 from sparsecomm.bench.calibration import calibrate_group
 from sparsecomm.encode.base import INDEX_CODECS, VALUE_CODECS
+from sparsecomm.host_memory import clear_
 from sparsecomm.launch import run_local
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.spec import parse_spec
@@ -72,7 +73,7 @@ def output_pass(out: torch.Tensor, repeat: int = 5) -> float:
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
-        out.zero_()
+        clear_(out)
         times.append(time.perf_counter() - start)
     slowest = torch.tensor([statistics.median(times)])
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from sparsecomm.host_memory import clear_
 from sparsecomm.registry import Component, Registry
 from sparsecomm.sparse_gradient import SparseGradient
 
@@ -46,7 +47,7 @@ def flush_into(whole: torch.Tensor, out: torch.Tensor, scale: float) -> bool:
     flat = whole.reshape(-1)
     if scale == 1.0 and out.dtype == flat.dtype:
         out.copy_(flat)
-        flat.zero_()
+        clear_(flat)
         return True
     out.copy_(flat * scale)
     flat.sub_(out.to(flat.dtype), alpha=1.0 / scale)

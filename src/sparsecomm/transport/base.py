@@ -18,6 +18,7 @@ from typing import ClassVar
 import torch
 
 from sparsecomm.errors import SparseCommError
+from sparsecomm.host_memory import clear_
 from sparsecomm.registry import Component, Registry
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.collectives import Group
@@ -76,7 +77,7 @@ def output_buffer(out: torch.Tensor | None, numel: int, dtype: torch.dtype, devi
             raise SparseCommError(f"out has {out.numel()} {out.dtype} elements; the sum needs {numel} {dtype}")
         if out.device == device and out.is_contiguous():
             flat = out.view(-1)
-            flat.zero_()
+            clear_(flat)
             return flat
     return torch.zeros(numel, dtype=dtype, device=device)
 
