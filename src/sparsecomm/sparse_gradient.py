@@ -84,8 +84,7 @@ class SparseGradient:
 
     def to_dense(self) -> torch.Tensor:
         out = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        out[self.indices] = self.values
-        return out.reshape(self.shape)
+        return out.index_copy_(0, self.indices, self.values).reshape(self.shape)
 
     def to_sparse_coo(self) -> torch.Tensor:
         """A coalesced sparse COO tensor with one sparse dimension per dimension of ``shape``."""
