@@ -69,3 +69,12 @@ def test_buffers_memset_cannot_or_need_not_clear_are_zeroed_by_torch(make):
     base = tensor._base if tensor._base is not None else tensor
     clear_(tensor)
     assert bool((tensor == 0).all()) and bool((base == 0).all())
+
+
+def test_a_buffer_saved_for_backward_and_then_cleared_is_refused_by_autograd_as_after_zero_():
+    weight = torch.ones(3, requires_grad=True)
+    buffer = torch.ones(MEMSET_MIN_BYTES // 4, 3)
+    product = (buffer * weight).sum()  # saves buffer for weight's gradient
+    clear_(buffer)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        product.backward()
