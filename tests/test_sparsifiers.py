@@ -158,3 +158,18 @@ def test_warmup_schedules_every_count_based_sparsifier(name):
     grad = torch.randn(65536, generator=torch.Generator().manual_seed(1))
     generator = torch.Generator().manual_seed(2)
     assert sparsifier.at_step(0).sparsify(grad, generator).nnz > 8 * sparsifier.at_step(8).sparsify(grad, generator).nnz
+
+
+def test_the_host_and_device_samples_of_dgc_begin_at_the_same_draw_and_inside_the_tensor():
+    from sparsecomm.sparsify.dgc_threshold import device_sampled_threshold, sample_start, sampled_threshold
+
+    flat = torch.randn(5, generator=torch.Generator().manual_seed(0))
+    for seed in range(20):  # a stride longer than the tensor: the start stays inside it
+        start = int(sample_start(flat.numel(), 1000, torch.Generator().manual_seed(seed), flat.device))
+        assert 0 <= start < flat.numel()
+        threshold = device_sampled_threshold(flat, 1, 1000, torch.Generator().manual_seed(seed))
+        assert float(threshold) == float(flat[start].abs())
+    big = torch.randn(100_000, generator=torch.Generator().manual_seed(1))
+    host = sampled_threshold(big, 100, 0.01, torch.Generator().manual_seed(3))
+    device_path = device_sampled_threshold(big, 100, 100, torch.Generator().manual_seed(3))  # torch's ops, on the CPU
+    assert host == float(device_path)

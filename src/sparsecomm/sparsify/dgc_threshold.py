@@ -33,13 +33,18 @@ def sampled_threshold(flat: torch.Tensor, k: int, sample: float,
     stride = max(1, round(1.0 / sample))
     if flat.device.type == "cuda":
         return device_sampled_threshold(flat, k, stride, generator)
-    if generator is not None and stride > 1:
-        start = int(torch.randint(min(stride, numel), (1,), generator=generator, device=generator.device))
-    else:
-        start = 0
+    start = int(sample_start(numel, stride, generator, flat.device))
     samples = flat[start::stride].abs()
     top = min(samples.numel(), max(1, math.ceil(samples.numel() * k / numel)))
     return float(torch.topk(samples, top, sorted=False).values.min())
+
+
+def sample_start(numel: int, stride: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """Where a strided sample of ``numel`` entries begins: a 1-element int64 tensor on ``device``,
+    drawn from ``generator`` below min(stride, numel) (0 without one, or with no stride)."""
+    if generator is None or stride == 1:
+        return torch.zeros(1, dtype=torch.int64, device=device)
+    return torch.randint(min(stride, numel), (1,), generator=generator, device=generator.device).to(device)
 
 
 def device_sampled_threshold(flat: torch.Tensor, k: int, stride: int,
@@ -49,10 +54,7 @@ def device_sampled_threshold(flat: torch.Tensor, k: int, stride: int,
     threshold is the sample's rounded down to 8 significant bits; else torch's ops)."""
     numel = flat.numel()
     count = max(1, numel // stride)
-    if generator is not None and stride > 1:
-        start = torch.randint(stride, (1,), generator=generator, device=generator.device).to(flat.device)
-    else:
-        start = torch.zeros(1, dtype=torch.int64, device=flat.device)
+    start = sample_start(numel, stride, generator, flat.device)
     top = min(count, max(1, math.ceil(count * k / numel)))
     if (kernels := gpu_kernels(flat, "cuda_threshold")) is not None:
         return kernels.top_sample_lower_edge(flat, start, count, stride, top)
