@@ -153,8 +153,8 @@ class SparseGradient:
 
 
 def _strictly_increasing(indices: torch.Tensor) -> bool:
-    """On the CPU through numpy: for 25.6k indices torch's compare and reduce took 28 µs here
-    against numpy's 8 µs (the host codecs check every selection they encode)."""
+    """On the CPU through numpy, several times faster than torch's compare and reduce at these
+    sizes (the host codecs check every selection they encode)."""
     if indices.device.type == "cpu":
         ordered = indices.numpy()
         return bool((ordered[1:] > ordered[:-1]).all())

@@ -60,7 +60,7 @@ class Stream:
 
     def write_into(self, target: torch.Tensor) -> None:
         """Write this stream's entries into ``target`` (its range, zeroed beforehand, on any device).
-        ``index_copy_``, not indexed assignment: 320k entries into 16M took 2.4 ms against 4.6-5.2."""
+        By ``index_copy_``: about twice as fast as indexed assignment on the host."""
         if self.indices is None:
             target.copy_(self.values)
         else:
