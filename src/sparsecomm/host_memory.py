@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -28,17 +29,18 @@ MEMSET_MIN_BYTES = 1 << 20
 which it writes with streaming stores"""
 
 
-def _c_library_memset() -> Callable[[int, int, int], object] | None:
-    """The C library's memset, or None where there is no C library to load."""
+def _c_function(name: str, argtypes: list[Any], restype: Any) -> Callable[..., Any] | None:
+    """The C library's function ``name``, typed; None where there is no C library to load or it
+    lacks the function."""
     try:
-        memset = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").memset
+        function = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
         return None
-    memset.argtypes, memset.restype = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t], ctypes.c_void_p
-    return memset
+    function.argtypes, function.restype = argtypes, restype
+    return function
 
 
-MEMSET = _c_library_memset()
+MEMSET = _c_function("memset", [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t], ctypes.c_void_p)
 """loaded once: a ctypes function, read-only"""
 
 
@@ -68,9 +70,7 @@ def keep_freed_host_memory(mmap_threshold: int = MAX_MMAP_THRESHOLD,
                          f"got {mmap_threshold} and {trim_threshold}")
     if not sys.platform.startswith("linux"):
         return False
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
+    mallopt = _c_function("mallopt", [ctypes.c_int, ctypes.c_int], ctypes.c_int)
+    if mallopt is None:
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))

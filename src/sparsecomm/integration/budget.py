@@ -107,8 +107,7 @@ EXPLORE_SHARE, MIN_REEXPLORE = 0.05, 20
 last ran, and at most once every this many steps"""
 COMPUTE_WINDOW, THROUGHPUT_WINDOW, COST_WINDOW = 9, 3, 5
 """compute and throughput: medians over this many agreed measurements; a mode's cost: the median of
-this many (an fp16 step on gloo varied 1.8-5.5 ms on loopback while fp32 held near 2: the least
-flattered the noisy mode)"""
+this many (the least would flatter a mode whose steps vary widely, as fp16 on gloo does)"""
 DENSE, HALF, SPARSE = "dense", "half", "sparse"
 
 
