@@ -39,7 +39,6 @@ from __future__ import annotations
 import math
 import time
 import zlib
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -53,6 +52,7 @@ from sparsecomm.finite import all_finite
 from sparsecomm.integration.budget import HALF, MIN_WIRE_BYTES, LinkBudget, Plan
 from sparsecomm.integration.link_probe import link_throughput, probe_numel
 from sparsecomm.integration.presets import resolve
+from sparsecomm.integration.reports import BudgetReports
 from sparsecomm.pipeline import Pipeline, Segment, screen_nonfinite
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.sparsify.adaptive import Adaptive
@@ -64,12 +64,13 @@ from sparsecomm.transport.collectives import fingerprint, on_wire, wire_device
 from sparsecomm.transport.dense import DenseTransport
 from sparsecomm.transport.request import Reduction, Request
 from sparsecomm.transport.session import TransportSession
+from sparsecomm.transport.side_numbers import read_tail, tail_elements, write_tail
 
 DENSE_BELOW = 4096
 EVERY_STEP_REPORTS, REPORT_EVERY = 8, 4
-"""the adaptive pipeline's budget hears every rank's numbers after each of the first steps, then
-after every few (each report is one small all_reduce; posting one costs about as much as a step's
-bookkeeping)"""
+"""the adaptive pipeline's budget must hear every rank's numbers after each of the first steps, then
+after every few: those reports go in a small all_reduce of their own when no call of the next step
+can carry them (see `sparsecomm.integration.reports`)"""
 
 
 @dataclass
@@ -141,12 +142,15 @@ def nonzero_rows(dense: torch.Tensor, sparse_dim: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class NativeWire:
     """What one call of a dense step sends: the tensor all_reduced, its path (``sparse``, ``dense``,
-    ``flush`` or ``half``), its bytes, and the gradient's flat buffer the sum goes back into."""
+    ``flush`` or ``half``), its bytes, the gradient's flat buffer the sum goes back into, and — when
+    the call carries a budget report — how many leading elements are gradient (the rest is the
+    report's tail)."""
 
     tensor: torch.Tensor
     path: str
     nbytes: int
     home: torch.Tensor | None
+    carrying: int | None = None
 
 
 class GradientReducer:
@@ -194,8 +198,9 @@ class GradientReducer:
         """per set of parameters sharing a DDP bucket: the parameter order it was last reduced in"""
         self._restored_layouts: dict[str, list[str]] = {}
         """layouts from a checkpoint that DDP has not yet come back to (see `_reduction_order`)"""
-        self._half_wires: dict[str, torch.Tensor] = {}
-        """per stream: the fp16 buffer its fp16 dense steps send (scratch, not checkpointed)"""
+        self._wires: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        """per stream and wire dtype: the buffer its dense steps send when they cannot send the
+        gradient's own (fp16, or with a report's tail); scratch, not checkpointed"""
         self._bucket_layouts: dict[tuple, tuple[str, str, list[Segment]]] = {}
         """per DDP bucket as DDP lays it out (index, buffer, parameters): its key, stats key and
         segments, worked out once (derived, so not checkpointed)"""
@@ -204,8 +209,6 @@ class GradientReducer:
         """the adaptive sparsifier's byte budget (None for other pipelines)"""
         self._plan: Plan | None = None
         """this step's plan while a step is open (the adaptive pipeline), else None"""
-        self._reports: deque[tuple[int, dist.Work | None, torch.Tensor]] = deque()
-        """(step, all_reduce or None once done, report) of the budget's reports not yet read, oldest first"""
         self._forward_start: float | None = None
         """when the model's first forward pass since the last step began (the budget's compute clock)"""
         self._forward_hook = (module.register_forward_pre_hook(self._forward_started)
@@ -217,6 +220,9 @@ class GradientReducer:
         self._process_group = self.async_group if self.async_group is not None else _default_group()
         self.wire_device = wire_device(self._process_group)
         """where this reducer's collectives take their tensors (`wire_device`)"""
+        self._rank = dist.get_rank(self._process_group)
+        self._reports = BudgetReports(self.async_group, self.wire_device)
+        """the budget's reports on their way to every rank"""
         if self.budget is not None and self.world_size > 1 and not self.budget.sparsifier.budget:
             # the sparse path's and the link's costs, timed before the first step, so that step can be planned
             self.budget.calibrate(self.spec)
@@ -262,12 +268,8 @@ class GradientReducer:
             except BaseException as err:  # noqa: BLE001 - raised below, after every call ended
                 errors.append(err)
         if self.budget is not None and self._plan is not None:
-            report = self.budget.end_step()
-            if self._reports_this_step():
-                # every rank's numbers, reduced while the next steps compute
-                report = on_wire(report, self.wire_device)
-                work = dist.all_reduce(report, op=dist.ReduceOp.MAX, group=self.async_group, async_op=True)
-                self._reports.append((self.stats.steps, work, report))
+            self._reports.end_step(self.stats.steps, self.budget.end_step(), self._report_needed(),
+                                   first=self.budget.reports_read == 0)
         self._plan = None
         self.stats.steps += 1
         if errors:
@@ -371,8 +373,9 @@ class GradientReducer:
         self._calls[key] = call + 1
         if self._plan is not None and self._plan.dense:
             return self._submit_native(key, tensor, segments, stats, start)
+        side = self._reports.take() if self.budget is not None else None  # rides on the agreement step
         request = Request(key=key, call=call, seed=self.seed, step=self.stats.steps,
-                          index_codec=self.spec.index_codec, value_codec=self.spec.value_codec)
+                          index_codec=self.spec.index_codec, value_codec=self.spec.value_codec, side=side or ())
         transport, contribution, request, path = self._prepare(key, tensor, segments, request)
         stats.path = path
         submitted = time.perf_counter()
@@ -397,6 +400,9 @@ class GradientReducer:
             try:
                 reduction = done.wait()
                 stats.transport_s += time.perf_counter() - submitted
+                if side is not None:
+                    agreement = reduction.record.agreement
+                    self._reports.carried(agreement.sides if agreement is not None else None)
                 if self.budget is not None:
                     self._measure_done(path, reduction.record.bytes_sent, contribution)
                 stats.decode_s += reduction.record.decode_s
@@ -424,7 +430,8 @@ class GradientReducer:
         whose gradient is non-finite under ``nonfinite="raise"`` sends NaN, so every rank sums to a
         non-finite total and raises together."""
         assert self.budget is not None
-        wire = self._native_wire(key, tensor, segments)
+        side = self._reports.take() if not tensor.is_sparse else None  # a sparse all_reduce has no room
+        wire = self._native_wire(key, tensor, segments, side)
         stats.path = wire.path
         submitted = time.perf_counter()
         stats.select_s += submitted - start
@@ -438,6 +445,9 @@ class GradientReducer:
         def finish(done: torch.futures.Future) -> None:
             try:
                 total = done.value()[0].to(tensor.device)  # itself, unless gloo carried a CUDA gradient
+                if wire.carrying is not None:
+                    self._reports.carried(read_tail(total[wire.carrying:]))
+                    total = total[:wire.carrying]
                 stats.transport_s += time.perf_counter() - submitted
                 stats.bytes_sent += wire.nbytes
                 self._measure_done(wire.path, wire.nbytes, None)
@@ -447,6 +457,10 @@ class GradientReducer:
                 if wire.path == "half":  # already scaled to the average: back to the gradient's buffer and units
                     assert wire.home is not None
                     total = wire.home.copy_(total).mul_(self.world_size if not self.average else 1)
+                elif wire.carrying is not None:  # back to the gradient's buffer: the wire is scratch
+                    assert wire.home is not None
+                    total = wire.home.copy_(total)
+                    total = total.div_(self.world_size) if self.average else total
                 elif total.is_sparse:  # dense for the feedback's momentum, as a sparse step's sum is
                     total = total.to_dense().reshape(-1)
                     total = total.div_(self.world_size) if self.average else total
@@ -462,12 +476,14 @@ class GradientReducer:
         self._in_flight.append(result)
         return result
 
-    def _native_wire(self, key: str, tensor: torch.Tensor, segments: list[Segment] | None) -> NativeWire:
+    def _native_wire(self, key: str, tensor: torch.Tensor, segments: list[Segment] | None,
+                     side: tuple[float, ...] | None) -> NativeWire:
         """What a dense step sends for ``tensor``: sparse rows and tensors below ``dense_below`` as
-        they are (fp32), everything else flushed from its feedback, in fp16 on a ``half`` step."""
+        they are (fp32), everything else flushed from its feedback, in fp16 on a ``half`` step; with
+        ``side`` (a budget report), followed by its tail (`sparsecomm.transport.side_numbers`)."""
         assert self.budget is not None and self._plan is not None
         nonfinite = self.pipeline.nonfinite
-        scale, home = 1.0, None
+        scale, home, carrying = 1.0, None, None
         if tensor.is_sparse:
             coo = tensor.detach().coalesce()
             values, must_raise = screen_nonfinite(coo.values(), nonfinite)
@@ -477,48 +493,59 @@ class GradientReducer:
             nbytes, path = coo.indices().numel() * 8 + sent.numel() * sent.element_size(), "sparse"
         else:
             home = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+            half = self._plan.mode == HALF and not (segments is None and tensor.numel() < self.dense_below)
+            # the gradient's own buffer is the wire unless the wire is fp16 or carries a tail
+            full = self._wire_buffer(key, home, torch.float16 if half else home.dtype) if half or side else None
+            sent = full[:home.numel()] if full is not None else home
             if segments is None and tensor.numel() < self.dense_below:  # no feedback: sent as it is
                 screened, must_raise = screen_nonfinite(home, nonfinite)
-                wire = home.zero_() if screened is None else home if screened is home else home.copy_(screened)
+                if screened is None:
+                    sent.zero_()
+                elif screened is not sent:
+                    sent.copy_(screened)
                 path = "dense"
-            elif self._plan.mode == HALF:
+            elif half:
                 scale = 1.0 / self.world_size  # as DDP's fp16 hook: the sum of P values stays in range
-                half = self._half_wires.get(key)
-                if half is None or half.numel() != home.numel():
-                    half = self._half_wires[key] = torch.empty_like(home, dtype=torch.float16)
-                wire, must_raise = self.pipeline.flush(home, key, segments, out=half, scale=scale)
+                sent, must_raise = self.pipeline.flush(home, key, segments, out=sent, scale=scale)
                 path = "half"
             else:
-                wire, must_raise = self.pipeline.flush(home, key, segments, out=home)
+                sent, must_raise = self.pipeline.flush(home, key, segments, out=sent)
                 path = "flush"
-            sent, nbytes = wire, wire.numel() * wire.element_size()
+            wire = sent
+            if side is not None and full is not None:
+                write_tail(full[home.numel():], side, self._rank)
+                wire, carrying = full, home.numel()
+            nbytes = wire.numel() * wire.element_size()
         if must_raise:
             sent.fill_(math.nan)
-        elif sent.numel() and self._reports_this_step():
+        elif sent.numel() and self._report_needed():
             low, high = torch.aminmax(sent)
             measuring = self.budget.measuring
             measuring.max_magnitude = max(measuring.max_magnitude, max(-float(low), float(high)) / scale)
-        return NativeWire(wire, path, nbytes, home)
+        return NativeWire(wire, path, nbytes, home, carrying)
 
-    def _reports_this_step(self) -> bool:
-        """Whether this step's numbers go out in a report: every step at first, then every few — and
+    def _wire_buffer(self, key: str, home: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The stream's reusable wire of ``dtype``: room for the gradient and a report's tail."""
+        numel = home.numel() + tail_elements(self.world_size)
+        buffer = self._wires.get((key, dtype))
+        if buffer is None or buffer.numel() != numel or buffer.device != home.device:
+            buffer = self._wires[(key, dtype)] = torch.empty(numel, dtype=dtype, device=home.device)
+        return buffer
+
+    def _report_needed(self) -> bool:
+        """Whether this step's report must be heard even at the cost of an all_reduce of its own
+        (when no call of the next step can carry it): every step at first, then every few — and
         every step whose mode differs from the step before's, or a re-check of another mode would be
-        run and its cost never heard (3 times in 4)."""
+        run and its cost never heard. Also when this step measures the largest magnitude sent."""
         return (self.stats.steps < EVERY_STEP_REPORTS or self.stats.steps % REPORT_EVERY == 0
                 or (self.budget is not None and self.budget.switched))
 
     def _begin_budget_step(self, now: float) -> None:
-        """Learn the ranks' reports from two steps back — a tiny all_reduce can outlast a step's
-        forward and backward, so the last step's is left to finish (the very first report is read
-        at once, so that the second step already has numbers) — and plan this step."""
+        """Learn the ranks' reports from two steps back (`BudgetReports.ready`; the very first at
+        once, so that the second step already has numbers) and plan this step."""
         assert self.budget is not None
-        first = self.budget.reports_read == 0
-        while self._reports and (first or self._reports[0][0] <= self.stats.steps - 2):
-            _, work, report = self._reports.popleft()
-            if work is not None:
-                work.wait()
-            self.budget.observe(report)
-            first = False
+        for agreed in self._reports.ready(self.stats.steps, first=self.budget.reports_read == 0):
+            self.budget.observe(agreed)
         self._plan = self.budget.begin_step(now, self._forward_start)
         self._forward_start = None
 
@@ -591,7 +618,7 @@ class GradientReducer:
             measuring.payload_bytes += nbytes
             if isinstance(contribution, SparseGradient) and contribution.nnz:
                 measuring.payload_nnz += contribution.nnz
-                if self._reports_this_step():
+                if self._report_needed():
                     low, high = torch.aminmax(contribution.values)
                     measuring.max_magnitude = max(measuring.max_magnitude, -float(low), float(high))
         elif path not in ("flush", "half"):
@@ -606,10 +633,7 @@ class GradientReducer:
         if self._forward_hook is not None:
             self._forward_hook.remove()
             self._forward_hook = None
-        while self._reports:
-            work = self._reports.popleft()[1]
-            if work is not None:
-                work.wait()
+        self._reports.close()
         self.session.close()
 
     def __enter__(self) -> GradientReducer:
@@ -626,18 +650,7 @@ class GradientReducer:
                                  for key, state in self._uncompressed.items()},
                 "session": self.session.state_dict(), "layouts": {k: list(v) for k, v in self._layouts.items()},
                 "budget": self.budget.state_dict() if self.budget is not None else None,
-                "reports": self._finished_reports()}
-
-    def _finished_reports(self) -> list[tuple[int, torch.Tensor]]:
-        """The budget's reports not yet read, each waited for: a resumed run reads them when the
-        uninterrupted one would."""
-        finished = []
-        for step, work, report in self._reports:
-            if work is not None:
-                work.wait()
-            finished.append((step, report.clone()))
-        self._reports = deque((step, None, report) for step, report in finished)
-        return finished
+                "reports": self._reports.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.pipeline.load_state_dict(state["pipeline"])
@@ -650,5 +663,7 @@ class GradientReducer:
         self._bucket_layouts = {}  # the checkpoint's layouts decide the next bucket's order
         if self.budget is not None and state.get("budget") is not None:
             self.budget.load_state_dict(state["budget"])
-            self._reports = deque((step, None, report.clone()) for step, report in state["reports"])
+            reports = state["reports"]
+            # a checkpoint from before reports rode on calls holds the agreed ones alone
+            self._reports.load_state_dict({"agreed": reports} if isinstance(reports, list) else reports)
         self._restored_layouts = {key: list(names) for key, names in self._layouts.items()}

@@ -5,7 +5,8 @@ number, nnz, non-finite flag, payload size). Every rank checks the same table, s
 them go on — knowing the largest nnz and, when all sent one, every payload size — or all raise
 `SparseCommError`, none left hanging in a later collective. Because the stream's key and call
 number are in it, ranks that pass tensors in different orders or counts fail with the key named
-instead of summing the wrong tensors together.
+instead of summing the wrong tensors together. Each record also carries the request's side numbers
+(`sparsecomm.transport.side_numbers`), which every rank gets back from every rank, unchecked.
 """
 
 from __future__ import annotations
@@ -15,9 +16,13 @@ import torch
 from sparsecomm.errors import SparseCommError
 from sparsecomm.transport.collectives import Group, all_gather_single, on_wire, wire_device, world
 from sparsecomm.transport.request import Agreement, Request
+from sparsecomm.transport.side_numbers import SIDE_FIELDS, side_words, sides_of_table
 
 _NUMEL, _CONFIG, _KEY, _CALL, _NNZ, _NONFINITE, _NBYTES = range(7)
-RECORD_FIELDS = 7
+NBYTES_FIELD = _NBYTES
+"""where the payload size sits in a record"""
+CHECKED_FIELDS = 7
+RECORD_FIELDS = CHECKED_FIELDS + SIDE_FIELDS
 SHOWN_KEY_CHARS = 160
 
 
@@ -35,9 +40,11 @@ def agree(group: Group, request: Request, numel: int, config: int, nnz: int = 0,
 
 
 def agreement_record(request: Request, numel: int, config: int, nnz: int = 0, nbytes: int = 0) -> torch.Tensor:
-    """This rank's row of the agreement table (`RECORD_FIELDS` int64 values)."""
-    return torch.tensor([numel, config, request.key_hash, request.call, nnz, int(request.nonfinite), nbytes],
-                        dtype=torch.int64)
+    """This rank's row of the agreement table (`RECORD_FIELDS` int64 values: the checked fields, then
+    the request's side numbers)."""
+    checked = torch.tensor([numel, config, request.key_hash, request.call, nnz, int(request.nonfinite), nbytes],
+                           dtype=torch.int64)
+    return torch.cat([checked, side_words(request.side)])
 
 
 def check_table(table: torch.Tensor, request: Request, numel: int, config: int) -> Agreement:
@@ -58,4 +65,5 @@ def check_table(table: torch.Tensor, request: Request, numel: int, config: int) 
         raise SparseCommError(f"a rank had a non-finite gradient (NaN or Inf) in {key!r}; no rank applied it"
                               + (" — including this one" if request.nonfinite else ""))
     sizes = table[:, _NBYTES]
-    return Agreement(int(table[:, _NNZ].max()), tuple(sizes.tolist()) if bool((sizes > 0).all()) else None)
+    return Agreement(int(table[:, _NNZ].max()), tuple(sizes.tolist()) if bool((sizes > 0).all()) else None,
+                     sides_of_table(table[:, CHECKED_FIELDS:]))

@@ -23,7 +23,7 @@ from sparsecomm.encode.value.floats import Float32Values
 from sparsecomm.errors import SparseCommError
 from sparsecomm.payload import as_tensor, decode, encode
 from sparsecomm.sparse_gradient import SparseGradient
-from sparsecomm.transport.agreement import agree, agreement_record, check_table
+from sparsecomm.transport.agreement import NBYTES_FIELD, agree, agreement_record, check_table
 from sparsecomm.transport.base import TRANSPORTS, Transport, as_sparse, deliver, output_buffer
 from sparsecomm.transport.collectives import (
     Group,
@@ -34,7 +34,7 @@ from sparsecomm.transport.collectives import (
     takes_short_messages,
     world,
 )
-from sparsecomm.transport.payload_exchange import NBYTES_FIELD, PayloadExchange, next_capacity
+from sparsecomm.transport.payload_exchange import PayloadExchange, next_capacity
 from sparsecomm.transport.request import CallRecord, Reduction, Request
 from sparsecomm.transport.session import TransportSession
 

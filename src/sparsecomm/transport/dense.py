@@ -37,8 +37,8 @@ class DenseTransport(Transport):
         dense = as_dense(grad)
         record = CallRecord(self.to_spec())
         with record.phase("agreement"):
-            agree(group, request or Request(), dense.numel(),
-                  fingerprint(self.to_spec(), tuple(dense.shape), dense.dtype))
+            record.agreement = agree(group, request or Request(), dense.numel(),
+                                     fingerprint(self.to_spec(), tuple(dense.shape), dense.dtype))
         wire_dtype, device = WIRE_DTYPES[self.dtype], wire_device(group)
         in_place = (out is not None and wire_dtype == dense.dtype == out.dtype and out.device == device
                     and out.is_contiguous() and out.numel() == dense.numel())

@@ -22,12 +22,10 @@ from collections.abc import Iterator
 
 import torch
 
-from sparsecomm.transport.agreement import RECORD_FIELDS
+from sparsecomm.transport.agreement import NBYTES_FIELD, RECORD_FIELDS
 from sparsecomm.transport.collectives import Arrivals, Group, Receiver, fresh_buffer, on_wire, wire_device, world
 
 ENVELOPE_BYTES = RECORD_FIELDS * 8
-NBYTES_FIELD = RECORD_FIELDS - 1
-"""where the payload size sits in a record (see `sparsecomm.transport.agreement`)"""
 CAPACITY_HEADROOM = 2
 CAPACITY_DECAY = 15 / 16
 

@@ -23,6 +23,8 @@ class Agreement:
 
     max_nnz: int
     sizes: tuple[int, ...] | None = None
+    sides: torch.Tensor | None = field(default=None, compare=False)
+    """every rank's side numbers (world size × `SIDE_FIELDS` float64, see `Request.side`)"""
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,9 @@ class Request:
     ``allgather`` need not decode it; ``nonfinite`` makes every rank raise at the agreement step;
     ``agreement`` is set by a caller (``auto``) that already ran that step; ``caller_config`` is a
     calling transport's configuration fingerprint (``auto``'s), which ``allgather`` checks with its
-    own when it runs the agreement step for that caller."""
+    own when it runs the agreement step for that caller; ``side``: a few numbers this rank shares
+    with every rank on the agreement step (`sparsecomm.transport.side_numbers`), returned to every
+    rank in the call's ``record.agreement.sides``."""
 
     key: str = ""
     call: int = 0
@@ -51,6 +55,7 @@ class Request:
     nonfinite: bool = False
     agreement: Agreement | None = None
     caller_config: int = 0
+    side: tuple[float, ...] = ()
 
     @property
     def key_hash(self) -> int:

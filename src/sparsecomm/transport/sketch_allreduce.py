@@ -119,7 +119,8 @@ class SketchAllreduce(Transport):
         config = fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype)
         record = CallRecord(self.to_spec())
         with record.phase("agreement"):
-            max_nnz = agree(group, request, numel, config, sparse.nnz).max_nnz
+            record.agreement = agree(group, request, numel, config, sparse.nnz)
+            max_nnz = record.agreement.max_nnz
         columns = self.columns(max_nnz)
         hashes = SketchHashes(self.seed + request.step, self.rows)
         n_blocks = -(-numel // self.block)

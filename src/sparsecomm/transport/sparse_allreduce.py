@@ -79,9 +79,10 @@ class SparseAllreduce(Transport):
         model = (session.cost_model if session else load_cost_model()) if self.algorithm == "auto" else None
         bounds = split_points_of(session, request, sparse.numel, size)
         with record.phase("agreement"):  # ranks must split alike: their bounds are part of the configuration
-            max_nnz = agree(group, request, sparse.numel, fingerprint(
+            record.agreement = agree(group, request, sparse.numel, fingerprint(
                 self.to_spec(), tuple(sparse.shape), sparse.dtype, model.fingerprint() if model else 0, bounds),
-                sparse.nnz).max_nnz
+                sparse.nnz)
+            max_nnz = record.agreement.max_nnz
         algorithm = self.algorithm
         if model is not None:
             algorithm = model.best_sparse_algorithm(size, sparse.numel, max_nnz, sparse.values.element_size(),
