@@ -17,9 +17,11 @@ from sparsecomm.integration.budget import (
     MAX_SPARSE_DENSITY,
     MIN_REEXPLORE,
     SPARSE,
+    SPARSE_MARGIN,
     LinkBudget,
     Plan,
     StepMeasurement,
+    typical,
 )
 
 N = 1_000_000
@@ -28,11 +30,10 @@ DENSE_BYTES = 4 * N  # an fp32 all_reduce at P = 2, in allgather bytes per rank
 
 def report(compute=0.0, throughput=0.0, dense=None, half=None, sparse=None, per_nnz=0.0, fixed=0.0,
            magnitude=0.0, encode=0.0, decode=0.0) -> torch.Tensor:
-    """One step's agreed report (see `LinkBudget.end_step`): costs negated, unmeasured ones +inf."""
-    def negated(value):
-        return -value if value is not None else math.inf
-    return torch.tensor([compute, -throughput if throughput else math.inf, negated(dense), negated(half),
-                         negated(sparse), per_nnz, fixed, magnitude, encode, decode], dtype=torch.float64)
+    """One step's agreed report (see `LinkBudget.end_step`): throughput negated, unmeasured +inf;
+    unmeasured costs 0. ``sparse``: a sparse step's whole time beyond its per-byte cost."""
+    return torch.tensor([compute, -throughput if throughput else math.inf, dense or 0.0, half or 0.0,
+                         sparse or 0.0, per_nnz, fixed, magnitude, encode, decode], dtype=torch.float64)
 
 
 def budget(**settings) -> LinkBudget:
@@ -133,9 +134,10 @@ def test_fp16_steps_need_headroom_below_fp16s_range_and_must_beat_fp32():
 
 
 def test_a_runner_up_runs_again_once_its_extra_cost_is_a_small_share_of_the_time_since():
-    plan = measured(budget(), sparse=0.050, compute=0.002, throughput=1e9, dense=0.006, half=0.005, per_nnz=2.0,
+    plan = measured(budget(probe=0), sparse=0.050, compute=0.002, throughput=1e9, dense=0.006, half=0.005, per_nnz=2.0,
                     magnitude=1.0)
-    sparse_due = 0.0465 / (EXPLORE_SHARE * 0.0055)  # sparse is over 46.5 ms dearer: due after this many steps
+    # sparse (52 ms and more, with its margin) is over 51.7 ms dearer: due after this many steps
+    sparse_due = (0.052 * (1 + SPARSE_MARGIN) - 0.0055) / (EXPLORE_SHARE * 0.0055)
     modes = [next_plan(plan).mode for _ in range(int(sparse_due) + MIN_REEXPLORE)]
     # fp16 wins: 5.5 ms a step with its margin, against 6 ms for fp32 and 52 ms for sparse
     # fp32, 0.5 ms dearer, runs again as often as allowed
@@ -167,7 +169,7 @@ def test_a_dense_modes_cost_is_its_whole_step_so_compute_it_slowed_counts_agains
     # an fp16 step whose collective waited 1 ms but slowed the backward to 6 ms (gloo's fp16 sums
     # share the processor with it): 7 ms
     plan.measuring = StepMeasurement(forward_start=0.0, last_submit=0.0065, last_done=0.0075, local_s=0.0005)
-    assert plan.end_step()[3].item() == pytest.approx(-0.0075)
+    assert plan.end_step()[3].item() == pytest.approx(0.0075)
     # against it, an fp32 step not yet run: 3 ms of compute and 4 MB at 1 GB/s
     plan.observe(report(compute=0.003, throughput=1e9, half=0.0075, per_nnz=2.0, magnitude=1.0))
     for _ in range(COST_WINDOW):
@@ -206,11 +208,20 @@ def test_a_user_set_budget_decides_by_bytes_alone_and_never_probes():
         assert modes == {expected}, bytes_
 
 
-def test_the_plan_follows_the_slowest_compute_and_link_and_the_cheapest_costs():
-    one, two = report(compute=0.001, throughput=20e6, dense=0.2), report(compute=0.003, throughput=10e6, dense=0.5)
+def test_the_plan_follows_the_slowest_compute_link_and_step():
+    one = report(compute=0.001, throughput=20e6, dense=0.2, sparse=0.004)
+    two = report(compute=0.003, throughput=10e6, dense=0.5, sparse=0.005)
     plan = budget()
-    plan.observe(torch.maximum(one, two))  # what all_reduce(MAX) hands every rank
-    assert plan.compute_s[-1] == 0.003 and plan.throughput[-1] == 10e6 and plan.dense_cost_s[-1] == 0.2
+    plan.observe(torch.maximum(one, two))  # what every rank makes of every rank's report
+    assert plan.compute_s[-1] == 0.003 and plan.throughput[-1] == 10e6 and plan.dense_cost_s[-1] == 0.5
+    assert plan.sparse_overhead_s[-1] == pytest.approx(0.002)  # the slowest sparse step beyond the slowest compute
+
+
+def test_a_modes_cost_is_the_mean_of_its_middle_steps_blind_to_a_rare_slow_one():
+    plan = measured(budget(probe=0), sparse=0.050, compute=0.002, throughput=1e9, per_nnz=2.0, magnitude=1e5)
+    for cost in (0.0030, 0.0031, 0.0029, 0.0300, 0.0030, 0.0032, 0.0028, 0.0030):
+        plan.observe(report(dense=cost))
+    assert typical(plan.dense_cost_s) == pytest.approx(0.0030, abs=5e-5)
 
 
 def test_the_budget_state_round_trips_through_a_checkpoint():

@@ -11,11 +11,10 @@ Every step, each rank measures:
   all_reduce puts 2(P−1)/P of the tensor on each rank's link), and of one probe at start-up;
 - the bytes per nonzero its payloads took, the bytes it sent outside the budget (tensors below
   ``dense_below``, parameters sent whole, sparse embedding rows), and the largest magnitude it sent;
-- what communicating cost the step: the time it waited for communication plus sparsecomm's local
-  stages — for an fp32 or an fp16 dense step as a whole, with its compute, for a sparse step less
-  its payloads' wire time and their calibrated per-byte cost (below): what remains is the sparse path's fixed overhead
-  O_s (passes over the gradient, the codecs' per-call costs, agreement, handoffs), which the plan
-  adds back at any budget.
+- the step's whole time: its compute plus the time it waited for communication plus sparsecomm's
+  local stages — for a sparse step less its payloads' wire time and their calibrated per-byte cost
+  (below): what remains beyond the compute is the sparse path's fixed overhead O_s (passes over the
+  gradient, the codecs' per-call costs, agreement, handoffs), which the plan adds back at any budget.
 
 Once, before the first step, each rank also times its sparse path (`marginal_sparse_cost`): the
 extra seconds per payload byte on the sender (selecting, feedback, encoding) and on a receiver
@@ -24,13 +23,12 @@ that slope counts per byte — what a step costs at any budget (a pass over the 
 call's overhead) is the same at any budget, and counting it per byte would make small budgets
 look dear and shrink them further.
 
-When a step ends — each of the first steps, then every fourth — each rank starts one small
-all_reduce (MAX) of these numbers, asynchronously, and the step after next reads it (a tiny
-all_reduce can outlast a step's forward and backward; the very first report is read at once). So
-every rank plans alike — from the slowest compute and link, the dearest payloads and codecs, the
-largest magnitude, and the costs of the rank that spent least on them (a rank that reaches a
-collective early waits for its peers, and that wait is their compute, not communication) — with at
-most one small collective per step, which no step waits for.
+When a step ends each rank reports these numbers; the report rides on the next step's first call
+(`sparsecomm.integration.reports`: in its agreement record or a tail of its all_reduce), every rank
+takes the maximum over the ranks, and the step after next reads it (the very first report goes
+alone and is read at once). So every rank plans alike — from the slowest compute and link, the
+dearest payloads and codecs, the largest magnitude, and each mode's steps as long as their slowest
+rank's — and after the first step no report needs a collective of its own.
 
 Each step runs in one of three modes:
 
@@ -53,11 +51,12 @@ timed at start-up (`sparsecomm.integration.link_probe`), dense otherwise (to mea
 dense on every ``probe``-th step (to measure again), and whenever the link carries the whole fp32
 gradient within the compute time.
 Otherwise the cheapest mode wins, an exact one on a tie: half must beat dense by `HALF_MARGIN`,
-sparse must cost less than the dense mode. Modes are compared by whole steps: a dense mode's cost is
-the median of its last few steps' compute and communication (the first steps, slow for reasons of
-their own, do not count) — its collectives' own work may slow the compute it overlaps (gloo sums
-fp16 on the processor that runs the backward) — and until dense has run, the compute plus its wire
-time at the measured throughput; a sparse step's is the compute plus its cost at the budget. Until sparse
+sparse must beat the dense modes by `SPARSE_MARGIN`. Modes are compared by whole steps: a dense
+mode's cost is the interquartile mean (`typical`) of its last steps' whole times (the first steps,
+slow for reasons of their own, do not count) — its collectives' own work may slow the compute it
+overlaps (gloo sums fp16 on the processor that runs the backward) — and until dense has run, the
+compute plus its wire time at the measured throughput; a sparse step's is the compute plus O_s plus
+its per-byte cost at the budget. Until sparse
 steps have been measured O_s counts as 0, so a link slower than the compute gets sparse steps at
 the ``floor`` density — the first warms the sparse path up and is not counted — until their cost
 is known, cheaply where sparse does not pay.
@@ -66,8 +65,8 @@ first steps' link throughput, say, several times below the link's). So each othe
 once its predicted extra cost has come down to `EXPLORE_SHARE` of the steps' time since it last ran
 — a re-check costs at most that share of the time since the last — and never more often than every
 `MIN_REEXPLORE` steps: close calls are re-checked often, and on a slow link dense is rarely tried
-beyond the probes. A step whose mode differs from the step before's always reports, so that what
-such a re-check measured is heard.
+beyond the probes. A step whose mode differs from the step before's is always heard, even when its
+report must go alone.
 
 A user-set ``budget`` (bytes per step) replaces B and turns the probes off: bytes alone
 decide the mode then (dense, half or sparse, whichever the budget holds) and a run repeats bit for
@@ -97,17 +96,21 @@ about 6x smaller than dense's) and the dense modes are the alternative"""
 HALF_RANGE, HALF_HEADROOM, HALF_MARGIN = 65504.0, 8.0, 0.10
 """fp16's largest finite value; how far below it the largest magnitude must stay for fp16 steps;
 how much cheaper than an fp32 step an fp16 step must be to be chosen"""
+SPARSE_MARGIN = 0.10
+"""how much cheaper than the dense modes a sparse step must be to be chosen: what it leaves in the
+feedback arrives steps later, so a step that saves little time is not worth the delay"""
 WARMUP_STEPS = 3
 """the first steps are slow for reasons of their own (allocation, DDP's first iteration): their
 costs are not counted"""
 EXPLORATION_STEPS = 2
 """sparse steps before the sparse path's cost counts (the first is a warm-up)"""
-EXPLORE_SHARE, MIN_REEXPLORE = 0.05, 20
+EXPLORE_SHARE, MIN_REEXPLORE = 0.02, 30
 """another mode runs again once its predicted extra cost is this share of the steps' time since it
 last ran, and at most once every this many steps"""
-COMPUTE_WINDOW, THROUGHPUT_WINDOW, COST_WINDOW = 9, 3, 5
-"""compute and throughput: medians over this many agreed measurements; a mode's cost: the median of
-this many (the least would flatter a mode whose steps vary widely, as fp16 on gloo does)"""
+COMPUTE_WINDOW, THROUGHPUT_WINDOW, COST_WINDOW = 9, 3, 12
+"""compute and throughput: medians over this many agreed measurements; a mode's cost: the
+interquartile mean of this many (`typical`: steps vary widely and now and then by several times —
+the least would flatter a mode, as fp16 on gloo; a median of a few is as noisy as its samples)"""
 DENSE, HALF, SPARSE = "dense", "half", "sparse"
 
 
@@ -205,6 +208,15 @@ def marginal_sparse_cost(spec: Any, repeats: int = 5) -> tuple[float, float]:
     return max(0.0, (send_large - send_small) / span), max(0.0, (receive_large - receive_small) / span)
 
 
+def typical(samples: deque[float]) -> float:
+    """The interquartile mean: the mean of the middle half of the samples, steadier than a median of
+    few and blind to the odd step that a scheduling hiccup made several times longer."""
+    ordered = sorted(samples)
+    cut = len(ordered) // 4
+    middle = ordered[cut:len(ordered) - cut]
+    return sum(middle) / len(middle)
+
+
 def _window(size: int) -> Any:
     return field(default_factory=lambda: deque(maxlen=size))
 
@@ -275,12 +287,12 @@ class LinkBudget:
         return self.current
 
     def end_step(self) -> torch.Tensor:
-        """The step ended: this rank's report, for an all_reduce with MAX over the ranks. Slots:
-        compute time (of this step, or with no forward hook of the step before); negated, so that
-        MAX takes the least: the link throughput and this step's cost in its mode (fp32, fp16, or
-        beyond its wire time for sparse); then bytes per nonzero, bytes outside the budget and the
-        largest magnitude sent; then the calibrated κ_e and κ_d. Unmeasured: 0 for the slowest-taken
-        numbers, +inf for the negated."""
+        """The step ended: this rank's report, to be reduced by MAX over the ranks. Slots: compute
+        time (of this step, or with no forward hook of the step before); the link throughput,
+        negated so that MAX takes the least; this step's whole time (compute and communicating) in
+        its mode — fp32, fp16, or for sparse less its payloads' wire time and per-byte cost; then
+        bytes per nonzero, bytes outside the budget and the largest magnitude sent; then the
+        calibrated κ_e and κ_d. Unmeasured: 0, and +inf for the throughput."""
         done = self.measuring
         self.finished = done
         self.total_numel, self.budget_numel = done.total_numel, done.budget_numel
@@ -289,11 +301,11 @@ class LinkBudget:
         fixed = done.fixed_bytes + done.whole_nnz * per_nnz
         cost = done.local_s + max(0.0, done.last_done - done.last_submit)
         compute = done.forward_backward_s() if done.forward_start is not None else self.last_compute_s
-        costs = {DENSE: math.inf, HALF: math.inf, SPARSE: math.inf}
+        costs = {DENSE: 0.0, HALF: 0.0, SPARSE: 0.0}
         if self.current.mode != SPARSE and self.step > WARMUP_STEPS:
             # the whole step: where a collective's own work competes with the backward for the
             # processor (gloo's fp16 sums on a CPU), the compute it slowed counts against it
-            costs[self.current.mode] = -(compute + cost)
+            costs[self.current.mode] = compute + cost
         else:
             self.sparse_steps += 1
             if self.sparse_steps >= EXPLORATION_STEPS and self.throughput:
@@ -301,21 +313,25 @@ class LinkBudget:
                 wire = (self.world_size - 1) * sent / statistics.median(self.throughput)
                 encode_per_byte, decode_per_byte = done.codec_cost
                 codecs = (encode_per_byte + (self.world_size - 1) * decode_per_byte) * done.payload_bytes
-                costs[SPARSE] = -max(1e-6, cost - wire - codecs)
+                costs[SPARSE] = max(1e-6, compute + cost - wire - codecs)
         throughput = done.wire_bytes / done.wire_s if done.wire_s > 0 else 0.0
         return torch.tensor([compute, -throughput if throughput > 0 else math.inf, costs[DENSE], costs[HALF],
                              costs[SPARSE], per_nnz, fixed, done.max_magnitude, *done.codec_cost], dtype=torch.float64)
 
     def observe(self, agreed: torch.Tensor) -> None:
-        """Every rank's report of one step, reduced by MAX (see `end_step`)."""
+        """Every rank's report of one step, reduced by MAX (see `end_step`): a step takes as long as
+        its slowest rank."""
         compute, negative_link, dense, half, sparse, per_nnz, fixed, magnitude, encode, decode = agreed.tolist()
         self.reports_read += 1
         if compute > 0:
             self.compute_s.append(compute)
-        for window, negated in ((self.throughput, negative_link), (self.dense_cost_s, dense),
-                                (self.half_cost_s, half), (self.sparse_overhead_s, sparse)):
-            if math.isfinite(negated):
-                window.append(-negated)
+        if math.isfinite(negative_link):
+            self.throughput.append(-negative_link)
+        for window, whole in ((self.dense_cost_s, dense), (self.half_cost_s, half)):
+            if whole > 0:
+                window.append(whole)
+        if sparse > 0:  # O_s: the slowest rank's sparse step beyond the slowest compute
+            self.sparse_overhead_s.append(max(1e-6, sparse - compute))
         if per_nnz > 0:
             self.bytes_per_nnz, self.fixed_bytes = per_nnz, fixed
         if magnitude > 0:
@@ -346,17 +362,16 @@ class LinkBudget:
         if budget is None or budget >= dense_bytes or probing:
             return Plan(DENSE)
         throughput, compute = statistics.median(self.throughput), statistics.median(self.compute_s)
-        dense_cost = statistics.median(self.dense_cost_s) if self.dense_cost_s else compute + dense_bytes / throughput
+        dense_cost = typical(self.dense_cost_s) if self.dense_cost_s else compute + dense_bytes / throughput
         costs = {DENSE: (dense_cost, Plan(DENSE))}
         if half_allowed and self.dense_cost_s:  # fp16 is judged against fp32 measured: exact first
-            half_cost = (statistics.median(self.half_cost_s) if self.half_cost_s
-                         else dense_cost - dense_bytes / 2 / throughput)
+            half_cost = typical(self.half_cost_s) if self.half_cost_s else dense_cost - dense_bytes / 2 / throughput
             costs[HALF] = (half_cost * (1 + HALF_MARGIN), Plan(HALF))
         exploring = not self.sparse_overhead_s  # until the sparse path's cost is known: cheap steps
         sparse = self._sparse(budget) if not exploring else Plan(SPARSE, self.sparsifier.floor)
         carrying = self.per_byte_s(throughput) * self.step_bytes(sparse.density)
-        overhead = statistics.median(self.sparse_overhead_s) if not exploring else 0.0
-        costs[SPARSE] = (compute + carrying + overhead + 1e-9, sparse)  # a tie goes to a dense mode
+        overhead = typical(self.sparse_overhead_s) if not exploring else 0.0
+        costs[SPARSE] = ((compute + carrying + overhead) * (1 + SPARSE_MARGIN) + 1e-9, sparse)
         chosen = min(costs, key=lambda mode: costs[mode][0])
         step_s = costs[chosen][0]
         for mode, (cost, plan) in costs.items():
