@@ -373,7 +373,7 @@ class GradientReducer:
         self._calls[key] = call + 1
         if self._plan is not None and self._plan.dense:
             return self._submit_native(key, tensor, segments, stats, start)
-        side = self._reports.take() if self.budget is not None else None  # rides on the agreement step
+        side = self._reports.take()  # rides on the agreement step (None: no adaptive budget, or taken)
         request = Request(key=key, call=call, seed=self.seed, step=self.stats.steps,
                           index_codec=self.spec.index_codec, value_codec=self.spec.value_codec, side=side or ())
         transport, contribution, request, path = self._prepare(key, tensor, segments, request)
@@ -512,7 +512,8 @@ class GradientReducer:
                 sent, must_raise = self.pipeline.flush(home, key, segments, out=sent)
                 path = "flush"
             wire = sent
-            if side is not None and full is not None:
+            if side is not None:  # then full is the wire buffer
+                assert full is not None
                 write_tail(full[home.numel():], side, self._rank)
                 wire, carrying = full, home.numel()
             nbytes = wire.numel() * wire.element_size()
