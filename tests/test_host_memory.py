@@ -1,5 +1,6 @@
-"""Host memory: a codec call's temporaries reuse the last call's pages, and large buffers are
-cleared through the C library's memset — to exactly zero, and only the tensor's own elements."""
+"""Host memory: a codec call's temporaries reuse the last call's pages, large buffers are
+cleared through the C library's memset — to exactly zero, and only the tensor's own elements — and
+entries are written into them by numpy exactly as ``index_copy_`` writes them."""
 
 import subprocess
 import sys
@@ -7,7 +8,14 @@ import sys
 import pytest
 import torch
 
-from sparsecomm.host_memory import MAX_MMAP_THRESHOLD, MEMSET, MEMSET_MIN_BYTES, clear_, keep_freed_host_memory
+from sparsecomm.host_memory import (
+    MAX_MMAP_THRESHOLD,
+    MEMSET,
+    MEMSET_MIN_BYTES,
+    clear_,
+    keep_freed_host_memory,
+    write_at,
+)
 
 FAULTS_PER_ROUND = """
 import resource, numpy as np
@@ -76,5 +84,35 @@ def test_a_buffer_saved_for_backward_and_then_cleared_is_refused_by_autograd_as_
     buffer = torch.ones(MEMSET_MIN_BYTES // 4, 3)
     product = (buffer * weight).sum()  # saves buffer for weight's gradient
     clear_(buffer)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        product.backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64, torch.bfloat16])
+def test_entries_are_written_as_index_copy_writes_them_and_nowhere_else(dtype):
+    generator = torch.Generator().manual_seed(0)
+    storage = torch.full((1000,), 7.0, dtype=dtype)
+    target = storage[100:900]  # a view inside a larger buffer: written at its own offset
+    indices = torch.randperm(800, generator=generator)[:300]
+    values = torch.randn(300, generator=generator, dtype=torch.float64)  # cast to the target's dtype
+    expected = target.clone().index_copy_(0, indices, values.to(dtype))
+    write_at(target, indices, values)
+    assert torch.equal(target, expected)
+    assert bool((storage[:100] == 7).all()) and bool((storage[900:] == 7).all())
+
+
+@pytest.mark.parametrize("bad", [-1, 800])
+def test_an_index_outside_the_target_is_refused_not_wrapped(bad):
+    target = torch.zeros(800)
+    with pytest.raises(IndexError):
+        write_at(target, torch.tensor([3, bad]), torch.ones(2))
+    assert bool((target[-1:] == 0).all())
+
+
+def test_a_buffer_saved_for_backward_and_then_written_is_refused_by_autograd():
+    weight = torch.ones(3, requires_grad=True)
+    buffer = torch.ones(300)
+    product = (buffer.view(100, 3) * weight).sum()
+    write_at(buffer, torch.tensor([5]), torch.tensor([2.0]))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         product.backward()

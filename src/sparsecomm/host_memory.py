@@ -1,6 +1,6 @@
 """Host memory: keep what the process freed, so the host codecs' temporaries are not page-faulted
 in afresh on every call (`keep_freed_host_memory`), and clear large buffers at memory speed
-(`clear_`).
+(`clear_`) and write entries into them at numpy's speed (`write_at`).
 
 glibc serves blocks above its mmap threshold with fresh mappings and returns the top of its heap
 to the kernel once a little of it is free; every new page then costs a fault and a kernel clear on
@@ -56,6 +56,24 @@ def clear_(tensor: torch.Tensor) -> torch.Tensor:
     MEMSET(tensor.data_ptr(), 0, nbytes)
     torch.autograd.graph.increment_version(tensor)
     return tensor
+
+
+def write_at(target: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``target[indices] = values`` for a flat ``target`` (values cast to its dtype, indices inside
+    it: a negative one is refused, not wrapped). On the host by numpy's indexed assignment, which
+    writes scattered entries into a large buffer faster than torch's ``index_copy_``; elsewhere, and
+    for dtypes numpy lacks or where autograd is involved, by ``index_copy_``. Like it, counts as an
+    in-place change for autograd."""
+    if (target.device.type != "cpu" or indices.device.type != "cpu" or values.device.type != "cpu"
+            or indices.dtype != torch.int64
+            or target.dtype == torch.bfloat16 or target.requires_grad or values.requires_grad
+            or not target.is_contiguous()):
+        return target.index_copy_(0, indices.to(target.device), values.to(target.device, target.dtype))
+    if indices.numel() and int(indices.min()) < 0:
+        raise IndexError(f"index {int(indices.min())} is negative")
+    target.numpy()[indices.numpy()] = values.to(target.dtype).numpy()
+    torch.autograd.graph.increment_version(target)
+    return target
 
 
 def keep_freed_host_memory(mmap_threshold: int = MAX_MMAP_THRESHOLD,

@@ -67,7 +67,7 @@ def split_floor(model: CostModel, workers: int, nnz: int, output_pass_s: float, 
     return 2 * model.alpha + pairs * (INDEX_BYTES + isize) * model.beta + output_pass_s
 
 
-def output_pass(out: torch.Tensor, repeat: int = 5) -> float:
+def output_pass(out: torch.Tensor, repeat: int = 15) -> float:
     """Seconds of one pass that clears ``out`` (the slowest rank's median): the part of every
     call's floor that is memory, not wire."""
     times = []

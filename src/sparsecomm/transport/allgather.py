@@ -21,6 +21,7 @@ from sparsecomm.encode.base import IndexCodec, ValueCodec, codecs_lossless
 from sparsecomm.encode.index.rice import RiceIndices
 from sparsecomm.encode.value.floats import Float32Values
 from sparsecomm.errors import SparseCommError
+from sparsecomm.host_memory import write_at
 from sparsecomm.payload import as_tensor, decode, encode
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.agreement import NBYTES_FIELD, agree, agreement_record, check_table
@@ -63,7 +64,9 @@ class RankOrderSum:
     the same numbers in the same order and gets the same bits. Ranks 0 and 1 may come in either
     order: adding to the zeroed buffer is exact (up to a zero's sign, which the second addition
     settles the same either way) and IEEE addition commutes, so 0 + a + b and 0 + b + a are equal
-    bits. Rank 1 thus adds its own contribution while rank 0's travels."""
+    bits. Rank 1 thus adds its own contribution while rank 0's travels. The first contribution is
+    written, not added (faster on the host), as ``a + 0.0``: the same bits as 0 + a, a negative
+    zero included."""
 
     def __init__(self, total: torch.Tensor) -> None:
         self.total = total
@@ -75,7 +78,11 @@ class RankOrderSum:
         self._waiting[rank] = part
         while (ready := self._ready()) is not None:
             part = self._waiting.pop(ready)
-            self.total.scatter_add_(0, part.indices, part.values.to(self.total.dtype))
+            values = part.values.to(self.total.dtype)
+            if self._added:
+                self.total.scatter_add_(0, part.indices, values)
+            else:
+                write_at(self.total, part.indices, values + 0.0)
             self._added.add(ready)
             while self._lowest_missing in self._added:
                 self._lowest_missing += 1

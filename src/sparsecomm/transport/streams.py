@@ -12,6 +12,7 @@ import torch
 
 from sparsecomm.encode.value.dtypes import DTYPE_BY_CODE, FLOAT_DTYPES
 from sparsecomm.errors import PayloadError
+from sparsecomm.host_memory import write_at
 
 _HEAD = struct.Struct("<BBQQQ")  # dense flag, dtype code, numel (range length), offset, count
 _DENSE, _SPARSE = 1, 0
@@ -55,16 +56,15 @@ class Stream:
     def to_dense(self) -> torch.Tensor:
         if self.indices is None:
             return self.values
-        out = torch.zeros(self.length, dtype=self.values.dtype, device=self.values.device)
-        return out.index_copy_(0, self.indices, self.values)
+        return write_at(torch.zeros(self.length, dtype=self.values.dtype, device=self.values.device),
+                        self.indices, self.values)
 
     def write_into(self, target: torch.Tensor) -> None:
-        """Write this stream's entries into ``target`` (its range, zeroed beforehand, on any device).
-        By ``index_copy_``: about twice as fast as indexed assignment on the host."""
+        """Write this stream's entries into ``target`` (its range, zeroed beforehand, on any device)."""
         if self.indices is None:
             target.copy_(self.values)
         else:
-            target.index_copy_(0, self.indices.to(target.device), self.values.to(target.device, target.dtype))
+            write_at(target, self.indices, self.values)
 
     def wire_bytes(self) -> int:
         isize = self.values.element_size()
