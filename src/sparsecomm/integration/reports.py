@@ -80,16 +80,18 @@ class BudgetReports:
     def ready(self, step: int, first: bool) -> list[torch.Tensor]:
         """The agreed reports the budget observes as step ``step`` begins: those of two steps back
         or earlier, or (``first``) whichever came first."""
-        arrived = list(self.agreed)
+        self._collect_alone()
+        due = [report for sent_step, report in self.agreed if first or sent_step <= step - 2]
+        self.agreed = deque(item for item in self.agreed if not (first or item[0] <= step - 2))
+        return due
+
+    def _collect_alone(self) -> None:
+        """Wait for the reports sent alone and put them among the agreed ones, in step order."""
         for sent_step, work, report in self.alone:
             work.wait()
-            arrived.append((sent_step, report.cpu()))
-        self.agreed.clear()
+            self.agreed.append((sent_step, report.cpu()))
         self.alone.clear()
-        arrived.sort(key=lambda item: item[0])
-        due = [report for sent_step, report in arrived if first or sent_step <= step - 2]
-        self.agreed.extend(item for item in arrived if not (first or item[0] <= step - 2))
-        return due
+        self.agreed = deque(sorted(self.agreed, key=lambda item: item[0]))
 
     def _send_alone(self, step: int, report: torch.Tensor) -> None:
         wire = on_wire(report.clone(), self.wire_device)
@@ -103,11 +105,7 @@ class BudgetReports:
 
     def state_dict(self) -> dict[str, Any]:
         """Between steps: the held report (if no call took it) and every agreed report, each waited for."""
-        for sent_step, work, report in self.alone:
-            work.wait()
-            self.agreed.append((sent_step, report.cpu()))
-        self.alone.clear()
-        self.agreed = deque(sorted(self.agreed, key=lambda item: item[0]))
+        self._collect_alone()
         held = self.held
         return {"held": None if held is None else (held.step, held.report.clone(), held.needed),
                 "agreed": [(step, report.clone()) for step, report in self.agreed]}

@@ -78,11 +78,10 @@ class RankOrderSum:
         self._waiting[rank] = part
         while (ready := self._ready()) is not None:
             part = self._waiting.pop(ready)
-            values = part.values.to(self.total.dtype)
             if self._added:
-                self.total.scatter_add_(0, part.indices, values)
-            else:
-                write_at(self.total, part.indices, values + 0.0)
+                self.total.scatter_add_(0, part.indices, part.values.to(self.total.dtype))
+            else:  # cast by write_at: + 0.0 only turns -0.0 into 0.0, in any dtype
+                write_at(self.total, part.indices, part.values + 0.0)
             self._added.add(ready)
             while self._lowest_missing in self._added:
                 self._lowest_missing += 1
