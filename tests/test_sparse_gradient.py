@@ -59,10 +59,11 @@ def test_sorted_orders_indices_and_keeps_each_value_with_its_index():
 
 
 @pytest.mark.parametrize("nnz, numel, dtype", [
-    (1000, 3_000_000, torch.float32),  # keys of index << 10 | position, sorted by numpy
-    (1 << 15, 16_000_000, torch.float64),  # the same, with exactly 15 bits of position
-    (2000, (1 << 32) + 5, torch.float16),  # indices past 32 bits still fit beside 11 bits of position
-    (2000, 1 << 53, torch.float32),  # indices past 2**52 do not: torch sorts the 64-bit indices
+    (1000, 3_000_000, torch.float32),  # two 16-bit radix passes: the high digit decides most pairs
+    (1000, 40_000, torch.float16),  # every index below 2**16: the high digit is 0 throughout
+    ((1 << 15) - 1, 1 << 32, torch.float64),  # the last size and range of the 16-bit digits
+    (1 << 15, 16_000_000, torch.float64),  # torch's radix sort of 32-bit keys
+    (2000, (1 << 32) + 5, torch.float32),  # indices past 32 bits: torch sorts 64-bit keys
 ])
 def test_every_sort_path_orders_indices_and_keeps_values_paired(nnz, numel, dtype):
     generator = torch.Generator().manual_seed(nnz)

@@ -11,6 +11,10 @@ import torch
 from sparsecomm.errors import SparseCommError
 from sparsecomm.host_memory import write_at
 
+TORCH_RADIX_SORT_MIN = 1 << 15
+"""torch sorts a CPU integer tensor of at least this many elements by radix; below it, two radix
+passes over 16-bit digits in numpy are faster"""
+
 
 @dataclass(frozen=True)
 class SparseGradient:
@@ -96,28 +100,22 @@ class SparseGradient:
         threshold's selection is: one comparison pass instead of a sort and two gathers)."""
         if self.nnz < 2 or _strictly_increasing(self.indices):
             return self
-        if self.indices.device.type == "cpu" and (sorted_by_keys := self._sorted_by_packed_keys()) is not None:
-            return sorted_by_keys
-        # 32-bit keys where they fit: half the radix passes of int64
+        if self.indices.device.type == "cpu" and self.nnz < TORCH_RADIX_SORT_MIN and self.numel <= 1 << 32:
+            return self._sorted_by_16_bit_digits()
+        # 32-bit keys where they fit: torch's radix sort makes half the passes of int64 keys
         keys = self.indices.to(torch.int32) if self.numel <= 1 << 31 else self.indices
         ordered, order = torch.sort(keys)
         return SparseGradient(ordered.to(torch.int64), self.values[order], self.shape)
 
-    def _sorted_by_packed_keys(self) -> SparseGradient | None:
-        """Sorted by one numpy sort of int64 keys ``index << s | position`` (numpy sorts int64 with
-        SIMD, faster here than torch's radix sort of the indices and an argsort's gathers): the
-        high bits order the entries, the low bits say where each came from. None when some index
-        would not fit beside a position in 63 bits (then no key can wrap into a wrong order)."""
+    def _sorted_by_16_bit_digits(self) -> SparseGradient:
+        """Sorted by two stable numpy sorts of 16-bit digits, low then high: numpy sorts 16-bit keys
+        by radix, the same code on every processor (its sort of wider integers is SIMD code whose
+        speed differs several times between processors), and below torch's radix-sort size this
+        beats torch's comparison sort."""
         indices = self.indices.numpy()
-        shift = max(1, (self.nnz - 1).bit_length())
-        if int(indices.min()) < 0 or int(indices.max()) >= 1 << (63 - shift):
-            return None
-        keys = indices << shift
-        keys |= np.arange(self.nnz, dtype=np.int64)
-        keys.sort()
-        order = torch.from_numpy(keys & ((1 << shift) - 1))
-        keys >>= shift
-        return SparseGradient(torch.from_numpy(keys), self.values.index_select(0, order), self.shape)
+        by_low = np.argsort((indices & 0xFFFF).astype(np.uint16), kind="stable")
+        order = torch.from_numpy(by_low[np.argsort((indices[by_low] >> 16).astype(np.uint16), kind="stable")])
+        return SparseGradient(self.indices[order], self.values[order], self.shape)
 
     def to(self, device: torch.device | str) -> SparseGradient:
         return SparseGradient(self.indices.to(device), self.values.to(device), self.shape)
