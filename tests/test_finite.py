@@ -1,0 +1,36 @@
+"""`all_finite` agrees with torch.isfinite on every value it can be given."""
+
+import pytest
+import torch
+
+from sparsecomm.finite import all_finite
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_16_bit_pattern_is_judged_as_torch_judges_it(dtype):
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    finite = torch.isfinite(every)
+    assert 0 < int(finite.sum()) < every.numel()
+    for value, expected in zip(every.split(1), finite.tolist(), strict=True):
+        if not expected:  # each non-finite pattern alone, and among finite ones
+            assert not all_finite(value)
+            assert not all_finite(torch.cat([every[finite][:100], value, every[finite][-100:]]))
+    assert all_finite(every[finite])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_one_non_finite_entry_anywhere_is_found_also_in_strided_views(dtype, bad):
+    values = torch.randn(4097, dtype=torch.float64).to(dtype)
+    assert all_finite(values) and all_finite(values[::3])
+    for where in (0, 2048, 4095):
+        spoiled = values.clone()
+        spoiled[where] = bad
+        assert not all_finite(spoiled)
+        assert all_finite(spoiled[::3]) == (where % 3 != 0)
+        assert all_finite(spoiled[1::2]) == (where % 2 == 0)
+
+
+def test_empty_and_integer_tensors_are_finite():
+    assert all_finite(torch.empty(0))
+    assert all_finite(torch.tensor([1, 2, 3]))
