@@ -5,7 +5,8 @@
 Workers are spawned (not forked), keep freed host memory (`keep_freed_host_memory`), join a gloo
 group through a file store in a private temporary directory, and send back their return value
 (pickled by value, so tensors survive the worker's exit) or their traceback. A worker that raises or
-dies makes `run_local` raise `WorkerError` naming the rank; the others get ``FAILURE_GRACE_S`` to
+dies makes `run_local` raise `WorkerError` naming the rank (one killed by a signal first prints every
+thread's Python stack on standard error); the others get ``FAILURE_GRACE_S`` to
 report, then are killed (they would otherwise wait in a collective for the failed rank). Workers
 still running after ``timeout`` are killed too.
 """
@@ -13,6 +14,7 @@ still running after ``timeout`` are killed too.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import pickle
 import queue as queue_module
@@ -90,6 +92,7 @@ def run_local(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
 
 def _worker(rank: int, world_size: int, init: str, backend: str, threads: int, timeout: float,
             fn: Callable[..., Any], args: tuple, results: Any, namespace: str | None) -> None:
+    faulthandler.enable(all_threads=True)  # a worker killed by a signal prints every thread's Python stack
     torch.set_num_threads(threads)
     keep_freed_host_memory()
     try:
