@@ -110,3 +110,19 @@ def test_tensors_sent_uncompressed_get_the_same_momentum_as_sgd_would_give_them(
     for got, want in zip(steps, expected, strict=True):
         torch.testing.assert_close(got, want)
     assert torch.equal(averages[0], torch.tensor([1.0, -2.0]))  # the average itself is left alone
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_several_tensors_updated_in_place_at_once_get_the_same_bits_as_one_at_a_time(nesterov):
+    feedback = sc.parse_spec(f"topk(k=1)+dgc_momentum(nesterov={str(nesterov).lower()})+raw+fp32").feedback
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(512,), (16, 16), (10,)]
+    one_by_one, together = [{} for _ in shapes], [{} for _ in shapes]
+    for step in range(4):
+        averages = [torch.randn(shape, generator=generator) * (step + 1) for shape in shapes]
+        expected = [feedback.update_uncompressed(a, state) for a, state in zip(averages, one_by_one, strict=True)]
+        feedback.update_uncompressed_(averages, together)
+        for got, want in zip(averages, expected, strict=True):
+            assert torch.equal(got, want)
+    for mine, theirs in zip(together, one_by_one, strict=True):
+        assert torch.equal(mine["momentum"], theirs["momentum"])

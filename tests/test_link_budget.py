@@ -17,7 +17,8 @@ from sparsecomm.integration.budget import (
     MAX_SPARSE_DENSITY,
     MIN_REEXPLORE,
     SPARSE,
-    SPARSE_MARGIN,
+    TRIAL_PAIRS,
+    WARMUP_STEPS,
     LinkBudget,
     Plan,
     StepMeasurement,
@@ -133,32 +134,76 @@ def test_fp16_steps_need_headroom_below_fp16s_range_and_must_beat_fp32():
         assert next_plan(plan).mode == expected, (magnitude, half_cost)
 
 
-def test_a_runner_up_runs_again_once_its_extra_cost_is_a_small_share_of_the_time_since():
-    plan = measured(budget(probe=0), sparse=0.050, compute=0.002, throughput=1e9, dense=0.006, half=0.005, per_nnz=2.0,
-                    magnitude=1.0)
-    # sparse (52 ms and more, with its margin) is over 51.7 ms dearer: due after this many steps
-    sparse_due = (0.052 * (1 + SPARSE_MARGIN) - 0.0055) / (EXPLORE_SHARE * 0.0055)
-    modes = [next_plan(plan).mode for _ in range(int(sparse_due) + MIN_REEXPLORE)]
-    # fp16 wins: 5.5 ms a step with its margin, against 6 ms for fp32 and 52 ms for sparse
-    # fp32, 0.5 ms dearer, runs again as often as allowed
-    dense_steps = [step for step, mode in enumerate(modes, 1) if mode == DENSE]
-    gaps = {later - earlier for earlier, later in zip([0, *dense_steps[:-1]], dense_steps, strict=True)}
-    assert gaps <= {MIN_REEXPLORE, MIN_REEXPLORE + 1}  # + 1: once, when sparse's turn came first
-    # sparse once its extra cost is EXPLORE_SHARE of the steps' time since it last ran
-    sparse_steps = [step for step, mode in enumerate(modes, 1) if mode == SPARSE]
-    assert len(sparse_steps) == 1 and sparse_steps[0] >= sparse_due
+def steps(plan: LinkBudget, count: int, cost_of) -> list[str]:
+    """``count`` steps as the reducer runs them: step s costs ``cost_of(mode, s)`` seconds in its
+    mode, and its report is observed, with its step, when step s + 2 begins."""
+    modes, pending = [], []
+    for _ in range(count):
+        while pending and pending[0][0] <= plan.step - 2:
+            step, agreed = pending.pop(0)
+            plan.observe(agreed, step)
+        chosen = next_plan(plan)
+        modes.append(chosen.mode)
+        pending.append((plan.step - 1, report(**{chosen.mode: cost_of(chosen.mode, plan.step - 1)})))
+    return modes
 
 
-def test_an_unlucky_first_measurement_is_checked_again_and_corrected():
-    # no probe steps: the re-check alone; the first steps saw the link at a tenth of its speed:
-    # dense predicted at 41 ms, sparse costs 2 ms
+def dense_incumbent(**costs) -> LinkBudget:
+    """fp32 chosen on a fast link while fp16 was not allowed (magnitudes too large), then allowed:
+    fp16 (never run, predicted 6 - 2 ms) is tried at once."""
+    plan = measured(budget(probe=0), sparse=0.050, compute=0.002, throughput=1e9, per_nnz=2.0, magnitude=1e5, **costs)
+    while plan.step <= WARMUP_STEPS:  # no trials while steps are slow for reasons of their own
+        assert next_plan(plan) == Plan(DENSE)
+    plan.observe(report(magnitude=1.0))
+    return plan
+
+
+@pytest.mark.parametrize("half, wins", [(0.005, True), (0.0068, False)])
+def test_a_challenger_runs_next_to_the_incumbent_and_replaces_it_only_if_cheaper_in_that_trial(half, wins):
+    plan = dense_incumbent(dense=0.006)
+    modes = steps(plan, 20, lambda mode, step: {DENSE: 0.006, HALF: half}[mode])
+    assert modes[:2 * TRIAL_PAIRS] == [HALF, DENSE] * TRIAL_PAIRS  # alternating, the challenger first
+    # while the trial's last report travels, the incumbent; then the winner (fp16 by 0.5 ms with its
+    # 10% margin, or not at all), until the loser's next trial
+    assert modes[2 * TRIAL_PAIRS:] == [DENSE] + [HALF if wins else DENSE] * (20 - 2 * TRIAL_PAIRS - 1)
+    assert plan.incumbent == (HALF if wins else DENSE)
+
+
+def test_a_slow_spell_hits_both_modes_of_a_trial_alike_and_a_stale_measurement_does_not_decide():
+    # fp32 was measured during a slow spell (12 ms a step); the machine is fast again: fp32 6 ms,
+    # fp16 6.3 ms (6.9 with its margin). fp16 is predicted from the stale fp32 at 10 ms: worth a
+    # trial, and the trial, whose steps alternate, keeps fp32
+    plan = dense_incumbent(dense=0.012)
+    modes = steps(plan, MIN_REEXPLORE, lambda mode, step: {DENSE: 0.006, HALF: 0.0063}[mode])
+    assert modes[:2 * TRIAL_PAIRS] == [HALF, DENSE] * TRIAL_PAIRS
+    assert set(modes[2 * TRIAL_PAIRS:]) == {DENSE} and plan.incumbent == DENSE
+
+
+def test_a_challenger_is_tried_again_once_its_trial_costs_a_small_share_of_the_time_since():
+    plan = dense_incumbent(dense=0.006)
+    # fp16 costs 0.93 ms more a step with its margin: a trial's three fp16 steps are due after
+    # 3 * 0.93 / (2% of 6 ms) = 23 steps, so every MIN_REEXPLORE steps; sparse (57 ms with its
+    # margin) after 3 * 51 / 0.12 = 1,280 steps
+    modes = steps(plan, 200, lambda mode, step: {DENSE: 0.006, HALF: 0.0063, SPARSE: 0.050}[mode])
+    assert modes[:2 * TRIAL_PAIRS] == [HALF, DENSE] * TRIAL_PAIRS  # fp16's first trial, at once
+    starts = [0] + [step for step in range(2, len(modes)) if modes[step - 2:step + 1] == [DENSE, DENSE, HALF]]
+    gaps = {later - earlier for earlier, later in zip(starts, starts[1:], strict=False)}
+    # a trial is 6 steps, decided 2 steps after its last: the next starts MIN_REEXPLORE steps later
+    assert gaps == {2 * TRIAL_PAIRS + 1 + MIN_REEXPLORE}
+    assert SPARSE not in modes
+
+
+def test_an_unlucky_first_measurement_is_tried_again_and_corrected():
+    # no probe steps: trials alone; the first steps saw the link at a tenth of its speed: dense
+    # predicted at 41 ms, sparse costs 2 ms (2.2 with its margin)
     plan = measured(budget(probe=0), sparse=0.002, compute=0.001, throughput=100e6, per_nnz=2.0, magnitude=1e5)
-    modes = []
-    while DENSE not in modes:
-        modes.append(next_plan(plan).mode)
-    assert len(modes) <= 0.040 / (EXPLORE_SHARE * 0.003) + 1
-    plan.observe(report(dense=0.001))  # the dense step cost 1 ms
-    assert {next_plan(plan).mode for _ in range(MIN_REEXPLORE - 1)} == {DENSE}
+    modes = steps(plan, 3000, lambda mode, step: {DENSE: 0.001, SPARSE: 0.003}[mode])
+    first = modes.index(DENSE)
+    assert first <= TRIAL_PAIRS * 0.039 / (EXPLORE_SHARE * 0.0022) + 1
+    # the trial (1 ms against 3.3 ms) makes fp32 the incumbent once its last report is in
+    decided = first + 2 * TRIAL_PAIRS + 1
+    assert modes[first:decided] == [DENSE, SPARSE] * TRIAL_PAIRS + [SPARSE]
+    assert set(modes[decided:decided + MIN_REEXPLORE]) == {DENSE}
 
 
 def test_a_dense_modes_cost_is_its_whole_step_so_compute_it_slowed_counts_against_it():
@@ -177,15 +222,17 @@ def test_a_dense_modes_cost_is_its_whole_step_so_compute_it_slowed_counts_agains
     assert next_plan(plan).mode == DENSE
 
 
-def test_fp16_is_tried_only_once_fp32_has_been_measured_and_judged_by_its_median_step():
+def test_fp16_is_tried_only_once_fp32_has_been_measured_and_judged_by_its_trial():
     # a fast link: fp16 would be predicted at 1.5 + 1 ms (x1.1) against fp32's 1.5 + 2 ms, but fp32 runs first
     plan = measured(budget(probe=0), sparse=0.050, compute=0.0015, throughput=2e9, per_nnz=2.0, magnitude=1.0)
-    assert next_plan(plan).mode == DENSE
+    while plan.step <= WARMUP_STEPS:
+        assert next_plan(plan).mode == DENSE
     plan.observe(report(dense=0.0035))
-    assert next_plan(plan).mode == HALF  # predicted at 3.5 - 1 ms, x1.1
-    for half in (0.0025, 0.006, 0.006, 0.006, 0.006):  # one lucky fp16 step among slow ones
-        plan.observe(report(half=half))
-    assert {next_plan(plan).mode for _ in range(MIN_REEXPLORE - 1)} == {DENSE}
+    # one lucky fp16 step among slow ones: the trial's median decides
+    halves = iter([0.0025, 0.006, 0.006])
+    modes = steps(plan, 2 * TRIAL_PAIRS + MIN_REEXPLORE, lambda mode, step: next(halves) if mode == HALF else 0.0035)
+    assert modes[:2 * TRIAL_PAIRS] == [HALF, DENSE] * TRIAL_PAIRS
+    assert set(modes[2 * TRIAL_PAIRS:]) == {DENSE}
 
 
 def test_a_step_in_another_mode_than_the_step_before_is_flagged_so_that_its_cost_is_reported():

@@ -84,7 +84,7 @@ def reports_over_steps(rank: int, world: int) -> list[list[float]]:
     reports = BudgetReports(None, torch.device("cpu"))
     observed = []
     for step in range(5):
-        observed += [report.tolist() for report in reports.ready(step, first=step == 1)]
+        observed += [report.tolist() for _, report in reports.ready(step, first=step == 1)]
         side = reports.take()
         grad = torch.ones(5000)
         request = sc.Request(key="g", call=step, side=side or ())

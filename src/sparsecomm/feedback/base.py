@@ -39,6 +39,13 @@ class Feedback(Component):
         owns something the optimizer lacks (DGC's momentum). Never modifies ``averaged``."""
         return averaged
 
+    def update_uncompressed_(self, averaged: list[torch.Tensor], states: list[dict[str, Any]]) -> None:
+        """`update_uncompressed` for several tensors, each replaced in place by its update."""
+        for tensor, state in zip(averaged, states, strict=True):
+            updated = self.update_uncompressed(tensor, state)
+            if updated is not tensor:
+                tensor.copy_(updated)
+
 
 def flush_into(whole: torch.Tensor, out: torch.Tensor, scale: float) -> bool:
     """Write ``whole`` (a feedback's accumulator) times ``scale`` into ``out`` and leave in ``whole``

@@ -50,23 +50,26 @@ sum and raises together). The first step runs sparse at the ``floor`` density wh
 timed at start-up (`sparsecomm.integration.link_probe`), dense otherwise (to measure it). A step is
 dense on every ``probe``-th step (to measure again), and whenever the link carries the whole fp32
 gradient within the compute time.
-Otherwise the cheapest mode wins, an exact one on a tie: half must beat dense by `HALF_MARGIN`,
-sparse must beat the dense modes by `SPARSE_MARGIN`. Modes are compared by whole steps: a dense
-mode's cost is the interquartile mean (`typical`) of its last steps' whole times (the first steps,
-slow for reasons of their own, do not count) — its collectives' own work may slow the compute it
-overlaps (gloo sums fp16 on the processor that runs the backward) — and until dense has run, the
-compute plus its wire time at the measured throughput; a sparse step's is the compute plus O_s plus
-its per-byte cost at the budget. Until sparse
-steps have been measured O_s counts as 0, so a link slower than the compute gets sparse steps at
-the ``floor`` density — the first warms the sparse path up and is not counted — until their cost
-is known, cheaply where sparse does not pay.
-A mode not chosen is only ever measured again when it runs, and a measurement can be unlucky (the
-first steps' link throughput, say, several times below the link's). So each other mode runs again
-once its predicted extra cost has come down to `EXPLORE_SHARE` of the steps' time since it last ran
-— a re-check costs at most that share of the time since the last — and never more often than every
-`MIN_REEXPLORE` steps: close calls are re-checked often, and on a slow link dense is rarely tried
-beyond the probes. A step whose mode differs from the step before's is always heard, even when its
-report must go alone.
+Otherwise steps run in the *incumbent* mode, first the cheapest predicted. Modes are compared by
+whole steps: a dense mode's cost is the interquartile mean (`typical`) of its last steps' whole
+times — its collectives' own work may slow the compute it overlaps (gloo sums fp16 on the processor
+that runs the backward) — and until fp32 has run, the compute plus its wire time at the measured
+throughput; a sparse step's is the compute plus O_s plus its per-byte cost at the budget. Until
+sparse steps have been measured O_s counts as 0, so a link slower than the compute gets sparse
+steps at the ``floor`` density — the first warms the sparse path up and is not counted — until
+their cost is known, cheaply where sparse does not pay.
+
+The incumbent changes only by a *trial*: a challenger mode runs `TRIAL_PAIRS` times, each step
+followed by one of the incumbent, and wins if its median step in the trial beats the incumbent's
+median step in the same trial — half by `HALF_MARGIN`, sparse by `SPARSE_MARGIN` (what it leaves in
+the feedback arrives later). Steps of a machine shared with others are slower for whole seconds at
+a time; modes measured at different times would be ranked by the machine's mood, steps side by
+side are not. A challenger's trial is due once its predicted extra cost over its trial is
+`EXPLORE_SHARE` of the steps' time since the pair was last compared, and never sooner than
+`MIN_REEXPLORE` steps after (a mode never compared: at once where the share allows): close calls
+are re-checked often, and on a slow link dense is rarely tried beyond the probes. A step whose mode
+differs from the step before's, and every step of a trial, is always heard, even when its report
+must go alone.
 
 A user-set ``budget`` (bytes per step) replaces B and turns the probes off: bytes alone
 decide the mode then (dense, half or sparse, whichever the budget holds) and a run repeats bit for
@@ -105,13 +108,22 @@ costs are not counted"""
 EXPLORATION_STEPS = 2
 """sparse steps before the sparse path's cost counts (the first is a warm-up)"""
 EXPLORE_SHARE, MIN_REEXPLORE = 0.02, 30
-"""another mode runs again once its predicted extra cost is this share of the steps' time since it
-last ran, and at most once every this many steps"""
+"""a challenger is tried again once its trial's predicted extra cost is this share of the steps'
+time since its last trial, and at most once every this many steps"""
+TRIAL_PAIRS = 3
+"""a trial runs the challenger this many times, each followed by a step of the incumbent"""
+PAIR_WINDOW = 4 * TRIAL_PAIRS
+"""per pair of modes, how many of their latest paired step ratios a close call is judged by"""
+TRIAL_PATIENCE = 6
+"""steps after a trial's last step within which its reports are expected; a trial still missing
+some then is decided on those it has (or, with none of a mode, left undecided)"""
 COMPUTE_WINDOW, THROUGHPUT_WINDOW, COST_WINDOW = 9, 3, 12
 """compute and throughput: medians over this many agreed measurements; a mode's cost: the
 interquartile mean of this many (`typical`: steps vary widely and now and then by several times —
 the least would flatter a mode, as fp16 on gloo; a median of a few is as noisy as its samples)"""
 DENSE, HALF, SPARSE = "dense", "half", "sparse"
+MARGINS = {DENSE: 0.0, HALF: HALF_MARGIN, SPARSE: SPARSE_MARGIN}
+"""what each mode must save to be chosen over an exact one"""
 
 
 @dataclass(frozen=True)
@@ -126,6 +138,40 @@ class Plan:
     def dense(self) -> bool:
         """Whether every entry is sent (fp32 or fp16)."""
         return self.mode != SPARSE
+
+
+@dataclass
+class Trial:
+    """A paired comparison of a ``challenger`` mode with the ``incumbent``: their steps alternate,
+    so that the machine's slow spells (whole seconds in which every step is slower) hit both alike,
+    and the two are judged by the median of their own steps in the trial alone."""
+
+    challenger: str
+    incumbent: str
+    to_run: list[str]
+    """the modes of the trial's steps not yet run, in order"""
+    running: dict[int, tuple[str, float]] = field(default_factory=dict)
+    """step → (mode, density) of the trial's steps run and not yet reported"""
+    costs: dict[int, tuple[str, float]] = field(default_factory=dict)
+    """step → (mode, whole-step time) of the trial's steps reported"""
+    last_step: int = 0
+
+    def ratios(self) -> list[float]:
+        """The challenger's step time over the incumbent's step right after it, for each such pair
+        reported."""
+        return [cost / self.costs[step + 1][1] for step, (mode, cost) in sorted(self.costs.items())
+                if mode == self.challenger and self.costs.get(step + 1, ("", 0.0))[0] == self.incumbent]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"challenger": self.challenger, "incumbent": self.incumbent, "to_run": list(self.to_run),
+                "running": {step: list(run) for step, run in self.running.items()},
+                "costs": {step: list(cost) for step, cost in self.costs.items()}, "last_step": self.last_step}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Trial:
+        return cls(state["challenger"], state["incumbent"], list(state["to_run"]),
+                   {int(step): (run[0], float(run[1])) for step, run in state["running"].items()},
+                   {int(step): (cost[0], float(cost[1])) for step, cost in state["costs"].items()}, state["last_step"])
 
 
 @dataclass
@@ -261,6 +307,13 @@ class LinkBudget:
     reports_read: int = 0
     last_run: dict[str, int] = field(default_factory=dict)
     """the step each mode last ran"""
+    incumbent: str | None = None
+    """the mode steps run in outside trials (None: not chosen yet)"""
+    trial: Trial | None = None
+    last_trial: dict[str, int] = field(default_factory=dict)
+    """the step each mode's last trial (as challenger or incumbent) was decided"""
+    pair_ratios: dict[tuple[str, ...], deque[float]] = field(default_factory=dict)
+    """per pair of modes (in name order), the first's step time over the second's in their trials' pairs"""
     mode_steps: dict[str, int] = field(default_factory=dict)
     """how many steps ran in each mode"""
 
@@ -302,10 +355,11 @@ class LinkBudget:
         cost = done.local_s + max(0.0, done.last_done - done.last_submit)
         compute = done.forward_backward_s() if done.forward_start is not None else self.last_compute_s
         costs = {DENSE: 0.0, HALF: 0.0, SPARSE: 0.0}
-        if self.current.mode != SPARSE and self.step > WARMUP_STEPS:
-            # the whole step: where a collective's own work competes with the backward for the
-            # processor (gloo's fp16 sums on a CPU), the compute it slowed counts against it
-            costs[self.current.mode] = compute + cost
+        if self.current.mode != SPARSE:
+            if self.step > WARMUP_STEPS:
+                # the whole step: where a collective's own work competes with the backward for the
+                # processor (gloo's fp16 sums on a CPU), the compute it slowed counts against it
+                costs[self.current.mode] = compute + cost
         else:
             self.sparse_steps += 1
             if self.sparse_steps >= EXPLORATION_STEPS and self.throughput:
@@ -318,9 +372,9 @@ class LinkBudget:
         return torch.tensor([compute, -throughput if throughput > 0 else math.inf, costs[DENSE], costs[HALF],
                              costs[SPARSE], per_nnz, fixed, done.max_magnitude, *done.codec_cost], dtype=torch.float64)
 
-    def observe(self, agreed: torch.Tensor) -> None:
-        """Every rank's report of one step, reduced by MAX (see `end_step`): a step takes as long as
-        its slowest rank."""
+    def observe(self, agreed: torch.Tensor, step: int | None = None) -> None:
+        """Every rank's report of one step (``step``, when known), reduced by MAX (see `end_step`):
+        a step takes as long as its slowest rank."""
         compute, negative_link, dense, half, sparse, per_nnz, fixed, magnitude, encode, decode = agreed.tolist()
         self.reports_read += 1
         if compute > 0:
@@ -338,6 +392,14 @@ class LinkBudget:
             self.max_magnitude = magnitude
         if encode > 0 or decode > 0:
             self.encode_per_byte, self.decode_per_byte = encode, decode
+        trial = self.trial
+        if trial is not None and step is not None and step in trial.running:
+            mode, density = trial.running.pop(step)
+            whole = {DENSE: dense, HALF: half, SPARSE: sparse}[mode]
+            if whole > 0 and mode == SPARSE and self.throughput:  # its payloads' wire and codec time back in
+                whole += self.per_byte_s(statistics.median(self.throughput)) * self.step_bytes(density)
+            if whole > 0:
+                trial.costs[step] = (mode, whole)
 
     # -- the plan -------------------------------------------------------------------------------
     def plan(self) -> Plan:
@@ -361,24 +423,84 @@ class LinkBudget:
         probing = self.sparsifier.probe and self.step > 0 and self.step % self.sparsifier.probe == 0
         if budget is None or budget >= dense_bytes or probing:
             return Plan(DENSE)
+        costs = self._predicted_costs(budget, dense_bytes, half_allowed)
+        if not self.sparse_overhead_s:  # the sparse path's cost unknown: learn it (cheap steps) before choosing
+            return costs[SPARSE][1]
+        self._decide_trial(costs)
+        if self.incumbent not in costs:  # the first choice, or fp16 no longer allowed: the cheapest predicted
+            self.incumbent = min(costs, key=lambda mode: costs[mode][0])
+        trial = self.trial
+        if trial is None:
+            trial = self._due_trial(costs)
+        if trial is not None and trial.to_run:
+            mode = trial.to_run.pop(0)
+            if mode in costs:
+                plan = costs[mode][1]
+                trial.running[self.step] = (mode, plan.density)
+                trial.last_step = self.step
+                return plan
+            self.trial = None  # its mode is no longer allowed
+        return costs[self.incumbent][1]
+
+    def _predicted_costs(self, budget: float, dense_bytes: float, half_allowed: bool) -> dict[str, tuple[float, Plan]]:
+        """Each allowed mode's predicted whole step times one plus its margin, and the plan that runs
+        it (see the module docstring)."""
         throughput, compute = statistics.median(self.throughput), statistics.median(self.compute_s)
         dense_cost = typical(self.dense_cost_s) if self.dense_cost_s else compute + dense_bytes / throughput
         costs = {DENSE: (dense_cost, Plan(DENSE))}
-        if half_allowed and self.dense_cost_s:  # fp16 is judged against fp32 measured: exact first
+        if half_allowed and self.dense_cost_s:
             half_cost = typical(self.half_cost_s) if self.half_cost_s else dense_cost - dense_bytes / 2 / throughput
             costs[HALF] = (half_cost * (1 + HALF_MARGIN), Plan(HALF))
-        exploring = not self.sparse_overhead_s  # until the sparse path's cost is known: cheap steps
+        exploring = not self.sparse_overhead_s
         sparse = self._sparse(budget) if not exploring else Plan(SPARSE, self.sparsifier.floor)
         carrying = self.per_byte_s(throughput) * self.step_bytes(sparse.density)
         overhead = typical(self.sparse_overhead_s) if not exploring else 0.0
         costs[SPARSE] = ((compute + carrying + overhead) * (1 + SPARSE_MARGIN) + 1e-9, sparse)
-        chosen = min(costs, key=lambda mode: costs[mode][0])
-        step_s = costs[chosen][0]
-        for mode, (cost, plan) in costs.items():
-            since = self.step - self.last_run.get(mode, 0)
-            if mode != chosen and since >= max(MIN_REEXPLORE, (cost - costs[chosen][0]) / (EXPLORE_SHARE * step_s)):
-                return plan
-        return costs[chosen][1]
+        return costs
+
+    def _due_trial(self, costs: dict[str, tuple[float, Plan]]) -> Trial | None:
+        """A trial of the first mode whose turn has come (`EXPLORE_SHARE`): its predicted extra cost
+        over its `TRIAL_PAIRS` steps is that share of the steps' time since its last trial, and at
+        least `MIN_REEXPLORE` steps have passed since (a mode never in a trial: no such wait). A sparse
+        path not yet warmed up gets one untimed step first."""
+        assert self.incumbent is not None
+        if self.step <= WARMUP_STEPS:  # dense steps this early are not timed
+            return None
+        incumbent_cost = costs[self.incumbent][0]
+        for mode, (cost, _) in costs.items():
+            if mode == self.incumbent:
+                continue
+            tried = mode in self.last_trial
+            since = self.step - self.last_trial.get(mode, 0)
+            extra = TRIAL_PAIRS * max(0.0, cost - incumbent_cost) / (EXPLORE_SHARE * incumbent_cost)
+            if since >= max(MIN_REEXPLORE if tried else 0, extra):
+                warm_up = [SPARSE] if mode == SPARSE and self.sparse_steps < EXPLORATION_STEPS - 1 else []
+                self.trial = Trial(mode, self.incumbent, warm_up + [mode, self.incumbent] * TRIAL_PAIRS)
+                return self.trial
+        return None
+
+    def _decide_trial(self, costs: dict[str, tuple[float, Plan]]) -> None:
+        """Once a trial has run and its reports are in (or `TRIAL_PATIENCE` steps have passed), its
+        pairs' ratios join the pair's earlier ones (`PAIR_WINDOW`), and the challenger becomes the
+        incumbent if, with the margins, it was cheaper in every pair of this trial, or in the
+        `typical` pair of at least two trials' worth: the first on a clear difference, the second
+        on a close one that one trial's few steps cannot tell from the machine's noise."""
+        trial = self.trial
+        if trial is None or trial.to_run or (trial.running and self.step - trial.last_step <= TRIAL_PATIENCE):
+            return
+        self.trial = None
+        self.last_trial[trial.challenger] = self.last_trial[trial.incumbent] = self.step  # the pair was compared
+        ratios = trial.ratios()
+        pair = tuple(sorted((trial.challenger, trial.incumbent)))
+        history = self.pair_ratios.setdefault(pair, deque(maxlen=PAIR_WINDOW))
+        history.extend(r if pair[0] == trial.challenger else 1 / r for r in ratios)
+        if not ratios or trial.incumbent != self.incumbent or trial.challenger not in costs:
+            return
+        threshold = (1 + MARGINS[trial.incumbent]) / (1 + MARGINS[trial.challenger])
+        challenger_over_incumbent = deque(r if pair[0] == trial.challenger else 1 / r for r in history)
+        if (len(ratios) >= TRIAL_PAIRS and max(ratios) < threshold) or (
+                len(history) >= 2 * TRIAL_PAIRS and typical(challenger_over_incumbent) < threshold):
+            self.incumbent = trial.challenger
 
     def step_budget(self) -> float | None:
         """Bytes one rank may send this step (None: not measured yet): what the link and the codecs
@@ -414,7 +536,10 @@ class LinkBudget:
                 "max_magnitude": self.max_magnitude,
                 "last_compute_s": self.last_compute_s, "sparse_steps": self.sparse_steps,
                 "reports_read": self.reports_read, "last_run": dict(self.last_run),
-                "mode_steps": dict(self.mode_steps), "mode": self.current.mode}
+                "mode_steps": dict(self.mode_steps), "mode": self.current.mode, "incumbent": self.incumbent,
+                "trial": self.trial.state_dict() if self.trial is not None else None,
+                "last_trial": dict(self.last_trial),
+                "pair_ratios": [[*pair, list(ratios)] for pair, ratios in self.pair_ratios.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.total_numel, self.budget_numel = state["step"], state["total_numel"], state["budget_numel"]
@@ -429,4 +554,9 @@ class LinkBudget:
         self.last_run = dict(state["last_run"])
         self.mode_steps = dict(state.get("mode_steps", {}))
         self.current = Plan(state.get("mode", DENSE))  # the last step's mode: whether the next one switches
+        self.incumbent = state.get("incumbent")
+        self.trial = Trial.from_state(state["trial"]) if state.get("trial") is not None else None
+        self.last_trial = dict(state.get("last_trial", {}))
+        self.pair_ratios = {(first, second): deque(ratios, maxlen=PAIR_WINDOW)
+                            for first, second, ratios in state.get("pair_ratios", [])}
         self.finished = None

@@ -268,7 +268,8 @@ class GradientReducer:
             except BaseException as err:  # noqa: BLE001 - raised below, after every call ended
                 errors.append(err)
         if self.budget is not None and self._plan is not None:
-            self._reports.end_step(self.stats.steps, self.budget.end_step(), self._report_needed(),
+            step = self.budget.step
+            self._reports.end_step(step, self.budget.end_step(), self._report_needed(),
                                    first=self.budget.reports_read == 0)
         self._plan = None
         self.stats.steps += 1
@@ -430,7 +431,9 @@ class GradientReducer:
         whose gradient is non-finite under ``nonfinite="raise"`` sends NaN, so every rank sums to a
         non-finite total and raises together."""
         assert self.budget is not None
-        side = self._reports.take() if not tensor.is_sparse else None  # a sparse all_reduce has no room
+        # a sparse all_reduce has no room; a dense one carries a report in a scratch wire, which costs
+        # passes over the bucket: only a report the budget must hear
+        side = self._reports.take(needed_only=True) if not tensor.is_sparse else None
         wire = self._native_wire(key, tensor, segments, side)
         stats.path = wire.path
         submitted = time.perf_counter()
@@ -536,17 +539,17 @@ class GradientReducer:
     def _report_needed(self) -> bool:
         """Whether this step's report must be heard even at the cost of an all_reduce of its own
         (when no call of the next step can carry it): every step at first, then every few — and
-        every step whose mode differs from the step before's, or a re-check of another mode would be
-        run and its cost never heard. Also when this step measures the largest magnitude sent."""
+        every step whose mode differs from the step before's or that belongs to a trial, or a
+        trial's samples would be lost. Also when this step measures the largest magnitude sent."""
         return (self.stats.steps < EVERY_STEP_REPORTS or self.stats.steps % REPORT_EVERY == 0
-                or (self.budget is not None and self.budget.switched))
+                or (self.budget is not None and (self.budget.switched or self.budget.trial is not None)))
 
     def _begin_budget_step(self, now: float) -> None:
         """Learn the ranks' reports from two steps back (`BudgetReports.ready`; the very first at
         once, so that the second step already has numbers) and plan this step."""
         assert self.budget is not None
-        for agreed in self._reports.ready(self.stats.steps, first=self.budget.reports_read == 0):
-            self.budget.observe(agreed)
+        for step, agreed in self._reports.ready(self.budget.step, first=self.budget.reports_read == 0):
+            self.budget.observe(agreed, step)
         self._plan = self.budget.begin_step(now, self._forward_start)
         self._forward_start = None
 
@@ -563,13 +566,10 @@ class GradientReducer:
         if segments is None:
             return total if whole_only else feedback.update_uncompressed(total, self._uncompressed.setdefault(key, {}))
         flat = total.view(-1)
-        for segment in segments:
-            if whole_only and not segment.whole:
-                continue
-            part = flat[segment.start:segment.start + segment.numel]
-            updated = feedback.update_uncompressed(part, self._uncompressed.setdefault(segment.key, {}))
-            if updated is not part:
-                part.copy_(updated)
+        chosen = [segment for segment in segments if segment.whole or not whole_only]
+        if chosen:
+            feedback.update_uncompressed_([flat[s.start:s.start + s.numel] for s in chosen],
+                                          [self._uncompressed.setdefault(s.key, {}) for s in chosen])
         return total
 
     def _prepare(self, key: str, tensor: torch.Tensor, segments: list[Segment] | None,

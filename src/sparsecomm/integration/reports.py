@@ -51,9 +51,10 @@ class BudgetReports:
         self.alone: deque[tuple[int, dist.Work, torch.Tensor]] = deque()
         """(step, all_reduce, report) sent alone and not yet read"""
 
-    def take(self) -> tuple[float, ...] | None:
-        """The held report's numbers for the call about to run, if no earlier call of this step took them."""
-        if self.held is None or self.held.taken:
+    def take(self, needed_only: bool = False) -> tuple[float, ...] | None:
+        """The held report's numbers for the call about to run, if no earlier call of this step took
+        them (and, with ``needed_only``, if the budget must hear it: for a call that pays to carry it)."""
+        if self.held is None or self.held.taken or (needed_only and not self.held.needed):
             return None
         self.held.taken = True
         return tuple(self.held.report.tolist())
@@ -77,11 +78,11 @@ class BudgetReports:
         else:
             self.held = HeldReport(step, report, needed)
 
-    def ready(self, step: int, first: bool) -> list[torch.Tensor]:
-        """The agreed reports the budget observes as step ``step`` begins: those of two steps back
-        or earlier, or (``first``) whichever came first."""
+    def ready(self, step: int, first: bool) -> list[tuple[int, torch.Tensor]]:
+        """The agreed reports (each with its step) the budget observes as step ``step`` begins:
+        those of two steps back or earlier, or (``first``) whichever came first."""
         self._collect_alone()
-        due = [report for sent_step, report in self.agreed if first or sent_step <= step - 2]
+        due = [(sent_step, report) for sent_step, report in self.agreed if first or sent_step <= step - 2]
         self.agreed = deque(item for item in self.agreed if not (first or item[0] <= step - 2))
         return due
 
