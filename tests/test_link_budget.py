@@ -2,6 +2,7 @@
 density come from agreed numbers alone, by the rules its module states. Reports are built here as
 every rank's MAX-reduced report would be, so these tests need no process group."""
 
+import itertools
 import math
 
 import pytest
@@ -167,6 +168,22 @@ def test_a_challenger_runs_next_to_the_incumbent_and_replaces_it_only_if_cheaper
     # 10% margin, or not at all), until the loser's next trial
     assert modes[2 * TRIAL_PAIRS:] == [DENSE] + [HALF if wins else DENSE] * (20 - 2 * TRIAL_PAIRS - 1)
     assert plan.incumbent == (HALF if wins else DENSE)
+
+
+def test_a_close_call_is_decided_by_the_pairs_of_two_trials_not_one():
+    # fp16's steps over fp32's (6 ms): 0.85, 0.95, 0.80 in the first trial — not every pair beats
+    # the 1/1.1 margin — then 0.85, 0.88, 0.93: the typical pair of the six does
+    ratios = itertools.chain((0.85, 0.95, 0.80, 0.85, 0.88, 0.93), itertools.repeat(0.88))
+    halves = (0.006 * ratio for ratio in ratios)
+    plan = dense_incumbent(dense=0.006)
+    modes = steps(plan, 2 * (2 * TRIAL_PAIRS + 1) + MIN_REEXPLORE + 5,
+                  lambda mode, step: next(halves) if mode == HALF else 0.006)
+    first_decided = 2 * TRIAL_PAIRS + 1
+    assert modes[:first_decided] == [HALF, DENSE] * TRIAL_PAIRS + [DENSE]
+    second = modes.index(HALF, first_decided)
+    assert set(modes[first_decided:second]) == {DENSE} and second - first_decided >= MIN_REEXPLORE - 1
+    assert modes[second:second + 2 * TRIAL_PAIRS + 1] == [HALF, DENSE] * TRIAL_PAIRS + [DENSE]
+    assert set(modes[second + 2 * TRIAL_PAIRS + 1:]) == {HALF}
 
 
 def test_a_slow_spell_hits_both_modes_of_a_trial_alike_and_a_stale_measurement_does_not_decide():
