@@ -297,3 +297,14 @@ def test_the_budget_state_round_trips_through_a_checkpoint():
     restored.load_state_dict(plan.state_dict())
     assert restored.state_dict() == plan.state_dict()
     assert next_plan(restored) == next_plan(plan)
+
+
+def test_a_trial_under_way_and_the_pairs_compared_round_trip_through_a_checkpoint():
+    plan = dense_incumbent(dense=0.006)
+    steps(plan, 2 * TRIAL_PAIRS + 1 + MIN_REEXPLORE + 2, lambda mode, step: {DENSE: 0.006, HALF: 0.0058}[mode])
+    assert plan.trial is not None and plan.pair_ratios  # the second trial is under way
+    restored = budget(probe=0)
+    restored.load_state_dict(plan.state_dict())
+    assert restored.state_dict() == plan.state_dict()
+    cost = lambda mode, step: {DENSE: 0.006, HALF: 0.0052}[mode]  # noqa: E731
+    assert steps(restored, 20, cost) == steps(plan, 20, cost)

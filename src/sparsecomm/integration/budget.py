@@ -60,9 +60,10 @@ steps at the ``floor`` density — the first warms the sparse path up and is not
 their cost is known, cheaply where sparse does not pay.
 
 The incumbent changes only by a *trial*: a challenger mode runs `TRIAL_PAIRS` times, each step
-followed by one of the incumbent, and wins if its median step in the trial beats the incumbent's
-median step in the same trial — half by `HALF_MARGIN`, sparse by `SPARSE_MARGIN` (what it leaves in
-the feedback arrives later). Steps of a machine shared with others are slower for whole seconds at
+followed by one of the incumbent, and wins if it was cheaper than the incumbent's step after it in
+every pair of the trial, or in the `typical` pair of the pair's last trials (at least two trials'
+worth, `PAIR_WINDOW`) — half by `HALF_MARGIN`, sparse by `SPARSE_MARGIN` (what it leaves in the
+feedback arrives later). Steps of a machine shared with others are slower for whole seconds at
 a time; modes measured at different times would be ranked by the machine's mood, steps side by
 side are not. A challenger's trial is due once its predicted extra cost over its trial is
 `EXPLORE_SHARE` of the steps' time since the pair was last compared, and never sooner than
@@ -144,7 +145,7 @@ class Plan:
 class Trial:
     """A paired comparison of a ``challenger`` mode with the ``incumbent``: their steps alternate,
     so that the machine's slow spells (whole seconds in which every step is slower) hit both alike,
-    and the two are judged by the median of their own steps in the trial alone."""
+    and the two are judged by the ratios of adjacent steps (`ratios`)."""
 
     challenger: str
     incumbent: str
