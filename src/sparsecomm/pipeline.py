@@ -221,7 +221,7 @@ class Pipeline:
             if not segment.whole:
                 self.spec.feedback.flush(piece, state.feedback, part, scale)
             elif scale != 1.0 or part.dtype != piece.dtype:
-                part.copy_(piece * scale)
+                torch.mul(piece, scale, out=part)
             elif part.data_ptr() != piece.data_ptr():
                 part.copy_(piece)
             state.step += 1

@@ -56,8 +56,8 @@ def flush_into(whole: torch.Tensor, out: torch.Tensor, scale: float) -> bool:
         out.copy_(flat)
         clear_(flat)
         return True
-    out.copy_(flat * scale)
-    flat.sub_(out.to(flat.dtype), alpha=1.0 / scale)
+    torch.mul(flat, scale, out=out)  # rounded to out's dtype as it is written
+    flat.sub_(out, alpha=1.0 / scale)
     return False
 
 
