@@ -123,8 +123,11 @@ COMPUTE_WINDOW, THROUGHPUT_WINDOW, COST_WINDOW = 9, 3, 12
 interquartile mean of this many (`typical`: steps vary widely and now and then by several times —
 the least would flatter a mode, as fp16 on gloo; a median of a few is as noisy as its samples)"""
 DENSE, HALF, SPARSE = "dense", "half", "sparse"
-MARGINS = {DENSE: 0.0, HALF: HALF_MARGIN, SPARSE: SPARSE_MARGIN}
-"""what each mode must save to be chosen over an exact one"""
+
+
+def margin(mode: str) -> float:
+    """What a step in ``mode`` must save to be chosen over an exact one."""
+    return {HALF: HALF_MARGIN, SPARSE: SPARSE_MARGIN}.get(mode, 0.0)
 
 
 @dataclass(frozen=True)
@@ -497,7 +500,7 @@ class LinkBudget:
         history.extend(r if pair[0] == trial.challenger else 1 / r for r in ratios)
         if not ratios or trial.incumbent != self.incumbent or trial.challenger not in costs:
             return
-        threshold = (1 + MARGINS[trial.incumbent]) / (1 + MARGINS[trial.challenger])
+        threshold = (1 + margin(trial.incumbent)) / (1 + margin(trial.challenger))
         challenger_over_incumbent = deque(r if pair[0] == trial.challenger else 1 / r for r in history)
         if (len(ratios) >= TRIAL_PAIRS and max(ratios) < threshold) or (
                 len(history) >= 2 * TRIAL_PAIRS and typical(challenger_over_incumbent) < threshold):
