@@ -91,25 +91,6 @@ class DGCMomentum(Feedback):
         if self.masking:
             state["momentum"].zero_()
 
-    def update_uncompressed_(self, averaged: list[torch.Tensor], states: list[dict[str, Any]]) -> None:
-        """`update_uncompressed` for several tensors in place, each step one foreach op over all of
-        them (the same arithmetic, so the same bits): these are the small tensors, where a kernel
-        launch costs more than its work."""
-        velocities = []
-        for tensor, state in zip(averaged, states, strict=True):
-            velocity = state.get("momentum")
-            if velocity is None or velocity.shape != tensor.shape or velocity.dtype != tensor.dtype:
-                velocity = state["momentum"] = torch.zeros_like(tensor)
-            velocities.append(velocity)
-        if self.nesterov:  # u ← m·(u + g); step g + u
-            torch._foreach_add_(velocities, averaged)
-            torch._foreach_mul_(velocities, self.momentum)
-            torch._foreach_add_(averaged, velocities)
-        else:  # u ← m·u + g; step u
-            torch._foreach_mul_(velocities, self.momentum)
-            torch._foreach_add_(velocities, averaged)
-            torch._foreach_copy_(averaged, velocities)
-
     def update_uncompressed(self, averaged: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
         """Momentum on an averaged gradient, as SGD applies it: u ← m·u + g, step u (Nesterov:
         u ← m·(u + g), step u + g). Every rank holds the same average, so the same u."""

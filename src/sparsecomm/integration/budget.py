@@ -309,8 +309,6 @@ class LinkBudget:
     """the finished step's compute time, known once the next step starts (without a forward hook)"""
     sparse_steps: int = 0
     reports_read: int = 0
-    last_run: dict[str, int] = field(default_factory=dict)
-    """the step each mode last ran"""
     incumbent: str | None = None
     """the mode steps run in outside trials (None: not chosen yet)"""
     trial: Trial | None = None
@@ -339,7 +337,6 @@ class LinkBudget:
         self.measuring = StepMeasurement(first_submit=now, forward_start=forward_start, codec_cost=self.codec_cost)
         previous, self.current = self.current.mode, self.plan()
         self.switched = self.current.mode != previous
-        self.last_run[self.current.mode] = self.step
         self.mode_steps[self.current.mode] = self.mode_steps.get(self.current.mode, 0) + 1
         return self.current
 
@@ -539,7 +536,7 @@ class LinkBudget:
                 "decode_per_byte": self.decode_per_byte,
                 "max_magnitude": self.max_magnitude,
                 "last_compute_s": self.last_compute_s, "sparse_steps": self.sparse_steps,
-                "reports_read": self.reports_read, "last_run": dict(self.last_run),
+                "reports_read": self.reports_read,
                 "mode_steps": dict(self.mode_steps), "mode": self.current.mode, "incumbent": self.incumbent,
                 "trial": self.trial.state_dict() if self.trial is not None else None,
                 "last_trial": dict(self.last_trial),
@@ -555,7 +552,6 @@ class LinkBudget:
         self.encode_per_byte, self.decode_per_byte = state["encode_per_byte"], state["decode_per_byte"]
         self.max_magnitude, self.last_compute_s = state["max_magnitude"], state["last_compute_s"]
         self.sparse_steps, self.reports_read = state["sparse_steps"], state["reports_read"]
-        self.last_run = dict(state["last_run"])
         self.mode_steps = dict(state.get("mode_steps", {}))
         self.current = Plan(state.get("mode", DENSE))  # the last step's mode: whether the next one switches
         self.incumbent = state.get("incumbent")

@@ -459,7 +459,9 @@ class GradientReducer:
                                           "overflowed; no rank applied it")
                 if wire.path == "half":  # already scaled to the average: back to the gradient's buffer and units
                     assert wire.home is not None
-                    total = wire.home.copy_(total) if self.average else wire.home.copy_(total).mul_(self.world_size)
+                    total = wire.home.copy_(total)
+                    if not self.average:
+                        total.mul_(self.world_size)
                 elif wire.carrying is not None:  # back to the gradient's buffer: the wire is scratch
                     assert wire.home is not None
                     total = wire.home.copy_(total)
