@@ -34,3 +34,17 @@ def test_one_non_finite_entry_anywhere_is_found_also_in_strided_views(dtype, bad
 def test_empty_and_integer_tensors_are_finite():
     assert all_finite(torch.empty(0))
     assert all_finite(torch.tensor([1, 2, 3]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_finite_values_whose_sum_overflows_are_finite(dtype):
+    largest = torch.finfo(dtype).max
+    assert all_finite(torch.full((1000,), largest, dtype=dtype))
+    assert all_finite(torch.tensor([largest, largest, -largest], dtype=dtype))
+    assert not all_finite(torch.tensor([largest, largest, float("nan")], dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_opposite_infinities_are_not_finite(dtype):
+    assert not all_finite(torch.tensor([float("inf"), 1.0, float("-inf")], dtype=dtype))
+    assert not all_finite(torch.randn(100_000, dtype=dtype).index_fill_(0, torch.tensor([7, 99_000]), float("inf")))

@@ -281,7 +281,18 @@ def test_reduced_sparse_gradients_are_the_nonzero_rows_torch_would_give(shape, s
 
     dense = torch.zeros(shape)
     dense.view(-1)[torch.tensor([0, 2, dense.numel() - 1])] = torch.tensor([1.0, -2.0, 4.0])
-    for tensor in (dense, torch.zeros(shape)):
+    odd = torch.zeros(shape)  # rows of -0.0 alone count as zero; NaN, Inf and the least subnormal do not
+    odd.view(-1)[torch.tensor([0, 1, 2, odd.numel() // 2, odd.numel() - 1])] = torch.tensor(
+        [-0.0, float("nan"), -float("inf"), -0.0, torch.finfo(torch.float32).smallest_normal / 2**23])
+    for tensor in (dense, torch.zeros(shape), odd):
         ours, torchs = nonzero_rows(tensor, sparse_dim), tensor.to_sparse(sparse_dim=sparse_dim).coalesce()
         assert ours.is_coalesced() and ours.sparse_dim() == sparse_dim
-        assert torch.equal(ours.indices(), torchs.indices()) and torch.equal(ours.values(), torchs.values())
+        assert torch.equal(ours.indices(), torchs.indices())
+        torch.testing.assert_close(ours.values(), torchs.values(), rtol=0, atol=0, equal_nan=True)
+
+
+def test_nonzero_rows_of_rows_without_columns_are_none():
+    from sparsecomm.integration.reducer import nonzero_rows
+
+    empty = nonzero_rows(torch.zeros(4, 0), 1)
+    assert empty.shape == (4, 0) and empty.indices().shape == (1, 0)
