@@ -23,7 +23,7 @@ def test_unsent_coordinate_accumulates_the_discounted_sum_of_momentum_updates():
     velocity = [sum(m ** (t - s) * g0[s] for s in range(t + 1)) for t in range(6)]
     state = pipe.states["w"].feedback
     assert state["accumulated"][0].item() == pytest.approx(sum(velocity), rel=1e-6)
-    assert state["momentum"][0].item() == pytest.approx(velocity[-1], rel=1e-6)
+    assert state["momentum_buffer"][0].item() == pytest.approx(velocity[-1], rel=1e-6)  # plain: u is b
 
 
 def test_nesterov_momentum_follows_equation_10():
@@ -35,7 +35,7 @@ def test_nesterov_momentum_follows_equation_10():
     u2 = m * (u1 + 2.0)
     v2 = v1 + u2 + 2.0
     state = pipe.states["w"].feedback
-    assert state["momentum"][0].item() == pytest.approx(u2)
+    assert m * state["momentum_buffer"][0].item() == pytest.approx(u2)  # Nesterov's u is m·b
     assert state["accumulated"][0].item() == pytest.approx(v2)
 
 
@@ -46,7 +46,7 @@ def test_sent_values_are_the_accumulated_momentum_and_masking_clears_both_buffer
     assert sent[0].values.tolist() == [1.0]  # v1 = u1 = g1
     assert sent[1].values.item() == pytest.approx(1.0)  # masked: u restarts from 0, so u2 = g2, v2 = u2
     state = pipe.states["w"].feedback
-    assert state["momentum"][0].item() == 0.0 and state["accumulated"][0].item() == 0.0
+    assert state["momentum_buffer"][0].item() == 0.0 and state["accumulated"][0].item() == 0.0
 
 
 def test_without_masking_momentum_keeps_pushing_sent_coordinates():
@@ -60,10 +60,11 @@ def test_local_clipping_scales_the_threshold_by_world_size_to_the_minus_half():
     grad = torch.tensor([6.0, 8.0])  # norm 10
     pipe, _ = run("topk(k=2)+dgc_momentum(momentum=0.0,clip=4.0,masking=false)+raw+fp32", [grad], world_size=4)
     state = pipe.states["w"].feedback
-    assert state["momentum"].tolist() == pytest.approx([1.2, 1.6])  # norm clipped to 4 / √4 = 2
+    assert state["momentum_buffer"].tolist() == pytest.approx([1.2, 1.6])  # norm clipped to 4 / √4 = 2
     assert grad.tolist() == [6.0, 8.0]  # the caller's gradient is untouched
     pipe, _ = run("topk(k=2)+dgc_momentum(momentum=0.0,clip=40.0)+raw+fp32", [grad], world_size=4)
-    assert pipe.states["w"].feedback["momentum"].tolist() == [0.0, 0.0]  # under the threshold: unscaled, then sent
+    # under the threshold: unscaled, then sent
+    assert pipe.states["w"].feedback["momentum_buffer"].tolist() == [0.0, 0.0]
 
 
 def test_warmup_raises_sparsity_exponentially_as_the_paper_says():
@@ -125,4 +126,24 @@ def test_several_tensors_updated_in_place_at_once_get_the_same_bits_as_one_at_a_
         for got, want in zip(averages, expected, strict=True):
             assert torch.equal(got, want)
     for mine, theirs in zip(together, one_by_one, strict=True):
-        assert torch.equal(mine["momentum"], theirs["momentum"])
+        assert torch.equal(mine["momentum_buffer"], theirs["momentum_buffer"])
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_a_state_saved_with_u_continues_as_it_would_have(nesterov):
+    """States saved before the buffer form hold DGC's u as "momentum" (Nesterov's u = m·b): a
+    pipeline that loads one takes the same next step as one that kept running."""
+    spec = f"topk(k=2)+dgc_momentum(momentum=0.5,nesterov={str(nesterov).lower()},masking=false)+raw+fp32"
+    grads = [torch.tensor([1.0, -2.0, 0.5, 4.0]), torch.tensor([0.25, 1.0, -3.0, 2.0])]
+    running = sc.Pipeline(spec)
+    running.compress(grads[0], "w")
+    saved = running.state_dict()
+    feedback = saved["tensors"]["w"]["feedback"]
+    buffer = feedback.pop("momentum_buffer")
+    feedback["momentum"] = 0.5 * buffer if nesterov else buffer  # as the u form saved it
+    resumed = sc.Pipeline(spec)
+    resumed.load_state_dict(saved)
+    expected, got = sc.decode(running.compress(grads[1], "w")), sc.decode(resumed.compress(grads[1], "w"))
+    assert torch.equal(expected.indices, got.indices)
+    torch.testing.assert_close(got.values, expected.values)
+    assert "momentum" not in resumed.states["w"].feedback

@@ -6,6 +6,10 @@ eq. 7; Nesterov: App. B, eq. 10), momentum factor masking (§3.3) and local grad
     Nesterov:  u ← m·(u + g);     v ← v + u + g
     send sparse(v);  v ← v − sent;  with masking, u ← 0 where sent
 
+The state holds the buffer b that torch's SGD keeps, b ← m·b + g (its ``momentum_buffer``): plain
+momentum's u is b itself, Nesterov's is m·b (then v ← v + g + m·b). The same numbers, and each
+update one fused pass (``torch.add`` with ``alpha``) where u's form takes two.
+
 The momentum lives here, so the optimizer must be plain SGD **without** momentum (a second
 momentum would be applied on top; `sparsecomm.check_optimizer` warns about it). Local clipping
 rescales this tensor's gradient to L2 norm at most ``clip``·``world_size``^(−1/2) before it is
@@ -45,60 +49,71 @@ class DGCMomentum(Feedback):
             raise SparseCommError("dgc_momentum clip must be >= 0 (0: off)")
 
     def accumulate(self, grad: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
-        velocity: torch.Tensor | None = state.get("momentum")
-        if velocity is None or velocity.shape != grad.shape or velocity.dtype != grad.dtype:
-            state["momentum"], state["accumulated"] = torch.zeros_like(grad), torch.zeros_like(grad)
-        velocity, accumulated = state["momentum"], state["accumulated"]
+        buffer = momentum_buffer(state, grad, self.momentum, self.nesterov)
         if self.clip > 0:
             threshold = self.clip / math.sqrt(state.get("world_size", 1))
             norm = float(torch.linalg.vector_norm(grad))
             if norm > threshold:
                 grad = grad * (threshold / norm)
-        if self.nesterov:
-            velocity.add_(grad).mul_(self.momentum)
-            accumulated.add_(velocity).add_(grad)
+        torch.add(grad, buffer, alpha=self.momentum, out=buffer)
+        accumulated = state["accumulated"]
+        if self.nesterov:  # v + g + m·b, in the order the flush's shortcut computes g + m·b
+            accumulated.add_(grad).add_(buffer, alpha=self.momentum)
         else:
-            velocity.mul_(self.momentum).add_(grad)
-            accumulated.add_(velocity)
+            accumulated.add_(buffer)
         return accumulated
 
     def update(self, accumulated: torch.Tensor, sent: SparseGradient, state: dict[str, Any]) -> None:
         state["clear"] = False
         indices = subtract_sent(accumulated, sent)
         if self.masking:
-            state["momentum"].view(-1)[indices] = 0
+            state["momentum_buffer"].view(-1)[indices] = 0
 
     def flush(self, grad: torch.Tensor, state: dict[str, Any], out: torch.Tensor, scale: float = 1.0) -> None:
-        """Everything accumulated into ``out``; v keeps what ``out`` lost and, with masking, u is
+        """Everything accumulated into ``out``; v keeps what ``out`` lost and, with masking, b is
         cleared, as `update` with every entry would leave them. While v is known to be zero (after
-        an exact flush), u's step alone is sent: the same numbers, three passes fewer."""
-        velocity, accumulated = state.get("momentum"), state.get("accumulated")
-        if (state.get("clear") and self.clip == 0 and velocity is not None and accumulated is not None
-                and velocity.shape == grad.shape):
-            if self.nesterov:  # u ← m·(u + g); v (zero) + u + g
-                velocity.add_(grad).mul_(self.momentum)
-            else:  # u ← m·u + g; v (zero) + u
-                velocity.mul_(self.momentum).add_(grad)
+        an exact flush), this step's part alone is sent: b ← m·b + g and g + m·b (plain: b), two
+        passes where accumulating takes three and the flush two more."""
+        buffer = momentum_buffer(state, grad, self.momentum, self.nesterov)
+        accumulated = state["accumulated"]
+        if state.get("clear") and self.clip == 0:
+            torch.add(grad, buffer, alpha=self.momentum, out=buffer)
             if scale == 1.0 and out.dtype == grad.dtype:  # exact: straight to the wire, v stays zero
-                torch.add(velocity, grad, out=out.view(grad.shape)) if self.nesterov else out.copy_(velocity.view(-1))
+                wire = out.view(grad.shape)
+                torch.add(grad, buffer, alpha=self.momentum, out=wire) if self.nesterov else wire.copy_(buffer)
                 if self.masking:
-                    velocity.zero_()
+                    buffer.zero_()
                 return
-            torch.add(velocity, grad, out=accumulated) if self.nesterov else accumulated.copy_(velocity)
+            if self.nesterov:
+                torch.add(grad, buffer, alpha=self.momentum, out=accumulated)
+            else:
+                accumulated.copy_(buffer)
         else:
             accumulated = self.accumulate(grad, state)
         state["clear"] = flush_into(accumulated, out, scale)
         if self.masking:
-            state["momentum"].zero_()
+            state["momentum_buffer"].zero_()
 
     def update_uncompressed(self, averaged: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
-        """Momentum on an averaged gradient, as SGD applies it: u ← m·u + g, step u (Nesterov:
-        u ← m·(u + g), step u + g). Every rank holds the same average, so the same u."""
-        velocity: torch.Tensor | None = state.get("momentum")
-        if velocity is None or velocity.shape != averaged.shape or velocity.dtype != averaged.dtype:
-            velocity = state["momentum"] = torch.zeros_like(averaged)
-        if self.nesterov:
-            velocity.add_(averaged).mul_(self.momentum)
-            return velocity + averaged
-        velocity.mul_(self.momentum).add_(averaged)
-        return velocity.clone()
+        """Momentum on an averaged gradient, as SGD applies it: b ← m·b + g, step b (Nesterov:
+        g + m·b). Every rank holds the same average, so the same b."""
+        buffer = momentum_buffer(state, averaged, self.momentum, self.nesterov, accumulator=False)
+        torch.add(averaged, buffer, alpha=self.momentum, out=buffer)
+        return torch.add(averaged, buffer, alpha=self.momentum) if self.nesterov else buffer.clone()
+
+
+def momentum_buffer(state: dict[str, Any], like: torch.Tensor, momentum: float, nesterov: bool,
+                    accumulator: bool = True) -> torch.Tensor:
+    """The state's momentum buffer b (and, with ``accumulator``, its v), zeros of ``like``'s shape
+    and dtype when missing or of another shape. A state saved before the buffer form holds u as
+    ``"momentum"``: plain momentum's u is b, Nesterov's is m·b."""
+    saved = state.pop("momentum", None)
+    if saved is not None and "momentum_buffer" not in state:
+        state["momentum_buffer"] = saved / momentum if nesterov and momentum > 0 else saved
+    buffer: torch.Tensor | None = state.get("momentum_buffer")
+    if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
+        buffer = state["momentum_buffer"] = torch.zeros_like(like)
+    accumulated = state.get("accumulated")
+    if accumulator and (accumulated is None or accumulated.shape != like.shape or accumulated.dtype != like.dtype):
+        state["accumulated"] = torch.zeros_like(like)
+    return buffer
