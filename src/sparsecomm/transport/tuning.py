@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CLOSE = 1.15
-"""a runner-up whose median is within this factor of the leader's is a near-tie: both get more trials"""
+"""a runner-up whose median is within this factor of the leader's is a near-tie: both get more trials
+(so is one whose trials overlap the leader's: see `Tuning`)"""
 TIE_BREAK_TRIALS = 5
 """in a near-tie, the two finalists run up to this many times ``explore`` trials each"""
 INDISTINGUISHABLE = 1.05
@@ -20,9 +21,12 @@ class Tuning:
     """What auto has measured for one size class (the same on every rank).
 
     Every candidate runs ``trials`` times, interleaved. When the two best medians are within
-    `CLOSE`, a handful of noisy samples cannot order them: those two run on, interleaved, to
-    `TIE_BREAK_TRIALS` × ``trials`` each. The lowest median wins, unless a candidate the model
-    ranks higher (``candidates`` is in the model's order) is within `INDISTINGUISHABLE` of it."""
+    `CLOSE`, or the runner-up's faster quarter of trials reaches below the leader's slower quarter
+    (their middle halves overlap: calls on a busy machine vary by more than their difference, and
+    a few samples' medians can then come out in the wrong order), a handful of samples cannot
+    order them: those two run on, interleaved, to `TIE_BREAK_TRIALS` × ``trials`` each. The lowest
+    median wins, unless a candidate the model ranks higher (``candidates`` is in the model's
+    order) is within `INDISTINGUISHABLE` of it."""
 
     candidates: list[str]
     seconds: dict[str, list[float]] = field(default_factory=dict)
@@ -51,11 +55,17 @@ class Tuning:
             return
         ranked = sorted(self.finalists or self.candidates, key=self.median)
         fastest = self.median(ranked[0])
-        if self.finalists is None and len(ranked) > 1 and self.median(ranked[1]) <= CLOSE * fastest:
+        if self.finalists is None and len(ranked) > 1 and self._near_tie(ranked[0], ranked[1]):
             self.finalists = ranked[:2]
         else:
             self.chosen = next(c for c in self.candidates  # the model's order
                                if c in ranked and self.median(c) <= INDISTINGUISHABLE * fastest)
+
+    def _near_tie(self, leader: str, runner_up: str) -> bool:
+        """Whether ``leader``'s and ``runner_up``'s trials so far cannot tell which is faster."""
+        slower_quarter = sorted(self.seconds[leader])[-1 - len(self.seconds[leader]) // 4]
+        faster_quarter = sorted(self.seconds[runner_up])[len(self.seconds[runner_up]) // 4]
+        return self.median(runner_up) <= CLOSE * self.median(leader) or faster_quarter <= slower_quarter
 
     def state_dict(self) -> dict[str, Any]:
         return {"candidates": list(self.candidates), "seconds": {k: list(v) for k, v in self.seconds.items()},
