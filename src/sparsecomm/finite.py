@@ -27,12 +27,13 @@ def all_finite(values: torch.Tensor) -> bool:
     if values.numel() == 0 or not (values.is_floating_point() or values.is_complex()):
         return True
     if values.device.type == "cpu" and not values.is_sparse:
-        if values.dtype in _NUMPY_FLOATS:
+        host = values.detach()
+        if host.dtype in _NUMPY_FLOATS:
             # a NaN or Inf makes the sum NaN or Inf, so a finite sum settles it in one vectorised
             # reduction; a non-finite one may be overflow of finite values: then each is checked
-            return math.isfinite(float(values.detach().sum())) or bool(np.isfinite(values.detach().numpy()).all())
-        infinity = _HALF_INFINITY_BITS.get(values.dtype)
+            return math.isfinite(float(host.sum())) or bool(np.isfinite(host.numpy()).all())
+        infinity = _HALF_INFINITY_BITS.get(host.dtype)
         if infinity is not None:
-            bits = values.detach().view(torch.int16).numpy().view(np.uint16)
+            bits = host.view(torch.int16).numpy().view(np.uint16)
             return int(np.bitwise_and(bits, np.uint16(0x7FFF)).max()) < infinity
     return bool(torch.isfinite(values).all())

@@ -74,9 +74,9 @@ class DGCMomentum(Feedback):
         cleared, as `update` with every entry would leave them. While v is known to be zero (after
         an exact flush), this step's part alone is sent: b ← m·b + g and g + m·b (plain: b), two
         passes where accumulating takes three and the flush two more."""
-        buffer = momentum_buffer(state, grad, self.momentum, self.nesterov)
-        accumulated = state["accumulated"]
         if state.get("clear") and self.clip == 0:
+            buffer = momentum_buffer(state, grad, self.momentum, self.nesterov)
+            accumulated = state["accumulated"]
             torch.add(grad, buffer, alpha=self.momentum, out=buffer)
             if scale == 1.0 and out.dtype == grad.dtype:  # exact: straight to the wire, v stays zero
                 wire = out.view(grad.shape)

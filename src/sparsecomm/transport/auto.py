@@ -8,10 +8,10 @@ octave, P) run each shortlisted transport ``explore`` times, timing the slowest 
 later call uses the one with the lowest median time (a spike in a few trials does not move it, and
 it is the steady-state figure a training loop sees); the two best, when their medians are within
 15% or their trials overlap (`Tuning`), run on to five times as many trials first, and within 5%
-the model's ranking stands. The
-model narrows the field, measurement decides. With ``explore=0`` the model's first choice is used
-directly, and so it is without a `TransportSession`: what auto measures lives in the session
-passed to the call, whose owner checkpoints it, so a resumed run makes the same choices. All ranks
+the model's ranking stands. The model narrows the field, measurement decides. With ``explore=0``
+the model's first choice is used directly, and so it is without a `TransportSession`: what auto
+measures lives in the session passed to the call, whose owner checkpoints it, so a resumed run
+makes the same choices. All ranks
 decide from agreed numbers (maxima over ranks) and a cost model checked to be the same, so they
 always choose alike.
 
