@@ -252,6 +252,19 @@ def test_fp16_is_tried_only_once_fp32_has_been_measured_and_judged_by_its_trial(
     assert set(modes[2 * TRIAL_PAIRS:]) == {DENSE}
 
 
+def test_on_a_fast_link_the_first_trial_waits_for_fp32s_own_steps_and_tries_the_cheapest_mode_first():
+    # fp32 predicted at 2 + 4 ms, sparse at 6.1 ms with its margin: close enough for a trial at once.
+    # But fp32's steps take 6 ms (reported from the first step past the warm-up) and fp16's 4: once
+    # fp32 is timed, fp16 is predicted cheapest and runs the first trial; sparse's waits its turn
+    # (3 x 1.7 ms more / 2% of 4.4 ms: ~58 steps)
+    plan = measured(budget(probe=0), sparse=0.00304, compute=0.002, throughput=1e9, per_nnz=2.0, magnitude=1.0)
+    costs = {DENSE: 0.006, HALF: 0.004, SPARSE: 0.0061}
+    modes = steps(plan, 30, lambda mode, step: costs[mode] if step >= WARMUP_STEPS or mode == SPARSE else 0.0)
+    first_trial = next(step for step, mode in enumerate(modes) if mode != DENSE)
+    assert modes[first_trial:first_trial + 2 * TRIAL_PAIRS] == [HALF, DENSE] * TRIAL_PAIRS
+    assert SPARSE not in modes and modes[-1] == HALF and plan.incumbent == HALF
+
+
 def test_a_step_in_another_mode_than_the_step_before_is_flagged_so_that_its_cost_is_reported():
     plan = measured(budget(), sparse=0.050, compute=0.002, throughput=1e9, dense=0.006, half=0.005, per_nnz=2.0,
                     magnitude=1.0)

@@ -460,15 +460,19 @@ class LinkBudget:
         return costs
 
     def _due_trial(self, costs: dict[str, tuple[float, Plan]]) -> Trial | None:
-        """A trial of the first mode whose turn has come (`EXPLORE_SHARE`): its predicted extra cost
-        over its `TRIAL_PAIRS` steps is that share of the steps' time since its last trial, and at
-        least `MIN_REEXPLORE` steps have passed since (a mode never in a trial: no such wait). A sparse
-        path not yet warmed up gets one untimed step first."""
+        """A trial of the cheapest predicted mode whose turn has come (`EXPLORE_SHARE`): its predicted
+        extra cost over its `TRIAL_PAIRS` steps is that share of the steps' time since its last trial,
+        and at least `MIN_REEXPLORE` steps have passed since (a mode never in a trial: no such wait).
+        With fp32 the incumbent, none starts before fp32's own steps are timed: only then may fp16
+        compete, and on a fast link it is the likely winner. A sparse path not yet warmed up gets one
+        untimed step first."""
         assert self.incumbent is not None
         if self.step <= WARMUP_STEPS:  # dense steps this early are not timed
             return None
+        if self.incumbent == DENSE and not self.dense_cost_s:  # fp16 becomes a candidate once fp32 is timed
+            return None
         incumbent_cost = costs[self.incumbent][0]
-        for mode, (cost, _) in costs.items():
+        for mode, (cost, _) in sorted(costs.items(), key=lambda item: item[1][0]):  # the likeliest winner first
             if mode == self.incumbent:
                 continue
             tried = mode in self.last_trial
