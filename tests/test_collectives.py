@@ -1,6 +1,7 @@
 """The byte collectives under the transports, on real multi-process gloo groups: every rank gets
 exactly what each peer sent it, empty buffers included, and point-to-point transfers post every
-receive before any send (on gloo that order lets both directions of a link run at once)."""
+receive before any send (on gloo that order lets both directions of a link run at once), even
+before the rank knows what it will send."""
 
 import torch
 import torch.distributed as dist
@@ -62,3 +63,24 @@ def test_point_to_point_transfers_post_every_receive_before_any_send():
         assert len(batches) == 3  # the allgather's buffers; the exchange's sizes, then its data
         for ops in batches:
             assert ops == ["recv"] * ops.count("recv") + ["send"] * ops.count("send") and "send" in ops
+
+
+def receive_before_sending(rank: int, world: int) -> bool:
+    """Rank 0 posts its receive, waits for rank 1's message, and only then sends its own; rank 1 sends
+    at once. A receive posted ahead of the rank's own send completes on the peer's send alone."""
+    peer = 1 - rank
+    message = torch.arange(64, dtype=torch.uint8).add(100 * rank)
+    received = torch.empty(64, dtype=torch.uint8)
+    arrivals = collectives.Arrivals({peer: received}, {}, None)
+    if rank == 0:
+        arrived = list(arrivals)
+        arrivals.send({peer: message})
+        arrivals.close()
+    else:
+        arrivals.send({peer: message})
+        arrived = list(arrivals)
+    return arrived == [peer] and torch.equal(received, torch.arange(64, dtype=torch.uint8).add(100 * peer))
+
+
+def test_receives_posted_ahead_of_the_sends_complete_on_the_peers_send_alone():
+    assert run_local(2, receive_before_sending) == [True, True]

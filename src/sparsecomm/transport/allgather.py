@@ -107,32 +107,43 @@ class AllgatherTransport(Transport):
         config = fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype, index_codec.to_spec(),
                              value_codec.to_spec(), request.caller_config)
         record = CallRecord(self.to_spec())
-        with record.phase("encode"):
-            if request.payload is None:
-                sparse = sparse.sorted()  # as encoding needs it, and then this rank's own sum writes in order
-            payload = payload_of(sparse, group, request)
+        exchange = None
+        if session is not None and request.agreement is None and takes_short_messages(group):
+            # the peers' messages may arrive while this rank encodes its own
+            exchange = PayloadExchange(session.payload_capacity, group, (session.receiver("payloads, first round"),
+                                                                          session.receiver("payloads, second round")))
+        try:
+            with record.phase("encode"):
+                if request.payload is None:
+                    sparse = sparse.sorted()  # as encoding needs it, and then this rank's own sum writes in order
+                payload = payload_of(sparse, group, request)
+        except BaseException:
+            if exchange is not None:  # the peers' messages still land before their buffers are reused
+                exchange.close()
+            raise
         record.bytes_sent = payload.numel()
         # a lossless payload decodes to this rank's own selection, and so does a pipeline's payload
         # (its selection holds the values as decoded): no need to decode it
         exact = codecs_lossless(index_codec, value_codec, sparse.dtype)
         own = sparse if exact or (request.payload is not None and request.payload_is_contribution) else None
-        if session is None or request.agreement is not None or not takes_short_messages(group):
+        if exchange is None:
             receiver = session.receiver("payloads") if session is not None else fresh_buffer
             total = self._in_two_rounds(sparse, own, payload, group, request, config, out, record, receiver)
         else:
-            total = self._in_one_round(sparse, own, payload, group, request, config, out, record, session)
+            assert session is not None
+            total = self._in_one_round(sparse, own, payload, group, request, config, out, record, session, exchange)
         with record.phase("output"):
             return Reduction(deliver(total, sparse.shape, sparse.device, out), record)
 
     @staticmethod
     def _in_one_round(sparse: SparseGradient, own: SparseGradient | None, payload: torch.Tensor, group: Group,
                       request: Request, config: int, out: torch.Tensor | None, record: CallRecord,
-                      session: TransportSession) -> torch.Tensor:
-        """Payloads behind their agreement records (`PayloadExchange`); the table checked once all
-        records are in, before anything late is received or the sum returned."""
+                      session: TransportSession, exchange: PayloadExchange) -> torch.Tensor:
+        """Payloads behind their agreement records (`PayloadExchange`, its receives posted); the table
+        checked once all records are in, before anything late is received or the sum returned."""
         envelope = agreement_record(request, sparse.numel, config, sparse.nnz, payload.numel())
-        receivers = (session.receiver("payloads, first round"), session.receiver("payloads, second round"))
-        with closing(PayloadExchange(envelope, payload, session.payload_capacity, group, receivers)) as exchange:
+        with closing(exchange):
+            exchange.send(envelope, payload)
             with record.phase("output"):
                 # cleared while the messages travel
                 total = output_buffer(out, sparse.numel, sparse.dtype, sparse.device)

@@ -120,15 +120,27 @@ class Arrivals:
 
     def __init__(self, receives: dict[int, torch.Tensor], sends: dict[int, torch.Tensor], group: Group) -> None:
         rank, size = world(group)
+        self._group = group
         self._receiving = sorted(receives, key=lambda peer: (rank - peer) % size)
         self._empty = {peer for peer, tensor in receives.items() if not tensor.numel()}
         ops = [dist.P2POp(dist.irecv, receives[peer], _global(peer, group), group)
-               for peer in self._receiving if peer not in self._empty]
-        ops += [dist.P2POp(dist.isend, tensor, _global(peer, group), group)
-                for peer, tensor in sorted(sends.items(), key=lambda item: (item[0] - rank) % size) if tensor.numel()]
+               for peer in self._receiving if peer not in self._empty] + self._send_ops(sends)
         self._works = dist.batch_isend_irecv(ops) if ops else []
         self._next_peer = 0
         self._next_work = 0
+
+    def send(self, sends: dict[int, torch.Tensor]) -> None:
+        """Post more sends, after the receives: receives posted first, while this rank still
+        prepares what it sends, let a peer's message start as soon as the peer sends it (gloo
+        holds a send back until its receiver has posted the receive)."""
+        ops = self._send_ops(sends)
+        if ops:
+            self._works += dist.batch_isend_irecv(ops)
+
+    def _send_ops(self, sends: dict[int, torch.Tensor]) -> list[dist.P2POp]:
+        rank, size = world(self._group)
+        return [dist.P2POp(dist.isend, tensor, _global(peer, self._group), self._group)
+                for peer, tensor in sorted(sends.items(), key=lambda item: (item[0] - rank) % size) if tensor.numel()]
 
     def __iter__(self) -> Arrivals:
         return self

@@ -7,7 +7,9 @@ the sizes) and then the payloads. Here every rank posts, for each peer, a receiv
 rank has seen — and sends one message: its agreement record (the *envelope*, `ENVELOPE_BYTES`)
 followed by its payload when both fit in the capacity, the envelope alone when they do not. gloo
 accepts a message shorter than the receive buffer (and aborts the process on a longer one, which is
-why the capacity must be the same everywhere); payloads say how long they are.
+why the capacity must be the same everywhere); payloads say how long they are. The receives are
+posted before this rank encodes its payload: gloo holds a send back until its receiver has posted
+the receive, so the peers' messages can leave while this rank is still encoding.
 
 Once every envelope is in, every rank holds the same table and checks it exactly as the agreement
 step does (`check_table`), so ranks that disagree still fail together with the same message. Ranks
@@ -42,23 +44,29 @@ def fits(nbytes: int, capacity: int) -> bool:
 
 class PayloadExchange:
     """One variable-length allgather of payloads with their agreement records (see the module).
-    Round one starts at construction; iterate `first_round`, read `table`, check it, then iterate
-    `second_round`. `close` (or ``with closing(...)``) waits for whatever is still in flight.
-    ``receivers``: where each round's messages land (a session's reused buffers, say)."""
+    Construction posts the first round's receives; `send` this rank's record and payload (as soon
+    as they are ready: peers' messages may arrive meanwhile); iterate `first_round`, read `table`,
+    check it, then iterate `second_round`. `close` (or ``with closing(...)``) waits for whatever is
+    still in flight. ``receivers``: where each round's messages land (a session's reused buffers, say)."""
 
-    def __init__(self, envelope: torch.Tensor, payload: torch.Tensor, capacity: int, group: Group,
+    def __init__(self, capacity: int, group: Group,
                  receivers: tuple[Receiver, Receiver] = (fresh_buffer, fresh_buffer)) -> None:
         self.rank, self.size = world(group)
         self.group = group
         self.capacity = max(capacity, ENVELOPE_BYTES)
-        self.envelope, self.payload = envelope, on_wire(payload, wire_device(group))
-        self.records: dict[int, torch.Tensor] = {self.rank: envelope}
+        self._second_receiver = receivers[1]
+        self._buffers = {peer: receivers[0](peer, self.capacity, wire_device(group))
+                         for peer in range(self.size) if peer != self.rank}
+        self._round = Arrivals(self._buffers, {}, group)
+        self.records: dict[int, torch.Tensor] = {}
+
+    def send(self, envelope: torch.Tensor, payload: torch.Tensor) -> None:
+        """This rank's agreement record, and its payload behind it when both fit in the capacity."""
+        self.envelope, self.payload = envelope, on_wire(payload, wire_device(self.group))
+        self.records[self.rank] = envelope
         record_bytes = on_wire(envelope.view(torch.uint8), self.payload.device)
         message = torch.cat([record_bytes, self.payload]) if fits(payload.numel(), self.capacity) else record_bytes
-        self._second_receiver = receivers[1]
-        self._buffers = {peer: receivers[0](peer, self.capacity, self.payload.device)
-                         for peer in range(self.size) if peer != self.rank}
-        self._round = Arrivals(self._buffers, {peer: message for peer in self._buffers}, group)
+        self._round.send({peer: message for peer in self._buffers})
 
     def first_round(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
         """(rank, its record, its payload if it came with the record) for this rank first, at once
