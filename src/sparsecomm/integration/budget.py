@@ -68,7 +68,9 @@ a time; modes measured at different times would be ranked by the machine's mood,
 side are not. A challenger's trial is due once its predicted extra cost over its trial is
 `EXPLORE_SHARE` of the steps' time since the pair was last compared, and never sooner than
 `MIN_REEXPLORE` steps after (a mode never compared: at once where the share allows): close calls
-are re-checked often, and on a slow link dense is rarely tried beyond the probes. A step whose mode
+are re-checked often, and on a slow link dense is rarely tried beyond the probes. Of the modes due,
+the cheapest predicted goes first, and while fp32 is the incumbent none goes before fp32's own
+steps are timed: only then may fp16 compete, and on a fast link it is the likely winner. A step whose mode
 differs from the step before's, and every step of a trial, is always heard, even when its report
 must go alone.
 
