@@ -1,5 +1,5 @@
 """Measuring the cost model inside a running group: α and β from a ping-pong between ranks 0 and 1
-(α: the one-way time of an 8-byte message; β: the slope from there to the largest message); the
+(α: the least one-way time of an 8-byte message; β: the slope from there to the largest message); the
 compute rates on every rank at once, slowest kept — so ranks that share cores are measured sharing
 them — and the result is broadcast so every rank holds the same model."""
 
@@ -20,6 +20,10 @@ PING_SIZES = (8, 8 << 20)
 
 
 def one_way_seconds(rank: int, nbytes: int, repeat: int) -> float:
+    """Half the least round trip of ``repeat`` ping-pongs (after an untimed one). A floor and a cost
+    model need what the link itself takes; a longer sample holds a stall on top of it (a thread
+    waiting for a processor: on a host whose cores the ranks keep busy, a round trip that takes
+    0.3 ms now and then takes 3), and a median of a few such samples can land on the stalls."""
     buffer = torch.zeros(max(1, nbytes // 4))
     times = []
     for _ in range(repeat + 1):
@@ -32,7 +36,7 @@ def one_way_seconds(rank: int, nbytes: int, repeat: int) -> float:
             dist.recv(buffer, 0)
             dist.send(buffer, 0)
         times.append((time.perf_counter() - start) / 2)
-    return float(np.median(times[1:]))
+    return min(times[1:])
 
 
 def compute_rates(seed: int = 0) -> dict[str, float]:
