@@ -70,9 +70,9 @@ side are not. A challenger's trial is due once its predicted extra cost over its
 `MIN_REEXPLORE` steps after (a mode never compared: at once where the share allows): close calls
 are re-checked often, and on a slow link dense is rarely tried beyond the probes. Of the modes due,
 the cheapest predicted goes first, and while fp32 is the incumbent none goes before fp32's own
-steps are timed: only then may fp16 compete, and on a fast link it is the likely winner. A step whose mode
-differs from the step before's, and every step of a trial, is always heard, even when its report
-must go alone.
+steps are timed: only then may fp16 compete, and on a fast link it is the likely winner. A step
+whose mode differs from the step before's, and every step of a trial, is always heard, even when
+its report must go alone.
 
 A user-set ``budget`` (bytes per step) replaces B and turns the probes off: bytes alone
 decide the mode then (dense, half or sparse, whichever the budget holds) and a run repeats bit for
