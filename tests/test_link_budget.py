@@ -4,6 +4,7 @@ every rank's MAX-reduced report would be, so these tests need no process group."
 
 import itertools
 import math
+from collections import deque
 
 import pytest
 import torch
@@ -299,6 +300,14 @@ def test_a_modes_cost_is_the_mean_of_its_middle_steps_blind_to_a_rare_slow_one()
     for cost in (0.0030, 0.0031, 0.0029, 0.0300, 0.0030, 0.0032, 0.0028, 0.0030):
         plan.observe(report(dense=cost))
     assert typical(plan.dense_cost_s) == pytest.approx(0.0030, abs=5e-5)
+
+
+def test_a_modes_first_few_steps_cost_their_median_so_one_hiccup_does_not_put_off_its_next_trial():
+    # fp16's first trial: 5 ms steps but one stalled at 30 ms. As a mean, fp16 would cost 13.3 ms
+    # and (against fp32's 6 ms, with its 10% margin) be tried again only ~220 steps later; as their
+    # median, 5 ms
+    assert typical(deque([0.005, 0.030, 0.005])) == 0.005
+    assert typical(deque([0.004, 0.006])) == pytest.approx(0.005)
 
 
 def test_the_budget_state_round_trips_through_a_checkpoint():

@@ -262,8 +262,11 @@ def marginal_sparse_cost(spec: Any, repeats: int = 5) -> tuple[float, float]:
 
 def typical(samples: deque[float]) -> float:
     """The interquartile mean: the mean of the middle half of the samples, steadier than a median of
-    few and blind to the odd step that a scheduling hiccup made several times longer."""
+    few and blind to the odd step that a scheduling hiccup made several times longer. Below four
+    samples there is no quarter to cut: their median (a mean would take a hiccup in whole)."""
     ordered = sorted(samples)
+    if len(ordered) < 4:
+        return statistics.median(ordered)
     cut = len(ordered) // 4
     middle = ordered[cut:len(ordered) - cut]
     return sum(middle) / len(middle)
