@@ -63,16 +63,16 @@ The incumbent changes only by a *trial*: a challenger mode runs `TRIAL_PAIRS` ti
 followed by one of the incumbent, and wins if it was cheaper than the incumbent's step after it in
 every pair of the trial, or in the `typical` pair of the pair's last trials (at least two trials'
 worth, `PAIR_WINDOW`) — half by `HALF_MARGIN`, sparse by `SPARSE_MARGIN` (what it leaves in the
-feedback arrives later). Steps of a machine shared with others are slower for whole seconds at
-a time; modes measured at different times would be ranked by the machine's mood, steps side by
-side are not. A challenger's trial is due once its predicted extra cost over its trial is
-`EXPLORE_SHARE` of the steps' time since the pair was last compared, and never sooner than
-`MIN_REEXPLORE` steps after (a mode never compared: at once where the share allows): close calls
-are re-checked often, and on a slow link dense is rarely tried beyond the probes. Of the modes due,
-the cheapest predicted goes first, and while fp32 is the incumbent none goes before fp32's own
-steps are timed: only then may fp16 compete, and on a fast link it is the likely winner. A step
-whose mode differs from the step before's, and every step of a trial, is always heard, even when
-its report must go alone.
+feedback arrives later). A first trial split by one stalled step (most pairs won) runs again at
+once. Steps of a machine shared with others are slower for whole seconds at a time; modes measured
+at different times would be ranked by the machine's mood, steps side by side are not. A challenger's
+trial is due once its predicted extra cost over its trial is `EXPLORE_SHARE` of the steps' time
+since the pair was last compared, and never sooner than `MIN_REEXPLORE` steps after (a mode never
+compared: at once where the share allows): close calls are re-checked often, and on a slow link
+dense is rarely tried beyond the probes. Of the modes due, the cheapest predicted goes first, and
+while fp32 is the incumbent none goes before fp32's own steps are timed: only then may fp16 compete,
+and on a fast link it is the likely winner. A step whose mode differs from the step before's, and
+every step of a trial, is always heard, even when its report must go alone.
 
 A user-set ``budget`` (bytes per step) replaces B and turns the probes off: bytes alone
 decide the mode then (dense, half or sparse, whichever the budget holds) and a run repeats bit for
@@ -318,6 +318,8 @@ class LinkBudget:
     """the mode steps run in outside trials (None: not chosen yet)"""
     trial: Trial | None = None
     last_trial: dict[str, int] = field(default_factory=dict)
+    rematch: str | None = None
+    """a challenger whose first trial was split (most pairs won, one lost): tried again at once"""
     """the step each mode's last trial (as challenger or incumbent) was decided"""
     pair_ratios: dict[tuple[str, ...], deque[float]] = field(default_factory=dict)
     """per pair of modes (in name order), the first's step time over the second's in their trials' pairs"""
@@ -477,6 +479,10 @@ class LinkBudget:
         if self.incumbent == DENSE and not self.dense_cost_s:  # fp16 becomes a candidate once fp32 is timed
             return None
         incumbent_cost = costs[self.incumbent][0]
+        rematch, self.rematch = self.rematch, None
+        if rematch in costs and rematch != self.incumbent:
+            self.trial = Trial(rematch, self.incumbent, [rematch, self.incumbent] * TRIAL_PAIRS)
+            return self.trial
         for mode, (cost, _) in sorted(costs.items(), key=lambda item: item[1][0]):  # the likeliest winner first
             if mode == self.incumbent:
                 continue
@@ -494,7 +500,10 @@ class LinkBudget:
         pairs' ratios join the pair's earlier ones (`PAIR_WINDOW`), and the challenger becomes the
         incumbent if, with the margins, it was cheaper in every pair of this trial, or in the
         `typical` pair of at least two trials' worth: the first on a clear difference, the second
-        on a close one that one trial's few steps cannot tell from the machine's noise."""
+        on a close one that one trial's few steps cannot tell from the machine's noise. A first
+        trial that most of its pairs won but one lost (a stalled step) is run again at once
+        (`rematch`), and the two decide, rather than one hiccup keeping the incumbent for
+        `MIN_REEXPLORE` steps."""
         trial = self.trial
         if trial is None or trial.to_run or (trial.running and self.step - trial.last_step <= TRIAL_PATIENCE):
             return
@@ -511,6 +520,8 @@ class LinkBudget:
         if (len(ratios) >= TRIAL_PAIRS and max(ratios) < threshold) or (
                 len(history) >= 2 * TRIAL_PAIRS and typical(challenger_over_incumbent) < threshold):
             self.incumbent = trial.challenger
+        elif len(history) < 2 * TRIAL_PAIRS and statistics.median(ratios) < threshold:
+            self.rematch = trial.challenger  # a split first trial: a second at once, and both decide
 
     def step_budget(self) -> float | None:
         """Bytes one rank may send this step (None: not measured yet): what the link and the codecs
@@ -548,7 +559,7 @@ class LinkBudget:
                 "reports_read": self.reports_read,
                 "mode_steps": dict(self.mode_steps), "mode": self.current.mode, "incumbent": self.incumbent,
                 "trial": self.trial.state_dict() if self.trial is not None else None,
-                "last_trial": dict(self.last_trial),
+                "last_trial": dict(self.last_trial), "rematch": self.rematch,
                 "pair_ratios": [[*pair, list(ratios)] for pair, ratios in self.pair_ratios.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -566,6 +577,7 @@ class LinkBudget:
         self.incumbent = state.get("incumbent")
         self.trial = Trial.from_state(state["trial"]) if state.get("trial") is not None else None
         self.last_trial = dict(state.get("last_trial", {}))
+        self.rematch = state.get("rematch")
         self.pair_ratios = {(first, second): deque(ratios, maxlen=PAIR_WINDOW)
                             for first, second, ratios in state.get("pair_ratios", [])}
         self.finished = None
