@@ -199,20 +199,24 @@ class Pipeline:
 
     def flush(self, grad: torch.Tensor, key: str = "", segments: Sequence[Segment] | None = None,
               out: torch.Tensor | None = None, scale: float = 1.0) -> tuple[torch.Tensor, bool]:
-        """A dense step: each tensor's gradient plus everything its feedback kept, to be sent whole,
-        times ``scale``, in ``out``'s dtype (a new tensor of ``grad``'s without ``out``, which may be
-        ``grad`` itself). A narrower ``out`` (fp16) rounds what is sent: the feedback keeps what the
-        rounding lost, so nothing is lost (tensors sent whole have no feedback: theirs is dropped).
-        Returns (the flat wire tensor, whether every rank must raise). Non-finite input under
-        ``"skip"`` sends zeros and leaves the state untouched."""
+        """A dense step: each tensor's gradient plus what its feedback sends with it (`Feedback.flush`),
+        to be sent whole, times ``scale``, in ``out``'s dtype (a new tensor of ``grad``'s without
+        ``out``, which may be ``grad`` itself); after the all_reduce, `update_flushed`. A narrower
+        ``out`` (fp16) rounds what is sent; error feedback keeps what the rounding lost (tensors
+        sent whole have no feedback: theirs is dropped). Returns (the flat wire tensor, whether
+        every rank must raise). Non-finite input under ``"raise"`` leaves the state untouched; under
+        ``"skip"`` the feedback flushes as with a zero gradient (DGC's momentum must move to the
+        average on every rank alike)."""
         flat = grad.detach().reshape(-1)
         segments = segments or (Segment(key, 0, flat.numel()),)
         wire = out.view(-1) if out is not None else torch.empty_like(flat)
         screened, must_raise = screen_nonfinite(flat, self.nonfinite)
-        if screened is None:
+        if must_raise:
             for segment in segments:
                 self.states.setdefault(segment.key, TensorState()).last = StepReport(0, None, segment.numel, 0, True)
-            return wire.zero_(), must_raise
+            return wire.zero_(), True
+        skipped = screened is None
+        screened = torch.zeros_like(flat) if screened is None else screened
         for segment in segments:
             state = self.states.setdefault(segment.key, TensorState())
             state.feedback["world_size"] = self.world_size
@@ -225,8 +229,18 @@ class Pipeline:
             elif part.data_ptr() != piece.data_ptr():
                 part.copy_(piece)
             state.step += 1
-            state.last = StepReport(segment.numel, segment.numel, segment.numel, 0)
+            state.last = StepReport(0 if skipped else segment.numel, None if skipped else segment.numel,
+                                    segment.numel, 0, skipped)
         return wire, False
+
+    def update_flushed(self, averaged: torch.Tensor, key: str = "", segments: Sequence[Segment] | None = None) -> None:
+        """After a dense step's all_reduce: each flushed tensor's `Feedback.update_flushed` on its
+        slice of ``averaged`` (flat, in place; every rank passes the same)."""
+        flat = averaged.view(-1)
+        for segment in segments or (Segment(key, 0, flat.numel()),):
+            if not segment.whole:
+                state = self.states[segment.key]
+                self.spec.feedback.update_flushed(flat[segment.start:segment.start + segment.numel], state.feedback)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -33,6 +33,11 @@ class Feedback(Component):
         self.update(accumulated, SparseGradient(torch.arange(flat.numel(), device=flat.device), sent,
                                                 accumulated.shape), state)
 
+    def update_flushed(self, averaged: torch.Tensor, state: dict[str, Any]) -> None:
+        """After a dense step's all_reduce: what this feedback owns that follows the average (DGC's
+        momentum, once it is the ranks' common buffer), applied to ``averaged`` in place. Every rank
+        passes the same average. Nothing here: a flush sent everything."""
+
     def update_uncompressed(self, averaged: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
         """The update for a tensor the reducer sends without this pipeline (small tensors, sparse
         embedding rows), given its average over ranks: the average itself, unless this feedback

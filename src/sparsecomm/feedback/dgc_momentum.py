@@ -18,7 +18,10 @@ With a lossy value codec, v keeps what quantization lost (error feedback) instea
 
 Tensors the reducer sends uncompressed (small ones, sparse embedding rows) get the same momentum
 after the average over ranks (`update_uncompressed`), as an SGD optimizer's momentum would give
-them: the optimizer has none, so without it they would train with none.
+them: the optimizer has none, so without it they would train with none. So do the ``adaptive``
+pipeline's dense steps (`flush`, `update_flushed`): while every entry is sent, the ranks' momenta
+are one common buffer advanced with the average, as DDP's optimizer would, and the gradient goes
+to the all_reduce untouched — no pass over it before the communication starts.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from typing import Any
 import torch
 
 from sparsecomm.errors import SparseCommError
-from sparsecomm.feedback.base import FEEDBACKS, Feedback, flush_into, subtract_sent
+from sparsecomm.feedback.base import FEEDBACKS, Feedback, subtract_sent
+from sparsecomm.host_memory import clear_
 from sparsecomm.sparse_gradient import SparseGradient
 
 
@@ -50,49 +54,70 @@ class DGCMomentum(Feedback):
 
     def accumulate(self, grad: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
         buffer = momentum_buffer(state, grad, self.momentum, self.nesterov)
-        if self.clip > 0:
-            threshold = self.clip / math.sqrt(state.get("world_size", 1))
-            norm = float(torch.linalg.vector_norm(grad))
-            if norm > threshold:
-                grad = grad * (threshold / norm)
+        state["averaged"] = False  # the common buffer B, if it was one, is this rank's own b from here on
+        grad = self._clipped(grad, state)
         torch.add(grad, buffer, alpha=self.momentum, out=buffer)
         accumulated = state["accumulated"]
-        if self.nesterov:  # v + g + m·b, in the order the flush's shortcut computes g + m·b
+        if self.nesterov:  # v + g + m·b
             accumulated.add_(grad).add_(buffer, alpha=self.momentum)
         else:
             accumulated.add_(buffer)
         return accumulated
 
+    def _clipped(self, grad: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+        """``grad`` rescaled to L2 norm at most ``clip``·``world_size``^(−1/2) (local clipping)."""
+        if self.clip > 0:
+            threshold = self.clip / math.sqrt(state.get("world_size", 1))
+            norm = float(torch.linalg.vector_norm(grad))
+            if norm > threshold:
+                return grad * (threshold / norm)
+        return grad
+
     def update(self, accumulated: torch.Tensor, sent: SparseGradient, state: dict[str, Any]) -> None:
-        state["clear"] = False
         indices = subtract_sent(accumulated, sent)
         if self.masking:
             state["momentum_buffer"].view(-1)[indices] = 0
 
     def flush(self, grad: torch.Tensor, state: dict[str, Any], out: torch.Tensor, scale: float = 1.0) -> None:
-        """Everything accumulated into ``out``; v keeps what ``out`` lost and, with masking, b is
-        cleared, as `update` with every entry would leave them. While v is known to be zero (after
-        an exact flush), this step's part alone is sent: b ← m·b + g and g + m·b (plain: b), two
-        passes where accumulating takes three and the flush two more."""
-        if state.get("clear") and self.clip == 0:
-            buffer = momentum_buffer(state, grad, self.momentum, self.nesterov)
-            accumulated = state["accumulated"]
-            torch.add(grad, buffer, alpha=self.momentum, out=buffer)
-            if scale == 1.0 and out.dtype == grad.dtype:  # exact: straight to the wire, v stays zero
-                wire = out.view(grad.shape)
-                torch.add(grad, buffer, alpha=self.momentum, out=wire) if self.nesterov else wire.copy_(buffer)
-                if self.masking:
-                    buffer.zero_()
-                return
-            if self.nesterov:
-                torch.add(grad, buffer, alpha=self.momentum, out=accumulated)
-            else:
-                accumulated.copy_(buffer)
+        """A dense step: the momentum moves to the average, as the optimizer's would. ``out`` gets
+        this step's gradient times ``scale``; on the first dense step after sparse ones also what
+        this rank still holds, c = (1−m)·v + m·b (Nesterov: m²·b). Once that step's sum is in,
+        `update_flushed` empties v and b, and b is from then on the ranks' common buffer B, which
+        it advances with the average (a step that fails before, as on a non-finite sum, changes
+        nothing: the next dense step sends c again).
+
+        c is what v and b would still have added to the updates of every later step (v once; b
+        through its decaying momentum, m·b/(1−m), Nesterov m²·b/(1−m)), scaled so that the common
+        momentum adds exactly that much again: nothing is lost, and the sum arrives as a momentum
+        impulse rather than spread as the ranks' own buffers would have spread it. After that a
+        dense step sends the gradient itself, as DDP does, and fp16 rounds it as PyTorch's fp16
+        hook does (not kept: a relative 2⁻¹¹ per step)."""
+        buffer = momentum_buffer(state, grad, self.momentum, self.nesterov)
+        flat = self._clipped(grad, state).reshape(-1)
+        if not state.get("averaged"):  # c joins this step's gradient
+            flat = torch.add(flat, state["accumulated"].view(-1), alpha=1.0 - self.momentum).add_(
+                buffer.view(-1), alpha=self.momentum ** (2 if self.nesterov else 1))
+        if scale != 1.0 or out.dtype != flat.dtype:
+            torch.mul(flat, scale, out=out)
+        elif out.data_ptr() != flat.data_ptr():
+            out.copy_(flat)
+
+    def update_flushed(self, averaged: torch.Tensor, state: dict[str, Any]) -> None:
+        """SGD's momentum on the average, in place: B ← m·B + avg, then avg becomes B (Nesterov:
+        avg + m·B); with masking (every entry was sent) B is cleared after. The first dense step
+        after sparse ones first empties v and b (`flush` sent them)."""
+        buffer = state["momentum_buffer"].view(-1)
+        if not state.get("averaged"):
+            clear_(state["accumulated"])
+            clear_(buffer)
+            state["averaged"] = True
+        torch.add(averaged, buffer, alpha=self.momentum, out=buffer)
+        if self.nesterov:
+            averaged.add_(buffer, alpha=self.momentum)
         else:
-            accumulated = self.accumulate(grad, state)
-        state["clear"] = flush_into(accumulated, out, scale)
+            averaged.copy_(buffer)
         if self.masking:
-            state["momentum_buffer"].zero_()
+            clear_(buffer)
 
     def update_uncompressed(self, averaged: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
         """Momentum on an averaged gradient, as SGD applies it: b ← m·b + g, step b (Nesterov:
@@ -111,9 +136,11 @@ def momentum_buffer(state: dict[str, Any], like: torch.Tensor, momentum: float, 
     if saved is not None and "momentum_buffer" not in state:
         state["momentum_buffer"] = saved / momentum if nesterov and momentum > 0 else saved
     buffer: torch.Tensor | None = state.get("momentum_buffer")
+    accumulated = state.get("accumulated")
     if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
         buffer = state["momentum_buffer"] = torch.zeros_like(like)
-    accumulated = state.get("accumulated")
-    if accumulator and (accumulated is None or accumulated.shape != like.shape or accumulated.dtype != like.dtype):
+        if accumulator:  # nothing held: zeros serve as the ranks' common buffer as well
+            state["accumulated"], state["averaged"] = torch.zeros_like(like), True
+    elif accumulator and (accumulated is None or accumulated.shape != like.shape or accumulated.dtype != like.dtype):
         state["accumulated"] = torch.zeros_like(like)
     return buffer

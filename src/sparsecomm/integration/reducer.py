@@ -24,7 +24,8 @@ contributions with the pipeline's transport, and averages over the ranks. Rules:
 - With the ``adaptive`` sparsifier, a `LinkBudget` plans every step — dense fp32, dense fp16 or
   sparse at a byte budget — from numbers every rank reported; dense steps run as DDP's own hooks
   run a bucket (the feedback flushed into it, one asynchronous all_reduce, no agreement step: a
-  non-finite gradient travels as NaN so every rank's sum is non-finite and every rank raises).
+  non-finite gradient travels as NaN so every rank's sum is non-finite and every rank raises),
+  and DGC's momentum follows the average there, as DDP's optimizer's would.
 
 Collectives run on a process group of their own (created here, on every rank): asynchronous calls
 on the reducer's `TransportSession` thread, in submission order, so they never interleave with the
@@ -431,8 +432,9 @@ class GradientReducer:
     def _submit_native(self, key: str, tensor: torch.Tensor, segments: list[Segment] | None, stats: TensorStats,
                        start: float) -> torch.futures.Future[torch.Tensor]:
         """A dense step of the adaptive pipeline, run as DDP's own hooks run a bucket: each tensor's
-        feedback flushed into it (in fp16 scaled by 1/P on a ``half`` step, the feedback keeping the
-        rounding), then one asynchronous all_reduce — no agreement step, no worker thread. A rank
+        feedback flushed into it (in fp16 scaled by 1/P on a ``half`` step), then one asynchronous
+        all_reduce — no agreement step, no worker thread — and, once the sum is in, what the
+        feedback owns applied to the average (`Pipeline.update_flushed`: DGC's momentum). A rank
         whose gradient is non-finite under ``nonfinite="raise"`` sends NaN, so every rank sums to a
         non-finite total and raises together."""
         assert self.budget is not None
@@ -476,6 +478,8 @@ class GradientReducer:
                     total = total.div_(self.world_size) if self.average else total
                 elif self.average:
                     total = total.div_(self.world_size)
+                if wire.path in ("flush", "half"):  # what the feedback owns follows the average (DGC's momentum)
+                    self.pipeline.update_flushed(total, key, segments)
                 total = self._update_uncompressed(total, key, segments, whole_only=wire.path in ("flush", "half"))
                 result.set_result(nonzero_rows(total.reshape(tensor.shape), tensor.sparse_dim()) if tensor.is_sparse
                                   else total.reshape(tensor.shape).to(tensor.dtype))
