@@ -18,6 +18,7 @@ from sparsecomm.integration.budget import (
     HALF,
     MAX_SPARSE_DENSITY,
     MIN_REEXPLORE,
+    PAIR_WINDOW,
     SPARSE,
     TRIAL_PAIRS,
     WARMUP_STEPS,
@@ -226,6 +227,17 @@ def test_a_challenger_is_tried_again_once_its_trial_costs_a_small_share_of_the_t
     # a trial is 6 steps, decided 2 steps after its last: the next starts MIN_REEXPLORE steps later
     assert gaps == {2 * TRIAL_PAIRS + 1 + MIN_REEXPLORE}
     assert SPARSE not in modes
+
+
+def test_a_challenger_that_lost_side_by_side_waits_in_proportion_to_what_its_trials_measured():
+    # fp16's steps alone look nearly as cheap as fp32's (6.3 ms against 6: its next trial due every
+    # MIN_REEXPLORE steps by that), but side by side, in its trials, each took twice the fp32 step
+    # after it: its next trial comes once 3 x (2 - 1) steps' worth is 2% of the steps since, 150
+    plan = dense_incumbent(dense=0.006)
+    plan.pair_ratios[(DENSE, HALF)] = deque([0.5] * 2 * TRIAL_PAIRS, maxlen=PAIR_WINDOW)  # fp32 over fp16
+    plan.last_trial = {HALF: plan.step, DENSE: plan.step}
+    modes = steps(plan, 200, lambda mode, step: {DENSE: 0.006, HALF: 0.0063}[mode])
+    assert 145 <= modes.index(HALF) <= 151
 
 
 def test_an_unlucky_first_measurement_is_tried_again_and_corrected():

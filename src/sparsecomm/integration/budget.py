@@ -67,9 +67,10 @@ worth, `PAIR_WINDOW`) — half by `HALF_MARGIN`, sparse by `SPARSE_MARGIN` (what
 feedback arrives later). A first trial split by one stalled step (most pairs won) runs again at
 once. Steps of a machine shared with others are slower for whole seconds at a time; modes measured
 at different times would be ranked by the machine's mood, steps side by side are not. A challenger's
-trial is due once its predicted extra cost over its trial is `EXPLORE_SHARE` of the steps' time
-since the pair was last compared, and never sooner than `MIN_REEXPLORE` steps after (a mode never
-compared: at once where the share allows): close calls are re-checked often, and on a slow link
+trial is due once its extra cost over its trial — as the pair's earlier trials measured it, or as
+predicted for a pair never compared — is `EXPLORE_SHARE` of the steps' time since the pair was last
+compared, and never sooner than `MIN_REEXPLORE` steps after (a mode never compared: at once where
+the share allows): close calls are re-checked often, and on a slow link
 dense is rarely tried beyond the probes. Of the modes due, the cheapest predicted goes first, and
 while fp32 is the incumbent none goes before fp32's own steps are timed. fp16 competes from the
 first choice on, costed from the probed link until measured: where it saves enough wire to be
@@ -470,9 +471,11 @@ class LinkBudget:
         return costs
 
     def _due_trial(self, costs: dict[str, tuple[float, Plan]]) -> Trial | None:
-        """A trial of the cheapest predicted mode whose turn has come (`EXPLORE_SHARE`): its predicted
-        extra cost over its `TRIAL_PAIRS` steps is that share of the steps' time since its last trial,
-        and at least `MIN_REEXPLORE` steps have passed since (a mode never in a trial: no such wait).
+        """A trial of the cheapest predicted mode whose turn has come (`EXPLORE_SHARE`): its extra cost
+        over its `TRIAL_PAIRS` steps is that share of the steps' time since its last trial, and at
+        least `MIN_REEXPLORE` steps have passed since (a mode never in a trial: no such wait). The
+        extra cost is what the pair's side-by-side steps measured (`_measured_ratio`), or, for a pair
+        never compared, what the model predicts: a mode that lost clearly waits in proportion.
         With fp32 the incumbent, none starts before fp32's own steps are timed (a challenger judged
         against the warm-up's slow steps would win too easily). A sparse path not yet warmed up gets
         one untimed step first."""
@@ -491,12 +494,24 @@ class LinkBudget:
                 continue
             tried = mode in self.last_trial
             since = self.step - self.last_trial.get(mode, 0)
-            extra = TRIAL_PAIRS * max(0.0, cost - incumbent_cost) / (EXPLORE_SHARE * incumbent_cost)
+            measured = self._measured_ratio(mode)
+            extra_share = max(0.0, (measured - 1.0) if measured is not None else cost / incumbent_cost - 1.0)
+            extra = TRIAL_PAIRS * extra_share / EXPLORE_SHARE
             if since >= max(MIN_REEXPLORE if tried else 0, extra):
                 warm_up = [SPARSE] if mode == SPARSE and self.sparse_steps < EXPLORATION_STEPS - 1 else []
                 self.trial = Trial(mode, self.incumbent, warm_up + [mode, self.incumbent] * TRIAL_PAIRS)
                 return self.trial
         return None
+
+    def _measured_ratio(self, challenger: str) -> float | None:
+        """The `typical` ratio of ``challenger``'s steps to the incumbent's in their trials' pairs (None:
+        never compared side by side)."""
+        assert self.incumbent is not None
+        pair = tuple(sorted((challenger, self.incumbent)))
+        history = self.pair_ratios.get(pair)
+        if not history:
+            return None
+        return typical(deque(r if pair[0] == challenger else 1 / r for r in history))
 
     def _decide_trial(self, costs: dict[str, tuple[float, Plan]]) -> None:
         """Once a trial has run and its reports are in (or `TRIAL_PATIENCE` steps have passed), its
