@@ -22,10 +22,11 @@ class Feedback(Component):
         raise NotImplementedError
 
     def flush(self, grad: torch.Tensor, state: dict[str, Any], out: torch.Tensor, scale: float = 1.0) -> None:
-        """A dense step of the ``adaptive`` pipeline: write this step's gradient with everything kept
-        from earlier steps, times ``scale``, into ``out`` (flat; a narrower dtype such as fp16 rounds
-        it), and leave the state holding only what ``out`` lost, as `update` with every entry would.
-        Never modifies ``grad``."""
+        """A dense step of the ``adaptive`` pipeline: write this step's gradient with what the
+        feedback sends along, times ``scale``, into ``out`` (flat; a narrower dtype such as fp16
+        rounds it); `update_flushed` follows once the sum is in. By default everything kept from
+        earlier steps goes along and the state keeps only what ``out`` lost, as `update` with every
+        entry would. Never modifies ``grad``."""
         accumulated = self.accumulate(grad, state)
         flat = accumulated.reshape(-1)
         out.copy_(flat if scale == 1.0 else flat * scale)

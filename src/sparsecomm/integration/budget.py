@@ -41,9 +41,8 @@ Each step runs in one of three modes:
 - **dense** (fp32): a plain all_reduce, each tensor's feedback flushed into it: exact;
 - **half** (fp16): the same, scaled by 1/P and cast to fp16 (as DDP's fp16 hook does); error
   feedback keeps what the cast rounded away, DGC's momentum (which moves to the average on dense
-  steps) rounds as the hook does. Allowed while the largest magnitude sent
-  leaves `HALF_HEADROOM` of fp16's range; until measured itself, it costs fp32's time less half
-  the wire.
+  steps) rounds as the hook does. Allowed while the largest magnitude sent leaves `HALF_HEADROOM`
+  of fp16's range; until measured itself, it costs fp32's time less half the wire.
 
 The reducer runs both dense modes as DDP's own hooks do: one asynchronous all_reduce per bucket, no
 agreement step (a rank's non-finite gradient travels as NaN, so every rank sees the same non-finite
@@ -70,13 +69,13 @@ at different times would be ranked by the machine's mood, steps side by side are
 trial is due once its extra cost over its trial — as the pair's earlier trials measured it, or as
 predicted for a pair never compared — is `EXPLORE_SHARE` of the steps' time since the pair was last
 compared, and never sooner than `MIN_REEXPLORE` steps after (a mode never compared: at once where
-the share allows): close calls are re-checked often, and on a slow link
-dense is rarely tried beyond the probes. Of the modes due, the cheapest predicted goes first, and
-while fp32 is the incumbent none goes before fp32's own steps are timed. fp16 competes from the
-first choice on, costed from the probed link until measured: where it saves enough wire to be
-chosen, the exact mode is the challenger, and its first trial comes when its predicted extra cost
-allows. A step whose mode differs from the step before's, and
-every step of a trial, is always heard, even when its report must go alone.
+the share allows): close calls are re-checked often, a mode that lost clearly waits in proportion,
+and on a slow link dense is rarely tried beyond the probes. Of the modes due, the cheapest predicted
+goes first, and while fp32 is the incumbent none goes before fp32's own steps are timed. fp16
+competes from the first choice on, costed from the probed link until measured: where it saves
+enough wire to be chosen, the exact mode is the challenger, and its first trial comes when its
+predicted extra cost allows. A step whose mode differs from the step before's, and every step of a
+trial, is always heard, even when its report must go alone.
 
 A user-set ``budget`` (bytes per step) replaces B and turns the probes off: bytes alone
 decide the mode then (dense, half or sparse, whichever the budget holds) and a run repeats bit for
@@ -322,9 +321,9 @@ class LinkBudget:
     """the mode steps run in outside trials (None: not chosen yet)"""
     trial: Trial | None = None
     last_trial: dict[str, int] = field(default_factory=dict)
+    """the step each mode's last trial (as challenger or incumbent) was decided"""
     rematch: str | None = None
     """a challenger whose first trial was split (most pairs won, one lost): tried again at once"""
-    """the step each mode's last trial (as challenger or incumbent) was decided"""
     pair_ratios: dict[tuple[str, ...], deque[float]] = field(default_factory=dict)
     """per pair of modes (in name order), the first's step time over the second's in their trials' pairs"""
     mode_steps: dict[str, int] = field(default_factory=dict)
