@@ -105,6 +105,8 @@ def train_ddp_and_checkpoint(rank: int, world: int, spec: str, steps: int, resum
     # a user-set budget: the plan (sparse, dense, fp16) comes from bytes alone, so a resume repeats it
     (2, "adaptive(budget=20000)+dgc_momentum(masking=false,nesterov=true)+rice+int8+allgather"),
     (2, "adaptive(budget=400000)+residual+rice+int8+allgather"),
+    # every step dense: DGC's momentum is the ranks' common buffer, advanced with the average
+    (2, "adaptive(budget=400000)+dgc_momentum(masking=false,nesterov=true)+rice+int8+allgather"),
 ])
 def test_a_ddp_run_resumed_in_fresh_processes_equals_the_uninterrupted_run_bit_for_bit(world, spec):
     steps, resume_at = 18, 13  # auto(explore=1) has settled by then (at most 11 trials)
