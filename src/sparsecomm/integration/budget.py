@@ -505,11 +505,13 @@ class LinkBudget:
         """The `typical` ratio of ``challenger``'s steps to the incumbent's in their trials' pairs (None:
         never compared side by side)."""
         assert self.incumbent is not None
-        pair = tuple(sorted((challenger, self.incumbent)))
-        history = self.pair_ratios.get(pair)
-        if not history:
-            return None
-        return typical(deque(r if pair[0] == challenger else 1 / r for r in history))
+        history = self._ratios_over(challenger, self.incumbent)
+        return typical(history) if history else None
+
+    def _ratios_over(self, challenger: str, incumbent: str) -> deque[float]:
+        """The pair's remembered step ratios (`pair_ratios`), as ``challenger``'s over ``incumbent``'s."""
+        pair = tuple(sorted((challenger, incumbent)))
+        return deque(r if pair[0] == challenger else 1 / r for r in self.pair_ratios.get(pair, ()))
 
     def _decide_trial(self, costs: dict[str, tuple[float, Plan]]) -> None:
         """Once a trial has run and its reports are in (or `TRIAL_PATIENCE` steps have passed), its
@@ -532,9 +534,9 @@ class LinkBudget:
         if not ratios or trial.incumbent != self.incumbent or trial.challenger not in costs:
             return
         threshold = (1 + margin(trial.incumbent)) / (1 + margin(trial.challenger))
-        challenger_over_incumbent = deque(r if pair[0] == trial.challenger else 1 / r for r in history)
         if (len(ratios) >= TRIAL_PAIRS and max(ratios) < threshold) or (
-                len(history) >= 2 * TRIAL_PAIRS and typical(challenger_over_incumbent) < threshold):
+                len(history) >= 2 * TRIAL_PAIRS and typical(self._ratios_over(trial.challenger, trial.incumbent))
+                < threshold):
             self.incumbent = trial.challenger
         elif len(history) < 2 * TRIAL_PAIRS and statistics.median(ratios) < threshold:
             self.rematch = trial.challenger  # a split first trial: a second at once, and both decide
