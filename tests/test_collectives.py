@@ -84,3 +84,40 @@ def receive_before_sending(rank: int, world: int) -> bool:
 
 def test_receives_posted_ahead_of_the_sends_complete_on_the_peers_send_alone():
     assert run_local(2, receive_before_sending) == [True, True]
+
+
+def one_way_links(rank: int, world: int) -> dict:
+    """Point-to-point transfers with every peer over a session's one-way group: which group each
+    operation went on, and whether every message arrived."""
+    from sparsecomm.transport.session import TransportSession
+
+    links: list[tuple[str, int, bool]] = []
+    original = dist.batch_isend_irecv
+    with TransportSession() as session:
+        one_way = session.one_way_group(None)
+
+        def recording(ops):
+            links.extend(("recv" if op.op is dist.irecv else "send", op.peer, op.group is one_way) for op in ops)
+            return original(ops)
+
+        peers = [p for p in range(world) if p != rank]
+        received = {p: torch.empty(buffer(p, rank, world).numel(), dtype=torch.uint8) for p in peers}
+        dist.batch_isend_irecv = recording
+        try:
+            collectives.transfer(received, {p: buffer(rank, p, world) for p in peers}, None, one_way)
+        finally:
+            dist.batch_isend_irecv = original
+    return {"links": links, "arrived": all(torch.equal(received[p], buffer(p, rank, world)) for p in peers)}
+
+
+def test_with_a_one_way_group_no_pair_carries_both_directions():
+    # gloo runs both directions of a pair under one lock: a send waits while the peer's message
+    # streams in. Messages to a lower rank go on the second group, so each pair carries one direction.
+    for rank, result in enumerate(run_local(3, one_way_links)):
+        assert result["arrived"]
+        for kind, peer, on_one_way in result["links"]:
+            sender, receiver = (rank, peer) if kind == "send" else (peer, rank)
+            assert on_one_way == (sender > receiver), (rank, kind, peer)
+        nonempty = [(kind, p) for p in range(3) if p != rank
+                    for kind, (a, b) in (("send", (rank, p)), ("recv", (p, rank))) if buffer(a, b, 3).numel()]
+        assert sorted((kind, peer) for kind, peer, _ in result["links"]) == sorted(nonempty)

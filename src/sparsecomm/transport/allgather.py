@@ -111,7 +111,8 @@ class AllgatherTransport(Transport):
         if session is not None and request.agreement is None and takes_short_messages(group):
             # the peers' messages may arrive while this rank encodes its own
             exchange = PayloadExchange(session.payload_capacity, group, (session.receiver("payloads, first round"),
-                                                                          session.receiver("payloads, second round")))
+                                                                          session.receiver("payloads, second round")),
+                                       session.one_way_group(group))
         try:
             with record.phase("encode"):
                 if request.payload is None:

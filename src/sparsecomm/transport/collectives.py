@@ -99,10 +99,11 @@ def alltoall_bytes(chunks: list[torch.Tensor], group: Group, receiver: Receiver 
     return received
 
 
-def transfer(receives: dict[int, torch.Tensor], sends: dict[int, torch.Tensor], group: Group) -> None:
+def transfer(receives: dict[int, torch.Tensor], sends: dict[int, torch.Tensor], group: Group,
+             one_way: dist.ProcessGroup | None = None) -> None:
     """Point-to-point transfers with peers, all in flight at once; returns when all are done (see
     `Arrivals`)."""
-    with closing(Arrivals(receives, sends, group)) as arrivals:
+    with closing(Arrivals(receives, sends, group, one_way)) as arrivals:
         for _ in arrivals:
             pass
 
@@ -116,31 +117,51 @@ class Arrivals:
 
     On gloo the order decides whether the two directions of a link overlap: with sends posted
     first a swap can run one direction after the other. Receives start with the next rank down and
-    sends with the next rank up, so that no rank is everyone's first."""
+    sends with the next rank up, so that no rank is everyone's first.
 
-    def __init__(self, receives: dict[int, torch.Tensor], sends: dict[int, torch.Tensor], group: Group) -> None:
-        rank, size = world(group)
-        self._group = group
-        self._receiving = sorted(receives, key=lambda peer: (rank - peer) % size)
+    ``one_way``: a second group over the same ranks (`TransportSession.one_way_group`). Messages to
+    a lower rank then travel on it, so each gloo pair carries one direction only: gloo runs both
+    directions of a pair under one lock, and a send waits while the peer's message streams in."""
+
+    def __init__(self, receives: dict[int, torch.Tensor], sends: dict[int, torch.Tensor], group: Group,
+                 one_way: dist.ProcessGroup | None = None) -> None:
+        self._rank, size = world(group)
+        self._group, self._one_way = group, one_way
+        self._receiving = sorted(receives, key=lambda peer: (self._rank - peer) % size)
         self._empty = {peer for peer, tensor in receives.items() if not tensor.numel()}
-        ops = [dist.P2POp(dist.irecv, receives[peer], _global(peer, group), group)
-               for peer in self._receiving if peer not in self._empty] + self._send_ops(sends)
-        self._works = dist.batch_isend_irecv(ops) if ops else []
+        posted = [peer for peer in self._receiving if peer not in self._empty]
+        works = self._post([(dist.irecv, receives[peer], peer) for peer in posted] + self._send_ops(sends))
+        self._receive_works = dict(zip(posted, works[:len(posted)], strict=True))
+        self._send_works = works[len(posted):]
         self._next_peer = 0
-        self._next_work = 0
 
     def send(self, sends: dict[int, torch.Tensor]) -> None:
         """Post more sends, after the receives: receives posted first, while this rank still
         prepares what it sends, let a peer's message start as soon as the peer sends it (gloo
         holds a send back until its receiver has posted the receive)."""
-        ops = self._send_ops(sends)
-        if ops:
-            self._works += dist.batch_isend_irecv(ops)
+        self._send_works += self._post(self._send_ops(sends))
 
-    def _send_ops(self, sends: dict[int, torch.Tensor]) -> list[dist.P2POp]:
-        rank, size = world(self._group)
-        return [dist.P2POp(dist.isend, tensor, _global(peer, self._group), self._group)
-                for peer, tensor in sorted(sends.items(), key=lambda item: (item[0] - rank) % size) if tensor.numel()]
+    def _send_ops(self, sends: dict[int, torch.Tensor]) -> list[tuple[Callable, torch.Tensor, int]]:
+        size = world(self._group)[1]
+        ordered = sorted(sends.items(), key=lambda item: (item[0] - self._rank) % size)
+        return [(dist.isend, tensor, peer) for peer, tensor in ordered if tensor.numel()]
+
+    def _post(self, ops: list[tuple[Callable, torch.Tensor, int]]) -> list[dist.Work]:
+        """Start ``ops`` (function, tensor, peer) in order, each on the group its direction takes,
+        those in a row on one group as one batch (all of them, without ``one_way``: NCCL needs a
+        rank's receives and sends in one group call); their works, in order."""
+        works: list[dist.Work] = []
+        batch: list[dist.P2POp] = []
+        batch_link = self._group
+        for function, tensor, peer in ops:
+            sender, receiver = (peer, self._rank) if function is dist.irecv else (self._rank, peer)
+            link = self._one_way if self._one_way is not None and sender > receiver else self._group
+            if batch and link is not batch_link:
+                works += dist.batch_isend_irecv(batch)
+                batch = []
+            batch.append(dist.P2POp(function, tensor, _global(peer, self._group), link))
+            batch_link = link
+        return works + (dist.batch_isend_irecv(batch) if batch else [])
 
     def __iter__(self) -> Arrivals:
         return self
@@ -151,16 +172,16 @@ class Arrivals:
             raise StopIteration
         peer = self._receiving[self._next_peer]
         self._next_peer += 1
-        if peer not in self._empty:
-            self._works[self._next_work].wait()
-            self._next_work += 1
+        if peer in self._receive_works:
+            self._receive_works.pop(peer).wait()
         return peer
 
     def close(self) -> None:
         """Wait for the sends and any receive not yet waited for."""
-        for work in self._works[self._next_work:]:
+        for work in [*self._receive_works.values(), *self._send_works]:
             work.wait()
-        self._next_work = len(self._works)
+        self._receive_works.clear()
+        self._send_works.clear()
 
 
 def exchange_bytes(buffer: torch.Tensor, peer: int, group: Group) -> torch.Tensor:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 
 from sparsecomm.transport.agreement import NBYTES_FIELD, RECORD_FIELDS
 from sparsecomm.transport.collectives import Arrivals, Group, Receiver, fresh_buffer, on_wire, wire_device, world
@@ -47,17 +48,20 @@ class PayloadExchange:
     Construction posts the first round's receives; `send` this rank's record and payload (as soon
     as they are ready: peers' messages may arrive meanwhile); iterate `first_round`, read `table`,
     check it, then iterate `second_round`. `close` (or ``with closing(...)``) waits for whatever is
-    still in flight. ``receivers``: where each round's messages land (a session's reused buffers, say)."""
+    still in flight. ``receivers``: where each round's messages land (a session's reused buffers, say);
+    ``one_way``: see `Arrivals`."""
 
     def __init__(self, capacity: int, group: Group,
-                 receivers: tuple[Receiver, Receiver] = (fresh_buffer, fresh_buffer)) -> None:
+                 receivers: tuple[Receiver, Receiver] = (fresh_buffer, fresh_buffer),
+                 one_way: dist.ProcessGroup | None = None) -> None:
         self.rank, self.size = world(group)
         self.group = group
         self.capacity = max(capacity, ENVELOPE_BYTES)
         self._second_receiver = receivers[1]
         self._buffers = {peer: receivers[0](peer, self.capacity, wire_device(group))
                          for peer in range(self.size) if peer != self.rank}
-        self._round = Arrivals(self._buffers, {}, group)
+        self._one_way = one_way
+        self._round = Arrivals(self._buffers, {}, group, one_way)
         self.records: dict[int, torch.Tensor] = {}
 
     def send(self, envelope: torch.Tensor, payload: torch.Tensor) -> None:
@@ -95,7 +99,7 @@ class PayloadExchange:
         receives = {r: self._second_receiver(r, nbytes, self.payload.device)
                     for r, nbytes in late.items() if r != self.rank}
         sends = {peer: self.payload for peer in range(self.size) if peer != self.rank} if self.rank in late else {}
-        self._round = Arrivals(receives, sends, self.group)
+        self._round = Arrivals(receives, sends, self.group, self._one_way)
         for peer in self._round:
             yield peer, receives[peer]
 

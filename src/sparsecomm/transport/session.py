@@ -1,8 +1,9 @@
 """`TransportSession`: the runtime state transports keep between calls — the one worker thread
 that runs asynchronous calls in submission order, the cost model, what ``auto`` has measured per
-size class, the payload allgather's receive capacity, and the receive buffers reused from call to
-call. Its owner (a `GradientReducer`, a benchmark) checkpoints it and closes it; no transport keeps
-state anywhere else.
+size class, the payload allgather's receive capacity, the receive buffers reused from call to
+call, and each group's one-way twin (`TransportSession.one_way_group`). Its owner (a
+`GradientReducer`, a benchmark) checkpoints it and closes it; no transport keeps state anywhere
+else.
 
     with TransportSession() as session:
         future = transport.reduce_async(selection, group, request, session=session)
@@ -15,7 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from sparsecomm.transport.collectives import Group
 from sparsecomm.transport.cost_model import CostModel, load_cost_model
 from sparsecomm.transport.tuning import Tuning
 
@@ -37,6 +40,8 @@ class TransportSession:
         self._executor: ThreadPoolExecutor | None = None
         self._buffers: dict[tuple[str, int, torch.device], torch.Tensor] = {}
         """receive buffers by (purpose, peer, device): a cache, not state (not checkpointed)"""
+        self._one_way: dict[Group, dist.ProcessGroup] = {}
+        """by group: its one-way twin (`one_way_group`), a resource like the buffers"""
 
     def submit(self, task: Callable[[], None]) -> None:
         """Run ``task`` on the session's worker thread, after every task submitted before it, with
@@ -70,6 +75,16 @@ class TransportSession:
         """`receive_buffer` for one purpose, as the collectives take it."""
         return lambda peer, nbytes, device: self.receive_buffer(purpose, peer, nbytes, device)
 
+    def one_way_group(self, group: Group) -> dist.ProcessGroup:
+        """A second gloo group over ``group``'s ranks, made on the first call that asks (every rank
+        of ``group`` asks in the same call), on which `Arrivals` sends each message to a lower rank:
+        no gloo pair then carries both directions. gloo runs a pair's two directions under one lock,
+        so a send waits while the peer's message streams in."""
+        if group not in self._one_way:
+            ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+            self._one_way[group] = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+        return self._one_way[group]
+
     def drain(self) -> None:
         """Wait until every task submitted so far has run (the caller may then use the group itself)."""
         if self._executor is not None:
@@ -81,6 +96,10 @@ class TransportSession:
             self._executor.shutdown(wait=True)
             self._executor = None
         self._buffers.clear()
+        if dist.is_initialized():  # else they went with the default group
+            for one_way in self._one_way.values():
+                dist.destroy_process_group(one_way)
+        self._one_way.clear()
 
     def __enter__(self) -> TransportSession:
         return self
