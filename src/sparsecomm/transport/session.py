@@ -41,7 +41,7 @@ class TransportSession:
         self._buffers: dict[tuple[str, int, torch.device], torch.Tensor] = {}
         """receive buffers by (purpose, peer, device): a cache, not state (not checkpointed)"""
         self._one_way: dict[Group, dist.ProcessGroup] = {}
-        """by group: its one-way twin (`one_way_group`), a resource like the buffers"""
+        """by group: its one-way twin (`one_way_group`), a resource like the buffers (not destroyed)"""
 
     def submit(self, task: Callable[[], None]) -> None:
         """Run ``task`` on the session's worker thread, after every task submitted before it, with
@@ -79,7 +79,9 @@ class TransportSession:
         """A second gloo group over ``group``'s ranks, made on the first call that asks (every rank
         of ``group`` asks in the same call), on which `Arrivals` sends each message to a lower rank:
         no gloo pair then carries both directions. gloo runs a pair's two directions under one lock,
-        so a send waits while the peer's message streams in."""
+        so a send waits while the peer's message streams in. It outlives the session: a group made
+        again over the same ranks after one was destroyed gets the destroyed one's name, and can
+        meet its rendezvous keys in the store."""
         if group not in self._one_way:
             ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
             self._one_way[group] = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
@@ -96,9 +98,6 @@ class TransportSession:
             self._executor.shutdown(wait=True)
             self._executor = None
         self._buffers.clear()
-        if dist.is_initialized():  # else they went with the default group
-            for one_way in self._one_way.values():
-                dist.destroy_process_group(one_way)
         self._one_way.clear()
 
     def __enter__(self) -> TransportSession:
