@@ -142,3 +142,29 @@ def test_every_session_gets_a_one_way_group_of_its_own_name():
     for rank, result in enumerate(run_local(2, one_way_groups_of_successive_sessions)):
         assert len(set(result["names"])) == 3
         assert result["received"] == [10 * index + (1 - rank) for index in range(3)]
+
+
+class _OneWorkForTheBatch:
+    """What a coalescing backend (NCCL) hands back for a batch: one work for all its operations."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self) -> bool:  # as NCCL's, which may be waited on again once done
+        while self.works:
+            self.works.pop().wait()
+        return True
+
+
+def coalesced_transfers(rank: int, world: int) -> bool:
+    original = dist.batch_isend_irecv
+    dist.batch_isend_irecv = lambda ops: [_OneWorkForTheBatch(original(ops))]
+    try:
+        received = collectives.allgather_bytes(buffer(rank, rank, world), None)
+    finally:
+        dist.batch_isend_irecv = original
+    return all(torch.equal(got, buffer(r, r, world)) for r, got in enumerate(received))
+
+
+def test_a_backend_that_returns_one_work_per_batch_still_delivers_every_message():
+    assert run_local(3, coalesced_transfers) == [True, True, True]

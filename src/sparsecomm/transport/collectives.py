@@ -157,11 +157,11 @@ class Arrivals:
             sender, receiver = (peer, self._rank) if function is dist.irecv else (self._rank, peer)
             link = self._one_way if self._one_way is not None and sender > receiver else self._group
             if batch and link is not batch_link:
-                works += dist.batch_isend_irecv(batch)
+                works += _start(batch)
                 batch = []
             batch.append(dist.P2POp(function, tensor, _global(peer, self._group), link))
             batch_link = link
-        return works + (dist.batch_isend_irecv(batch) if batch else [])
+        return works + (_start(batch) if batch else [])
 
     def __iter__(self) -> Arrivals:
         return self
@@ -182,6 +182,13 @@ class Arrivals:
             work.wait()
         self._receive_works.clear()
         self._send_works.clear()
+
+
+def _start(batch: list[dist.P2POp]) -> list[dist.Work]:
+    """Post ``batch``; a work per operation (a backend that coalesces a batch, as NCCL does, hands
+    back one work for all of them)."""
+    works = dist.batch_isend_irecv(batch)
+    return works if len(works) == len(batch) else [works[-1]] * len(batch)
 
 
 def exchange_bytes(buffer: torch.Tensor, peer: int, group: Group) -> torch.Tensor:
