@@ -128,8 +128,7 @@ class Arrivals:
         self._rank, size = world(group)
         self._group, self._one_way = group, one_way
         self._receiving = sorted(receives, key=lambda peer: (self._rank - peer) % size)
-        self._empty = {peer for peer, tensor in receives.items() if not tensor.numel()}
-        posted = [peer for peer in self._receiving if peer not in self._empty]
+        posted = [peer for peer in self._receiving if receives[peer].numel()]
         works = self._post([(dist.irecv, receives[peer], peer) for peer in posted] + self._send_ops(sends))
         self._receive_works = dict(zip(posted, works[:len(posted)], strict=True))
         self._send_works = works[len(posted):]
