@@ -185,13 +185,8 @@ def reducer_without_a_model(rank: int, world: int) -> str:
     try:
         F.cross_entropy(model(data), labels).backward()
     except sc.SparseCommError as err:
-        message = str(err)
-    else:
-        message = "no error"
-    # the hook fails before any collective: a rank that left at once could close its connections
-    # while its peer still set up the reducer's group (gloo: "connectFullMesh failed")
-    dist.barrier()
-    return message
+        return str(err)
+    return "no error"
 
 
 def test_a_hook_state_without_parameter_names_is_refused_clearly():

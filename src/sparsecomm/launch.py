@@ -13,6 +13,7 @@ still running after ``timeout`` are killed too.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import faulthandler
 import os
@@ -95,6 +96,7 @@ def _worker(rank: int, world_size: int, init: str, backend: str, threads: int, t
     faulthandler.enable(all_threads=True)  # a worker killed by a signal prints every thread's Python stack
     torch.set_num_threads(threads)
     keep_freed_host_memory()
+    finished = False
     try:
         if namespace:
             from sparsecomm.netns import enter_namespace
@@ -106,8 +108,15 @@ def _worker(rank: int, world_size: int, init: str, backend: str, threads: int, t
         # Plain pickle copies tensor storage into the bytes; the queue's own pickler would share it
         # through a file descriptor that dies with this process before the parent reads it.
         results.put((rank, True, pickle.dumps(value)))
+        finished = True
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
+            if finished:
+                # no rank closes its connections while a peer still uses them (gloo fails a peer
+                # still setting up a group with "connectFullMesh failed"); a peer that failed never
+                # comes, and the parent stops this process
+                with contextlib.suppress(Exception):
+                    dist.barrier()
             dist.destroy_process_group()
