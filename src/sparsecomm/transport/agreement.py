@@ -42,28 +42,30 @@ def agree(group: Group, request: Request, numel: int, config: int, nnz: int = 0,
 def agreement_record(request: Request, numel: int, config: int, nnz: int = 0, nbytes: int = 0) -> torch.Tensor:
     """This rank's row of the agreement table (`RECORD_FIELDS` int64 values: the checked fields, then
     the request's side numbers)."""
-    checked = torch.tensor([numel, config, request.key_hash, request.call, nnz, int(request.nonfinite), nbytes],
-                           dtype=torch.int64)
-    return torch.cat([checked, side_words(request.side)])
+    checked = [numel, config, request.key_hash, request.call, nnz, int(request.nonfinite), nbytes]
+    return torch.tensor(checked + side_words(request.side), dtype=torch.int64)
 
 
 def check_table(table: torch.Tensor, request: Request, numel: int, config: int) -> Agreement:
     """Check every rank's row (a ``world size × RECORD_FIELDS`` table, the same on every rank) against
-    this rank's call: raise `SparseCommError` on any disagreement, else the `Agreement`."""
+    this rank's call: raise `SparseCommError` on any disagreement, else the `Agreement`. The checks
+    read the table as Python integers: a few rows, where each torch operation would cost more than
+    the comparison it makes."""
+    rows = table.tolist()
     key = request.key if len(request.key) <= SHOWN_KEY_CHARS else request.key[:SHOWN_KEY_CHARS] + "…"
-    if bool((table[:, _KEY] != request.key_hash).any() | (table[:, _CALL] != request.call).any()):
+    if any(row[_KEY] != request.key_hash or row[_CALL] != request.call for row in rows):
         raise SparseCommError(
             f"ranks passed different tensors to the same collective: this rank passed {key!r} (call "
             f"{request.call}), others a different key or call number — every rank must reduce the same "
             "named tensors in the same order")
-    if bool((table[:, _NUMEL] != numel).any() | (table[:, _CONFIG] != config).any()):
+    if any(row[_NUMEL] != numel or row[_CONFIG] != config for row in rows):
+        numels = [row[_NUMEL] for row in rows]
         raise SparseCommError(
             f"ranks disagree on tensor size or transport configuration for {key!r} (this rank: numel "
-            f"{numel}, config {config:#x}; across ranks numel {int(table[:, _NUMEL].min())}.."
-            f"{int(table[:, _NUMEL].max())})")
-    if bool(table[:, _NONFINITE].any()):
+            f"{numel}, config {config:#x}; across ranks numel {min(numels)}..{max(numels)})")
+    if any(row[_NONFINITE] for row in rows):
         raise SparseCommError(f"a rank had a non-finite gradient (NaN or Inf) in {key!r}; no rank applied it"
                               + (" — including this one" if request.nonfinite else ""))
-    sizes = table[:, _NBYTES]
-    return Agreement(int(table[:, _NNZ].max()), tuple(sizes.tolist()) if bool((sizes > 0).all()) else None,
+    sizes = tuple(row[_NBYTES] for row in rows)
+    return Agreement(max(row[_NNZ] for row in rows), sizes if min(sizes) > 0 else None,
                      sides_of_table(table[:, CHECKED_FIELDS:]))

@@ -15,6 +15,8 @@ Two carriers, each exact:
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 from sparsecomm.errors import SparseCommError
@@ -24,13 +26,12 @@ SIDE_FIELDS = 10
 _SIDE_BYTES = SIDE_FIELDS * 8
 
 
-def side_words(side: tuple[float, ...]) -> torch.Tensor:
+def side_words(side: tuple[float, ...]) -> list[int]:
     """``side`` (at most `SIDE_FIELDS` values, zero-padded) as int64 words of their float64 bits."""
     if len(side) > SIDE_FIELDS:
         raise SparseCommError(f"a call carries at most {SIDE_FIELDS} side numbers, not {len(side)}")
-    padded = torch.zeros(SIDE_FIELDS, dtype=torch.float64)
-    padded[:len(side)] = torch.tensor(side, dtype=torch.float64)
-    return padded.view(torch.int64)
+    padded = (*side, *[0.0] * (SIDE_FIELDS - len(side)))
+    return list(struct.unpack(f"={SIDE_FIELDS}q", struct.pack(f"={SIDE_FIELDS}d", *padded)))
 
 
 def sides_of_table(words: torch.Tensor) -> torch.Tensor:
@@ -46,7 +47,7 @@ def tail_elements(world_size: int) -> int:
 def write_tail(tail: torch.Tensor, side: tuple[float, ...], rank: int) -> None:
     """This rank's side numbers into its slots of ``tail`` (`tail_elements` long), zeros elsewhere."""
     tail.zero_()
-    own = side_words(side).view(torch.uint8)
+    own = torch.tensor(side_words(side), dtype=torch.int64).view(torch.uint8)
     tail[rank * _SIDE_BYTES:(rank + 1) * _SIDE_BYTES].copy_(own.to(tail.device, tail.dtype))
 
 
