@@ -42,8 +42,9 @@ Each step runs in one of three modes:
 - **half** (fp16): the same, scaled by 1/P and cast to fp16 (as DDP's fp16 hook does); error
   feedback keeps what the cast rounded away, DGC's momentum (which moves to the average on dense
   steps) rounds as the hook does. Allowed while the largest magnitude sent leaves `HALF_HEADROOM`
-  of fp16's range, and once fp32 has been measured (the exact mode is tried first); until
-  measured itself, it costs fp32's time less half the wire.
+  of fp16's range; until measured itself, it costs fp32's time (measured or predicted) less half
+  the wire. It need not wait for fp32 to be timed: on a link fast enough for the dense modes it is
+  the likely winner, and fp32 then challenges it by trial like any other mode.
 
 The reducer runs both dense modes as DDP's own hooks do: one asynchronous all_reduce per bucket, no
 agreement step (a rank's non-finite gradient travels as NaN, so every rank sees the same non-finite
@@ -72,9 +73,8 @@ predicted for a pair never compared — is `EXPLORE_SHARE` of the steps' time si
 compared, and never sooner than `MIN_REEXPLORE` steps after (a mode never compared: at once where
 the share allows): close calls are re-checked often, a mode that lost clearly waits in proportion,
 and on a slow link dense is rarely tried beyond the probes. Of the modes due, the cheapest predicted
-goes first, and while fp32 is the incumbent none goes before fp32's own steps are timed: only then
-may fp16 compete, and on a fast link it is the likely winner. A step whose mode differs from the
-step before's, and every step of a trial, is always heard, even when its report must go alone.
+goes first. A step whose mode differs from the step before's, and every step of a trial, is always
+heard, even when its report must go alone.
 
 A user-set ``budget`` (bytes per step) replaces B and turns the probes off: bytes alone
 decide the mode then (dense, half or sparse, whichever the budget holds) and a run repeats bit for
@@ -458,7 +458,7 @@ class LinkBudget:
         throughput, compute = statistics.median(self.throughput), statistics.median(self.compute_s)
         dense_cost = typical(self.dense_cost_s) if self.dense_cost_s else compute + dense_bytes / throughput
         costs = {DENSE: (dense_cost, Plan(DENSE))}
-        if half_allowed and self.dense_cost_s:
+        if half_allowed:
             half_cost = typical(self.half_cost_s) if self.half_cost_s else dense_cost - dense_bytes / 2 / throughput
             costs[HALF] = (half_cost * (1 + HALF_MARGIN), Plan(HALF))
         exploring = not self.sparse_overhead_s
@@ -473,14 +473,10 @@ class LinkBudget:
         over its `TRIAL_PAIRS` steps is that share of the steps' time since its last trial, and at
         least `MIN_REEXPLORE` steps have passed since (a mode never in a trial: no such wait). The
         extra cost is what the pair's side-by-side steps measured (`_measured_ratio`), or, for a pair
-        never compared, what the model predicts: a mode that lost clearly waits in proportion.
-        With fp32 the incumbent, none starts before fp32's own steps are timed: only then may fp16
-        compete, and on a fast link it is the likely winner. A sparse path not yet warmed up gets one
-        untimed step first."""
+        never compared, what the model predicts: a mode that lost clearly waits in proportion. A
+        sparse path not yet warmed up gets one untimed step first."""
         assert self.incumbent is not None
         if self.step <= WARMUP_STEPS:  # dense steps this early are not timed
-            return None
-        if self.incumbent == DENSE and not self.dense_cost_s:  # fp16 becomes a candidate once fp32 is timed
             return None
         incumbent_cost = costs[self.incumbent][0]
         rematch, self.rematch = self.rematch, None
