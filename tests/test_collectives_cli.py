@@ -34,6 +34,8 @@ def test_bench_collectives_reports_every_transport_with_the_documented_fields(tm
     assert all(row["bound_ms"] > 0 and row["dense_ms"] == by_transport["dense"]["ms"] for row in rows)
     # one round of all, then up to 19 more of the close contenders and auto
     assert by_transport["auto"]["samples"] == 20 and {row["samples"] for row in rows} <= {1, 20}
+    # the floor's output pass is timed in every round, beside the calls
+    assert {row["output_pass_samples"] for row in rows} == {20}
 
 
 def test_profile_times_each_phase_and_the_floor_states_its_parts(tmp_path, capsys):

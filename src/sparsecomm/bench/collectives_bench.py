@@ -49,7 +49,7 @@ def floor(model: CostModel, workers: int, numel: int, nnz: int, output_pass_s: f
     ``latency``, ⌈log2 P⌉ messages; ``wire``, each rank receiving the (P−1)/P of the result it does
     not own at the information bound (log2 C(N, K) bits for the K = E[union] positions, plus their
     values; dense when that is smaller); ``output``, one pass writing the result into a
-    preallocated N-vector, as timed in the same run."""
+    preallocated N-vector, as timed in the same rounds as the calls."""
     if workers == 1:
         return {"latency": 0.0, "wire": 0.0, "output": output_pass_s}
     union = round(model.expected_union(numel, nnz, workers))
@@ -67,17 +67,22 @@ def split_floor(model: CostModel, workers: int, nnz: int, output_pass_s: float, 
     return 2 * model.alpha + pairs * (INDEX_BYTES + isize) * model.beta + output_pass_s
 
 
-def output_pass(out: torch.Tensor, repeat: int = 15) -> float:
-    """Seconds of one pass that clears ``out`` (the slowest rank's median): the part of every
-    call's floor that is memory, not wire."""
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        clear_(out)
-        times.append(time.perf_counter() - start)
-    slowest = torch.tensor([statistics.median(times)])
+OUTPUT_PASS = "output pass"
+"""the floor's memory part, timed as one more contender in every round: the pass and the calls
+then see the same spells of a shared machine's memory traffic (timed once before the rounds, it
+moved between 1.35 and 2.6 ms from run to run here while the calls did not)"""
+
+
+def timed_output_pass(out: torch.Tensor) -> float:
+    """Milliseconds of one pass that clears ``out`` on every rank at once, as a call's output is
+    cleared (the slowest rank's time, on every rank): the part of every call's floor that is
+    memory, not wire."""
+    dist.barrier()
+    start = time.perf_counter()
+    clear_(out)
+    slowest = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return float(slowest)
+    return 1e3 * float(slowest)
 
 
 def predicted(model: CostModel, text: str, workers: int, numel: int, nnz: int, request: Request) -> float:
@@ -171,8 +176,7 @@ def measure(rank: int, world: int, numel: int, densities: list[float], transport
         out = torch.empty(numel)  # one result buffer, reused: no transport pays for a fresh 4·N bytes
         for transport in built.values():
             warm_up(transport, grad, request, out, session)
-        output_pass_s = output_pass(out)
-        samples: dict[str, list[float]] = {text: [] for text in transports}
+        samples: dict[str, list[float]] = {text: [] for text in [*transports, OUTPUT_PASS]}
         phase_samples: dict[str, list[list[float]]] = {text: [] for text in transports}
         errors: dict[str, float] = {}
 
@@ -182,16 +186,20 @@ def measure(rank: int, world: int, numel: int, densities: list[float], transport
                 names = close_contenders({text: statistics.median(samples[text]) for text in built}, built)
                 rounds = range(repeat, repeat + extra_rounds(names, samples, repeat))
             for round_index in rounds:
-                # every transport once per round, so slow spells hit all alike; in a fresh order each
-                # round (the same on every rank), so none always runs right after the same heavy one,
-                # whose freed memory and cold caches the next call pays for
-                for text in random.Random(round_index).sample(names, len(names)):
+                # every transport (and the output pass) once per round, so slow spells hit all alike;
+                # in a fresh order each round (the same on every rank), so none always runs right
+                # after the same heavy one, whose freed memory and cold caches the next call pays for
+                for text in random.Random(round_index).sample([*names, OUTPUT_PASS], len(names) + 1):
+                    if text == OUTPUT_PASS:
+                        samples[text].append(timed_output_pass(out))
+                        continue
                     times, result, record = timed_call(built[text], grad, request, out, session, profile)
                     samples[text].append(times[0])
                     phase_samples[text].append(times[1:])
                     bytes_sent[text] += record.bytes_sent
                     chosen[text] = record.transport
                     errors[text] = float((result - reference).abs().max()) / max(scale, 1e-30)
+        output_pass_s = statistics.median(samples[OUTPUT_PASS]) / 1e3
         measured: dict[str, float] = {}
         for text, transport in built.items():
             error = errors[text]
@@ -206,7 +214,8 @@ def measure(rank: int, world: int, numel: int, densities: list[float], transport
                 "transport": transport.to_spec(), "algorithm": chosen[text], "workers": world, "numel": numel,
                 "density": density, "ms": ms, "samples": len(samples[text]),
                 "predicted_ms": 1e3 * predicted(model, text, world, numel, grad.nnz, request),
-                "bound_ms": 1e3 * sum(parts.values()), **{f"bound_{part}_ms": 1e3 * t for part, t in parts.items()},
+                "bound_ms": 1e3 * sum(parts.values()), "output_pass_samples": len(samples[OUTPUT_PASS]),
+                **{f"bound_{part}_ms": 1e3 * t for part, t in parts.items()},
                 "split_bound_ms": 1e3 * split_floor(model, world, grad.nnz, output_pass_s),
                 "bytes_sent_per_rank": int(sent), "max_rel_error": error, "exact": error <= 1e-5,
                 **({"phases_ms": profiled} if profile else {}),

@@ -306,8 +306,8 @@ def _bench_collectives(args: argparse.Namespace) -> int:
         for world, model in result["cost_models"].items():
             print(f"  P={world}: alpha={model['alpha'] * 1e6:.0f} us, beta={1 / model['beta'] / 1e6:.0f} MB/s")
         print()
-        print("  floor = latency + information-bound wire bytes + one output pass over N (timed here); "
-              "split bound = Ok-Topk's 2k(P-1)/P pairs per rank + output pass\n")
+        print("  floor = latency + information-bound wire bytes + one output pass over N (timed in every round, "
+              "beside the calls);\n  split bound = Ok-Topk's 2k(P-1)/P pairs per rank + output pass\n")
         print(format_table(result["rows"], [
             "workers", "density", "transport", "algorithm", "ms", "samples", "dense_ms", "speedup_vs_dense",
             "predicted_ms", "bound_latency_ms", "bound_wire_ms", "bound_output_ms", "bound_ms", "ratio_to_bound",
