@@ -23,7 +23,8 @@ GRAD = sc.SparseGradient(
 CASES = {
     **{f"{name}+fp32": (name, "fp32") for name in
        ["raw", "raw(bits=64)", "bitmap", "rle", "delta_binary", "huffman", "rice", "rice(parameter=2)",
-        "bloom(policy=p0)", "bloom(policy=p2,fpr=0.1)", "skcompress", "skcompress(coder=ans,keys=rice)"]},
+        "rice(parameter=11)", "bloom(policy=p0)", "bloom(policy=p2,fpr=0.1)", "skcompress",
+        "skcompress(coder=ans,keys=rice)"]},
     **{f"raw+{name}": ("raw", name) for name in
        ["fp16", "bf16", "qsgd", "qsgd(bits=2,bucket=4)", "int8", "int8(bucket=4)", "deflate",
         "deflate(shuffle=false)", "zstd", "polyfit(degree=2,segments=2)", "dexp"]},

@@ -92,7 +92,8 @@ def rewrite_header(payload: bytes, **fields) -> bytes:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"version": 2}, "format version 2; this sparsecomm reads version 1"),
+        ({"version": FORMAT_VERSION + 1}, f"format version {FORMAT_VERSION + 1}; this sparsecomm reads version "
+                                          f"{FORMAT_VERSION}"),
         ({"magic": b"NOPE"}, "not a sparsecomm payload"),
         ({"dtype": 9}, "unknown dtype code"),
         ({"flags": 0x80}, "unknown flags"),

@@ -1,10 +1,10 @@
 """The self-describing payload: one sparse gradient, encoded, in bytes that need nothing else to decode.
 
-Wire format, version 1 (all integers little-endian)::
+Wire format, version 2 (all integers little-endian; version 1 laid out Rice low parts in one stream)::
 
     offset  size  field
     0       4     magic b"SPCM"
-    4       1     format version (1)
+    4       1     format version (2)
     5       1     flags: bit 0 lossy indices, bit 1 lossy values
     6       1     dtype code (1 float32, 2 float16, 3 bfloat16, 4 float64)
     7       1     ndim (0..8)
@@ -54,7 +54,7 @@ from sparsecomm.registry import Component, Registry
 from sparsecomm.sparse_gradient import SparseGradient
 
 MAGIC = b"SPCM"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAX_NDIM = 8
 MAX_NUMEL = 1 << 48
 FLAG_LOSSY_INDICES = 1

@@ -4,8 +4,8 @@ Gap g (zeros before an index) splits into a quotient ``g >> b`` in unary and ``b
 two parts go in separate streams, so both encode and decode are whole-array operations. ``b`` is
 chosen per tensor to minimise the exact size. For uniformly spread indices this is within about
 1.5% of the information bound log2 C(N, k) at densities 1e-4..1e-1.
-Layout: ``b`` (1 byte), unary stream, then ``nnz*b`` bits of low parts (their size is known, so
-the unary stream's length is implied).
+Layout: ``b`` (1 byte), unary stream, then the low parts in byte planes (`pack_planes`: their
+size is known, so the unary stream's length is implied).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from sparsecomm.encode.base import INDEX_CODECS, IndexCodec
-from sparsecomm.encode.bits import nbytes_for_bits, pack_fixed, pack_unary, unary_ends, unpack_fixed, unpack_unary
+from sparsecomm.encode.bits import pack_planes, pack_unary, planes_nbytes, unary_ends, unpack_planes, unpack_unary
 from sparsecomm.errors import PayloadError, SparseCommError
 
 MAX_PARAMETER = 48
@@ -67,7 +67,7 @@ def encode_gaps(gaps: np.ndarray, parameter: int = -1) -> bytes:
     """Non-negative gaps as a Rice stream (``parameter`` -1: the best one for these gaps)."""
     b = best_rice_parameter(gaps) if parameter < 0 else parameter
     unary = pack_unary(gaps >> b)
-    low = pack_fixed(gaps & ((1 << b) - 1), b)
+    low = pack_planes(gaps & ((1 << b) - 1), b)
     return bytes([b]) + unary + low
 
 
@@ -113,8 +113,8 @@ def _split(data: memoryview, count: int) -> tuple[int, memoryview, np.ndarray]:
     if len(data) < 1:
         raise PayloadError("rice stream is empty")
     b = data[0]
-    low_bytes = nbytes_for_bits(count * b)
+    low_bytes = planes_nbytes(count, b)
     if b > MAX_PARAMETER or 1 + low_bytes > len(data):
         raise PayloadError(f"rice stream of {len(data)} bytes cannot hold {count} gaps with b={b}")
     unary_end = len(data) - low_bytes
-    return b, data[1:unary_end], unpack_fixed(data[unary_end:], b, count)
+    return b, data[1:unary_end], unpack_planes(data[unary_end:], b, count)
