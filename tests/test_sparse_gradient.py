@@ -64,6 +64,8 @@ def test_sorted_orders_indices_and_keeps_each_value_with_its_index():
     ((1 << 15) - 1, 1 << 32, torch.float64),  # the last size and range of the 16-bit digits
     (1 << 15, 16_000_000, torch.float64),  # torch's radix sort of 32-bit keys
     (2000, (1 << 32) + 5, torch.float32),  # indices past 32 bits: torch sorts 64-bit keys
+    (1000, 3_000_000, torch.bfloat16),  # values numpy lacks: gathered by torch
+    (1 << 15, 16_000_000, torch.bfloat16),
 ])
 def test_every_sort_path_orders_indices_and_keeps_values_paired(nnz, numel, dtype):
     generator = torch.Generator().manual_seed(nnz)
@@ -73,3 +75,10 @@ def test_every_sort_path_orders_indices_and_keeps_values_paired(nnz, numel, dtyp
     ordered = sc.SparseGradient(indices, values, (numel,)).sorted()
     assert torch.equal(ordered.indices, indices.sort().values)
     assert torch.equal(ordered.values, (ordered.indices % 1021).to(dtype))
+
+
+def test_sorting_values_that_require_grad_keeps_them_in_the_graph():
+    values = torch.tensor([0.9, 0.2, 0.5], requires_grad=True)
+    ordered = sc.SparseGradient(torch.tensor([9, 2, 5]), values, (10,)).sorted()
+    ordered.values.sum().backward()
+    assert ordered.values.tolist() == pytest.approx([0.2, 0.5, 0.9]) and values.grad.tolist() == [1.0, 1.0, 1.0]

@@ -105,7 +105,7 @@ class SparseGradient:
         # 32-bit keys where they fit: torch's radix sort makes half the passes of int64 keys
         keys = self.indices.to(torch.int32) if self.numel <= 1 << 31 else self.indices
         ordered, order = torch.sort(keys)
-        return SparseGradient(ordered.to(torch.int64), self.values[order], self.shape)
+        return SparseGradient(ordered.to(torch.int64), _gathered(self.values, order), self.shape)
 
     def _sorted_by_16_bit_digits(self) -> SparseGradient:
         """Sorted by two stable numpy sorts of 16-bit digits, low then high: numpy sorts 16-bit keys
@@ -114,8 +114,9 @@ class SparseGradient:
         beats torch's comparison sort."""
         indices = self.indices.numpy()
         by_low = np.argsort((indices & 0xFFFF).astype(np.uint16), kind="stable")
-        order = torch.from_numpy(by_low[np.argsort((indices[by_low] >> 16).astype(np.uint16), kind="stable")])
-        return SparseGradient(self.indices[order], self.values[order], self.shape)
+        order = by_low[np.argsort((indices[by_low] >> 16).astype(np.uint16), kind="stable")]
+        return SparseGradient(torch.from_numpy(indices[order]), _gathered(self.values, torch.from_numpy(order)),
+                              self.shape)
 
     def to(self, device: torch.device | str) -> SparseGradient:
         return SparseGradient(self.indices.to(device), self.values.to(device), self.shape)
@@ -151,6 +152,15 @@ class SparseGradient:
             f"SparseGradient(shape={tuple(self.shape)}, nnz={self.nnz}, dtype={self.dtype}, "
             f"device={self.device})"
         )
+
+
+def _gathered(values: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``values[order]``; on the CPU by numpy where it can (a third to a half of torch's time at
+    16k–160k entries), else by torch (bfloat16, autograd, other devices)."""
+    if values.device.type == "cpu" and order.device.type == "cpu" and values.dtype != torch.bfloat16 \
+            and not values.requires_grad:
+        return torch.from_numpy(values.numpy()[order.numpy()])
+    return values[order]
 
 
 def _strictly_increasing(indices: torch.Tensor) -> bool:
