@@ -105,6 +105,23 @@ def test_a_measured_budget_plans_alike_on_every_rank_through_several_buckets():
     assert runs[0]["modes"][0] == SPARSE  # the link was timed at start-up: the first step is the cheap one
 
 
+def probed_link(rank: int, world: int) -> tuple[list[float], list[float]]:
+    model = DDP(mlp(0))
+    reducer = sc.register_ddp_hook(model, "adaptive")
+    probe = list(reducer.budget.throughput), list(reducer.budget.half_throughput)
+    reducer.close()
+    return probe
+
+
+def test_the_link_is_probed_at_start_up_in_fp32_and_fp16_with_the_same_numbers_on_every_rank():
+    """fp16's own throughput predicts its steps until they are timed (gloo sums fp16 on the
+    processor: half the bytes need not take half the time)."""
+    runs = run_local(2, probed_link)
+    assert runs[0] == runs[1]
+    (fp32,), (fp16,) = runs[0]
+    assert fp32 > 0 and fp16 > 0
+
+
 def embedding_steps(rank: int, world: int, spec: str) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.EmbeddingBag(500, 8, sparse=True), torch.nn.Linear(8, 2))

@@ -283,6 +283,23 @@ def test_on_a_fast_link_fp16_predicted_cheapest_runs_from_the_start_without_wait
     assert first_trial < modes.index(SPARSE) and modes[-10:] == [HALF] * 10 and plan.incumbent == HALF
 
 
+def test_an_fp16_all_reduce_probed_no_faster_than_fp32s_leaves_fp32_the_first_incumbent():
+    # the fast link above, but its fp16 all_reduce probed at half fp32's wire bytes per second
+    # (gloo sums fp16 on the processor): fp16's 2 MB take as long as fp32's 4, fp16 is predicted at
+    # fp32's 6 ms (6.6 with its margin), and fp32 runs first. fp16's trial waits for its predicted
+    # extra cost (3 x 0.1 / 2% of the steps: 15), and measured no cheaper it never takes over (nor
+    # does sparse, tried in between)
+    plan = budget(probe=0)
+    plan.observe_link(1e9, 0.5e9)
+    plan = measured(plan, sparse=0.00304, compute=0.002, throughput=1e9, per_nnz=2.0, magnitude=1.0)
+    modes = steps(plan, 90, lambda mode, step: {DENSE: 0.006, HALF: 0.006, SPARSE: 0.0061}[mode])
+    first_trial = modes.index(HALF)
+    assert modes[0] == DENSE and 12 <= first_trial <= 18
+    assert modes[first_trial:first_trial + 2 * TRIAL_PAIRS] == [HALF, DENSE] * TRIAL_PAIRS
+    assert HALF not in modes[:first_trial] and plan.incumbent == DENSE
+    assert modes.count(DENSE) > 0.8 * len(modes)  # trials aside, fp32 throughout
+
+
 def test_fp16_run_first_but_slower_side_by_side_than_fp32_gives_way_after_fp32s_trial():
     # a fast link: fp16 predicted at 1.5 + 1 ms (x1.1) against fp32's 1.5 + 2 ms, so fp16 runs first;
     # but its steps take 6 ms (gloo sums fp16 on the processor that runs the backward), fp32's 3.5:

@@ -7,8 +7,8 @@ Every step, each rank measures:
   pre-hook marks it) to the step's last call, less sparsecomm's own local stages. Without a model
   to hook, the step's whole wall time until the next step less communication waits and local
   stages, known one step later;
-- the link's throughput β: wire bytes per second of its large fp32 all_reduce calls (a ring
-  all_reduce puts 2(P−1)/P of the tensor on each rank's link), and of one probe at start-up;
+- the link's throughput β: wire bytes per second of its large dense all_reduce calls (a ring
+  all_reduce puts 2(P−1)/P of the tensor on each rank's link), and of one fp32 probe at start-up;
 - the bytes per nonzero its payloads took, the bytes it sent outside the budget (tensors below
   ``dense_below``, parameters sent whole, sparse embedding rows), and the largest magnitude it sent;
 - the step's whole time: its compute plus the time it waited for communication plus sparsecomm's
@@ -42,9 +42,11 @@ Each step runs in one of three modes:
 - **half** (fp16): the same, scaled by 1/P and cast to fp16 (as DDP's fp16 hook does); error
   feedback keeps what the cast rounded away, DGC's momentum (which moves to the average on dense
   steps) rounds as the hook does. Allowed while the largest magnitude sent leaves `HALF_HEADROOM`
-  of fp16's range; until measured itself, it costs fp32's time (measured or predicted) less half
-  the wire. It need not wait for fp32 to be timed: on a link fast enough for the dense modes it is
-  the likely winner, and fp32 then challenges it by trial like any other mode.
+  of fp16's range; until measured itself, it costs fp32's time (measured or predicted) with fp16's
+  wire in place of fp32's, at the throughput of an fp16 all_reduce probed at start-up (on a slow
+  link half fp32's wire time; on a fast one gloo's fp16 sums can make it as long). It need not wait
+  for fp32 to be timed: where it is predicted cheapest it runs first, and fp32 then challenges it by
+  trial like any other mode.
 
 The reducer runs both dense modes as DDP's own hooks do: one asynchronous all_reduce per bucket, no
 agreement step (a rank's non-finite gradient travels as NaN, so every rank sees the same non-finite
@@ -292,6 +294,9 @@ class LinkBudget:
     """elements under the adaptive sparsifier per step"""
     compute_s: deque[float] = _window(COMPUTE_WINDOW)
     throughput: deque[float] = _window(THROUGHPUT_WINDOW)
+    """β: wire bytes per second of the start-up probe's fp32 all_reduce and of the steps' dense ones"""
+    half_throughput: deque[float] = _window(THROUGHPUT_WINDOW)
+    """the same of an fp16 all_reduce, probed at start-up: fp16's wire until its steps are timed"""
     dense_cost_s: deque[float] = _window(COST_WINDOW)
     """what communicating cost an fp32 dense step (waiting plus local stages)"""
     half_cost_s: deque[float] = _window(COST_WINDOW)
@@ -333,9 +338,12 @@ class LinkBudget:
         """Time this rank's sparse path once (`marginal_sparse_cost`); every report carries the result."""
         self.codec_cost = marginal_sparse_cost(spec)
 
-    def observe_link(self, throughput: float) -> None:
-        """The link's throughput, probed at start-up (`link_throughput`; the same on every rank)."""
+    def observe_link(self, throughput: float, half_throughput: float | None = None) -> None:
+        """The link's throughput in fp32 (and fp16), probed at start-up (`link_throughput`; the same
+        on every rank)."""
         self.throughput.append(throughput)
+        if half_throughput is not None:
+            self.half_throughput.append(half_throughput)
 
     def begin_step(self, now: float, forward_start: float | None = None) -> Plan:
         """The first call of a step (whose forward pass began at ``forward_start``, when known):
@@ -459,7 +467,10 @@ class LinkBudget:
         dense_cost = typical(self.dense_cost_s) if self.dense_cost_s else compute + dense_bytes / throughput
         costs = {DENSE: (dense_cost, Plan(DENSE))}
         if half_allowed:
-            half_cost = typical(self.half_cost_s) if self.half_cost_s else dense_cost - dense_bytes / 2 / throughput
+            # until timed: fp32's step with fp16's wire, at fp16's own probed throughput where known
+            half_throughput = statistics.median(self.half_throughput) if self.half_throughput else throughput
+            half_cost = (typical(self.half_cost_s) if self.half_cost_s
+                         else dense_cost - dense_bytes / throughput + dense_bytes / 2 / half_throughput)
             costs[HALF] = (half_cost * (1 + HALF_MARGIN), Plan(HALF))
         exploring = not self.sparse_overhead_s
         sparse = self._sparse(budget) if not exploring else Plan(SPARSE, self.sparsifier.floor)
@@ -564,6 +575,7 @@ class LinkBudget:
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "total_numel": self.total_numel, "budget_numel": self.budget_numel,
                 "compute_s": list(self.compute_s), "throughput": list(self.throughput),
+                "half_throughput": list(self.half_throughput),
                 "dense_cost_s": list(self.dense_cost_s), "half_cost_s": list(self.half_cost_s),
                 "sparse_overhead_s": list(self.sparse_overhead_s), "bytes_per_nnz": self.bytes_per_nnz,
                 "fixed_bytes": self.fixed_bytes, "encode_per_byte": self.encode_per_byte,
@@ -582,6 +594,7 @@ class LinkBudget:
                            ("dense_cost_s", COST_WINDOW), ("half_cost_s", COST_WINDOW),
                            ("sparse_overhead_s", COST_WINDOW)):
             setattr(self, name, deque(state[name], maxlen=size))
+        self.half_throughput = deque(state.get("half_throughput", ()), maxlen=THROUGHPUT_WINDOW)
         self.bytes_per_nnz, self.fixed_bytes = state["bytes_per_nnz"], state["fixed_bytes"]
         self.encode_per_byte, self.decode_per_byte = state["encode_per_byte"], state["decode_per_byte"]
         self.max_magnitude, self.last_compute_s = state["max_magnitude"], state["last_compute_s"]

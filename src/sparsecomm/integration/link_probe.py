@@ -21,20 +21,26 @@ def probe_numel(model_numel: int | None) -> int:
     return min(MAX_PROBE_NUMEL, max(MIN_PROBE_NUMEL, model_numel or MAX_PROBE_NUMEL))
 
 
-def link_throughput(group: dist.ProcessGroup | None, numel: int, device: torch.device) -> float:
-    """Wire bytes per second of an fp32 all_reduce of ``numel`` elements (each rank's link carries
-    2(P−1)/P of the tensor, as the adaptive budget counts it): the slowest rank's best of
-    `PROBE_REPEATS` timed calls after one untimed one, the same on every rank."""
+def link_throughput(group: dist.ProcessGroup | None, numel: int, device: torch.device,
+                    dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> list[float]:
+    """Wire bytes per second of an all_reduce of ``numel`` elements in each of ``dtypes`` (each
+    rank's link carries 2(P−1)/P of the tensor, as the adaptive budget counts it): the slowest rank's
+    best of `PROBE_REPEATS` timed calls after one untimed one, the same on every rank. The dtypes'
+    calls alternate, so a slow spell of the machine hits them alike. fp16 tells whether half the
+    bytes take half the time: gloo sums fp16 on the processor, and on a fast link an fp16
+    all_reduce can take as long as an fp32 one."""
     size = dist.get_world_size(group)
-    tensor = torch.zeros(numel, device=device)
-    best = math.inf
+    tensors = [torch.zeros(numel, device=device, dtype=dtype) for dtype in dtypes]
+    best = [math.inf] * len(tensors)
     for repeat in range(PROBE_REPEATS + 1):
-        start = time.perf_counter()
-        dist.all_reduce(tensor, group=group)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if repeat:  # the first call sets up connections and buffers
-            best = min(best, time.perf_counter() - start)
-    slowest = torch.tensor([best], dtype=torch.float64, device=device)
+        for index, tensor in enumerate(tensors):
+            start = time.perf_counter()
+            dist.all_reduce(tensor, group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if repeat:  # the first call sets up connections and buffers
+                best[index] = min(best[index], time.perf_counter() - start)
+    slowest = torch.tensor(best, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    return 2 * (size - 1) / size * 4 * numel / max(float(slowest), 1e-9)
+    return [2 * (size - 1) / size * tensor.element_size() * numel / max(seconds, 1e-9)
+            for tensor, seconds in zip(tensors, slowest.tolist(), strict=True)]

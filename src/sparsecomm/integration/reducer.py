@@ -233,7 +233,8 @@ class GradientReducer:
             # the sparse path's and the link's costs, timed before the first step, so that step can be planned
             self.budget.calibrate(self.spec)
             model_numel = sum(p.numel() for p in module.parameters()) if module is not None else None
-            self.budget.observe_link(link_throughput(self.async_group, probe_numel(model_numel), self.wire_device))
+            self.budget.observe_link(*link_throughput(self.async_group, probe_numel(model_numel), self.wire_device,
+                                                      (torch.float32, torch.float16)))
 
     def __repr__(self) -> str:
         return f"GradientReducer({format_spec(self.spec)!r}, world_size={self.world_size}, seed={self.seed})"
