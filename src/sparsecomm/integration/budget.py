@@ -64,19 +64,19 @@ steps at the ``floor`` density — the first warms the sparse path up and is not
 their cost is known, cheaply where sparse does not pay.
 
 The incumbent changes only by a *trial*: a challenger mode runs `TRIAL_PAIRS` times, each step
-followed by one of the incumbent, and wins if it was cheaper than the incumbent's step after it in
-every pair of the trial, or in the `typical` pair of the pair's last trials (at least two trials'
-worth, `PAIR_WINDOW`) — half by `HALF_MARGIN`, sparse by `SPARSE_MARGIN` (what it leaves in the
-feedback arrives later). A first trial split by one stalled step (most pairs won) runs again at
-once. Steps of a machine shared with others are slower for whole seconds at a time; modes measured
-at different times would be ranked by the machine's mood, steps side by side are not. A challenger's
-trial is due once its extra cost over its trial — as the pair's earlier trials measured it, or as
-predicted for a pair never compared — is `EXPLORE_SHARE` of the steps' time since the pair was last
-compared, and never sooner than `MIN_REEXPLORE` steps after (a mode never compared: at once where
-the share allows): close calls are re-checked often, a mode that lost clearly waits in proportion,
-and on a slow link dense is rarely tried beyond the probes. Of the modes due, the cheapest predicted
-goes first. A step whose mode differs from the step before's, and every step of a trial, is always
-heard, even when its report must go alone.
+followed by one of the incumbent, and wins if it was `CLEAR_WIN` times cheaper than the incumbent's
+step after it in every pair of the trial, or cheaper in the `typical` pair of the pair's last trials
+(at least two trials' worth, `PAIR_WINDOW`) — half by `HALF_MARGIN`, sparse by `SPARSE_MARGIN` (what
+it leaves in the feedback arrives later). A first trial that won but not clearly, or was split by
+one stalled step, runs again at once. Steps of a machine shared with others are slower for whole
+seconds at a time; modes measured at different times would be ranked by the machine's mood, steps
+side by side are not. A challenger's trial is due once its extra cost over its trial — as the pair's
+earlier trials measured it, or as predicted for a pair never compared — is `EXPLORE_SHARE` of the
+steps' time since the pair was last compared, and never sooner than `MIN_REEXPLORE` steps after (a
+mode never compared: at once where the share allows): close calls are re-checked often, a mode that
+lost clearly waits in proportion, and on a slow link dense is rarely tried beyond the probes. Of the
+modes due, the cheapest predicted goes first. A step whose mode differs from the step before's, and
+every step of a trial, is always heard, even when its report must go alone.
 
 A user-set ``budget`` (bytes per step) replaces B and turns the probes off: bytes alone
 decide the mode then (dense, half or sparse, whichever the budget holds) and a run repeats bit for
@@ -119,6 +119,11 @@ EXPLORE_SHARE, MIN_REEXPLORE = 0.02, 30
 time since its last trial, and at most once every this many steps"""
 TRIAL_PAIRS = 3
 """a trial runs the challenger this many times, each followed by a step of the incumbent"""
+CLEAR_WIN = 1.5
+"""one trial decides alone only where the challenger beat the incumbent (with the margins) by this
+factor in every pair: a step's time here varies by ±50% and more from one step to the next, so three
+pairs barely past the margin come by chance (fp16 against fp32 on loopback, 10% apart: 2 of 8 trials
+in one run); a smaller win needs the typical pair of two trials"""
 PAIR_WINDOW = 4 * TRIAL_PAIRS
 """per pair of modes, how many of their latest paired step ratios a close call is judged by"""
 TRIAL_PATIENCE = 6
@@ -523,12 +528,12 @@ class LinkBudget:
     def _decide_trial(self, costs: dict[str, tuple[float, Plan]]) -> None:
         """Once a trial has run and its reports are in (or `TRIAL_PATIENCE` steps have passed), its
         pairs' ratios join the pair's earlier ones (`PAIR_WINDOW`), and the challenger becomes the
-        incumbent if, with the margins, it was cheaper in every pair of this trial, or in the
-        `typical` pair of at least two trials' worth: the first on a clear difference, the second
-        on a close one that one trial's few steps cannot tell from the machine's noise. A first
-        trial that most of its pairs won but one lost (a stalled step) is run again at once
-        (`rematch`), and the two decide, rather than one hiccup keeping the incumbent for
-        `MIN_REEXPLORE` steps."""
+        incumbent if, with the margins, it was `CLEAR_WIN` times cheaper in every pair of this
+        trial, or cheaper in the `typical` pair of at least two trials' worth: the first on a clear
+        difference, the second on a close one that one trial's few steps cannot tell from the
+        machine's noise. A first trial whose typical pair won but not clearly (or that one stalled
+        step split) is run again at once (`rematch`), and the two decide, rather than one hiccup
+        keeping the incumbent for `MIN_REEXPLORE` steps."""
         trial = self.trial
         if trial is None or trial.to_run or (trial.running and self.step - trial.last_step <= TRIAL_PATIENCE):
             return
@@ -541,7 +546,7 @@ class LinkBudget:
         if not ratios or trial.incumbent != self.incumbent or trial.challenger not in costs:
             return
         threshold = (1 + margin(trial.incumbent)) / (1 + margin(trial.challenger))
-        if (len(ratios) >= TRIAL_PAIRS and max(ratios) < threshold) or (
+        if (len(ratios) >= TRIAL_PAIRS and max(ratios) < threshold / CLEAR_WIN) or (
                 len(history) >= 2 * TRIAL_PAIRS and typical(self._ratios_over(trial.challenger, trial.incumbent))
                 < threshold):
             self.incumbent = trial.challenger
