@@ -13,12 +13,18 @@ def reference(values: np.ndarray, width: int) -> bytes:
     return np.packbits(np.array(bits, dtype=np.uint8)).tobytes()
 
 
-@pytest.mark.parametrize("width", range(1, 65))
-@pytest.mark.parametrize("count", [1, 7, 8, 9, 23])
-def test_fields_are_laid_out_msb_first_back_to_back(width, count):
+def random_fields(width: int, count: int) -> np.ndarray:
+    """``count`` random values below 2**width, as uint64."""
     rng = np.random.default_rng(width * 100 + count)
     values = rng.integers(0, 2**63, size=count, dtype=np.uint64) >> np.uint64(max(0, 63 - width))
     values &= np.uint64((1 << width) - 1) if width < 64 else np.uint64(2**64 - 1)
+    return values
+
+
+@pytest.mark.parametrize("width", range(1, 65))
+@pytest.mark.parametrize("count", [1, 7, 8, 9, 23])
+def test_fields_are_laid_out_msb_first_back_to_back(width, count):
+    values = random_fields(width, count)
     packed = pack_fixed(values, width)
     assert packed == reference(values, width)
     assert np.array_equal(unpack_fixed(packed, width, count), values)
@@ -33,9 +39,7 @@ def test_empty_and_zero_width():
 @pytest.mark.parametrize("width", range(0, 65))
 @pytest.mark.parametrize("count", [1, 7, 8, 9, 23])
 def test_byte_planes_round_trip_within_a_byte_of_one_stream(width, count):
-    rng = np.random.default_rng(width * 100 + count)
-    values = rng.integers(0, 2**63, size=count, dtype=np.uint64) >> np.uint64(max(0, 63 - width))
-    values &= np.uint64((1 << width) - 1) if width < 64 else np.uint64(2**64 - 1)
+    values = random_fields(width, count)
     packed = pack_planes(values, width)
     assert len(packed) == planes_nbytes(count, width)
     assert nbytes_for_bits(count * width) <= len(packed) <= nbytes_for_bits(count * width) + 1
