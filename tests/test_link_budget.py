@@ -323,6 +323,16 @@ def test_an_fp16_all_reduce_probed_no_faster_than_fp32s_leaves_fp32_the_first_in
     assert modes.count(DENSE) > 0.8 * len(modes)  # trials aside, fp32 throughout
 
 
+@pytest.mark.parametrize("sparse, wins", [(0.0034, False), (0.0030, True)])
+def test_sparse_must_save_its_margin_over_fp16_as_over_fp32(sparse, wins):
+    # the fast link above, fp16 the incumbent at 4 ms a step: sparse steps 2.5% cheaper side by side
+    # (0.975 of fp16's) are not worth what they hold back in the feedback; 12.5% cheaper (0.875) are,
+    # once two trials agree
+    plan = measured(budget(probe=0), sparse=0.00304, compute=0.002, throughput=1e9, per_nnz=2.0, magnitude=1.0)
+    modes = steps(plan, 120, lambda mode, step: {DENSE: 0.006, HALF: 0.004, SPARSE: sparse}[mode])
+    assert modes[0] == HALF and plan.incumbent == (SPARSE if wins else HALF)
+
+
 def test_fp16_run_first_but_slower_side_by_side_than_fp32_gives_way_after_fp32s_trial():
     # a fast link: fp16 predicted at 1.5 + 1 ms (x1.1) against fp32's 1.5 + 2 ms, so fp16 runs first;
     # but its steps take 6 ms (gloo sums fp16 on the processor that runs the backward), fp32's 3.5:

@@ -66,8 +66,9 @@ their cost is known, cheaply where sparse does not pay.
 The incumbent changes only by a *trial*: a challenger mode runs `TRIAL_PAIRS` times, each step
 followed by one of the incumbent, and wins if it was `CLEAR_WIN` times cheaper than the incumbent's
 step after it in every pair of the trial, or cheaper in the `typical` pair of the pair's last trials
-(at least two trials' worth, `PAIR_WINDOW`) — half by `HALF_MARGIN`, sparse by `SPARSE_MARGIN` (what
-it leaves in the feedback arrives later). A first trial that won but not clearly, or was split by
+(at least two trials' worth, `PAIR_WINDOW`) — a less exact mode by its margin over a more exact one
+(`win_threshold`): half by `HALF_MARGIN` over fp32, sparse by `SPARSE_MARGIN` over either (what it
+leaves in the feedback arrives later). A first trial that won but not clearly, or was split by
 one stalled step, runs again at once. Steps of a machine shared with others are slower for whole
 seconds at a time; modes measured at different times would be ranked by the machine's mood, steps
 side by side are not. A challenger's trial is due once its extra cost over its trial — as the pair's
@@ -136,9 +137,23 @@ the least would flatter a mode, as fp16 on gloo; a median of a few is as noisy a
 DENSE, HALF, SPARSE = "dense", "half", "sparse"
 
 
+EXACTNESS = (DENSE, HALF, SPARSE)
+"""the modes from the most exact: fp16 rounds what fp32 sends whole, sparse holds back all it leaves
+in the feedback"""
+
+
 def margin(mode: str) -> float:
-    """What a step in ``mode`` must save to be chosen over an exact one."""
+    """What a step in ``mode`` must save to be chosen over a more exact one."""
     return {HALF: HALF_MARGIN, SPARSE: SPARSE_MARGIN}.get(mode, 0.0)
+
+
+def win_threshold(challenger: str, incumbent: str) -> float:
+    """The largest ratio of a challenger's step time to the incumbent's at which it wins: a less
+    exact mode must save its own margin over a more exact one (sparse 10% on fp16 as on fp32), and a
+    more exact one wins unless it costs more than the less exact one's margin."""
+    if EXACTNESS.index(challenger) > EXACTNESS.index(incumbent):
+        return 1 / (1 + margin(challenger))
+    return 1 + margin(incumbent)
 
 
 @dataclass(frozen=True)
@@ -545,7 +560,7 @@ class LinkBudget:
         history.extend(r if pair[0] == trial.challenger else 1 / r for r in ratios)
         if not ratios or trial.incumbent != self.incumbent or trial.challenger not in costs:
             return
-        threshold = (1 + margin(trial.incumbent)) / (1 + margin(trial.challenger))
+        threshold = win_threshold(trial.challenger, trial.incumbent)
         if (len(ratios) >= TRIAL_PAIRS and max(ratios) < threshold / CLEAR_WIN) or (
                 len(history) >= 2 * TRIAL_PAIRS and typical(self._ratios_over(trial.challenger, trial.incumbent))
                 < threshold):
