@@ -147,3 +147,17 @@ def test_the_gpu_sampled_threshold_is_the_sample_top_rounded_down_to_8_significa
         exact = torch.topk(samples, -(-count * k // flat.numel())).values.min()
         rounded = torch.tensor(int(exact.view(torch.int32)) >> 15 << 15, dtype=torch.int32).view(torch.float32)
         assert threshold.device.type == "cuda" and float(threshold) == float(rounded), (k, stride)
+
+
+def test_the_training_job_runs_every_kind_of_row_on_gpus_with_ranks_in_step():
+    """`sparsecomm train --device cuda`: two ranks on the GPU(s), gloo carrying CUDA gradients, for
+    PyTorch's own rows and sparsecomm's hooks alike; every rank ends with the same weights."""
+    from sparsecomm.train.runner import run
+
+    rows = ["torch-allreduce", "torch-fp16", "torch-powersgd-r1", "adaptive", "dgc"]
+    result = run("digits", rows, workers=2, steps=60, device="cuda")
+    assert result["device"] == "cuda" and [row["preset"] for row in result["rows"]] == rows
+    for row in result["rows"]:
+        assert row["ranks_identical"], row["preset"]
+        assert row["final_metric"] > 50, row  # 60 steps learn digits well past chance
+    assert all(len(curve["losses"]) == 60 for curve in result["curves"].values())

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from sparsecomm.cli.main import main
 
@@ -93,6 +94,12 @@ def test_presets_may_be_specs_with_commas_inside_parentheses(tmp_path):
 def test_train_rejects_an_unknown_preset_before_starting_workers(capsys):
     assert train_on_loopback(["--presets", "nonsense", "--steps", "1"]) == 2
     assert "unknown component 'nonsense'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present (tests/test_cuda.py trains on it)")
+def test_training_on_cuda_without_a_gpu_says_so_before_starting_workers(capsys):
+    assert main(["train", "--device", "cuda", "--presets", "dense", "--steps", "1"]) == 2
+    assert "--device cuda: no CUDA device is available here" in capsys.readouterr().err
 
 
 def test_the_language_model_trains_through_sparse_embedding_gradients(tmp_path):

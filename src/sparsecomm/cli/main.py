@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=_seed_list, default=[0],
                        help="seed, or comma-separated seeds: the metric is then reported as mean ± std over them")
     train.add_argument("--bandwidth", default="1gbit", help="link rate for the modeled communication time")
+    train.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                       help="where each worker trains: cpu (default) or cuda (worker r on GPU r modulo the GPUs "
+                            "present; collectives on gloo, which carries CUDA tensors through the host)")
     train.add_argument("--shaped", metavar="RATE", default="auto",
                        help="run the workers on a link shaped to RATE (needs root and network namespaces); 'auto' "
                             "(default): the rate that gives the workload the communication-to-compute ratio of "
@@ -348,6 +351,7 @@ def _train(args: argparse.Namespace) -> int:
         presets = ["dense", *presets]
     presets = [*(name for name in _baselines(args.baselines) if name not in presets), *presets]
     args.workers = args.workers or runner.default_workers()
+    runner.check_device(args.device)
     in_job = runner.launched_by_torchrun()
     shaped = None if args.shaped == "none" else args.shaped
     if in_job and shaped and args.shaped != "auto":
@@ -360,7 +364,7 @@ def _train(args: argparse.Namespace) -> int:
 
             ok, unavailable = ShapedNetwork.available()
             if ok and shaped == "auto":
-                shaped, why = runner.default_link(args.workload, args.workers, args.batch, args.seed[0])
+                shaped, why = runner.default_link(args.workload, args.workers, args.batch, args.seed[0], args.device)
             if ok:
                 namespaces = stack.enter_context(ShapedNetwork(args.workers, shaped)).namespaces
             else:
@@ -369,15 +373,15 @@ def _train(args: argparse.Namespace) -> int:
                       file=sys.stderr)
         bandwidth = shaped if namespaces and shaped else args.bandwidth  # modeled at the shaped rate
         runs = [runner.run(args.workload, presets, args.workers, args.steps, args.batch, args.lr, seed,
-                           bandwidth, namespaces, args.target_loss)
+                           bandwidth, namespaces, args.target_loss, args.device)
                 for seed in args.seed]
     result = runner.over_seeds(runs, args.seed)
     result["link"] = shaped if namespaces else ("the torchrun job's network" if in_job else "loopback")
     result["link_reason"] = why
     if not runner.is_reporting_rank():
         return 0  # in a torchrun job, rank 0 reports
-    print(f"\ntrain {args.workload}: {result['workers']} workers on {result['link']}, {args.steps} steps, same "
-          f"seed for every row; modeled communication at {result['bandwidth']}")
+    print(f"\ntrain {args.workload}: {result['workers']} workers ({args.device}) on {result['link']}, {args.steps} "
+          f"steps, same seed for every row; modeled communication at {result['bandwidth']}")
     if why:
         print(f"link {why}")
     print()

@@ -64,11 +64,11 @@ def format_rate(bits_per_s: float) -> str:
     return f"{bits_per_s:g}"
 
 
-def default_link(workload_name: str, workers: int, batch: int, seed: int) -> tuple[str, str]:
+def default_link(workload_name: str, workers: int, batch: int, seed: int, device: str = "cpu") -> tuple[str, str]:
     """(rate, why) of the link the main job trains on when not told: the workload's dense bytes and
     its compute per step, measured on ``workers`` local workers at once, as training runs them."""
     task = load_workload(workload_name)
-    compute_s = max(run_local(workers, _compute_probe, task, batch, seed))
+    compute_s = max(run_local(workers, _compute_probe, task, batch, seed, device))
     dense_bytes = 4 * sum(p.numel() for p in task.model(seed).parameters())
     rate = format_rate(matching_rate(dense_bytes, compute_s))
     why = (f"{rate}: a dense all_reduce of {task.name}'s {dense_bytes / 1e3:,.0f} kB then takes {REGIME.ratio():.0f}x "
@@ -76,8 +76,39 @@ def default_link(workload_name: str, workers: int, batch: int, seed: int) -> tup
     return rate, why
 
 
-def _compute_probe(rank: int, world: int, task: Workload, batch: int, seed: int) -> float:
-    return compute_seconds_per_step(task, batch, seed, trials=30)
+def _compute_probe(rank: int, world: int, task: Workload, batch: int, seed: int, device: str) -> float:
+    return compute_seconds_per_step(task, batch, seed, trials=30, device=worker_device(device, rank))
+
+
+def worker_device(device: str, rank: int) -> torch.device:
+    """Where rank ``rank`` trains: the CPU, or with ``device='cuda'`` the GPU of its local rank
+    (torchrun's ``LOCAL_RANK``, else ``rank``) modulo the GPUs present. Several ranks may share one
+    GPU: their collectives run on gloo, which carries CUDA tensors through the host, as between
+    machines on an Ethernet network."""
+    check_device(device)
+    if device == "cpu":
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def check_device(device: str) -> None:
+    """Raise `SparseCommError` unless ``device`` is 'cpu', or 'cuda' with a GPU present."""
+    if device not in ("cpu", "cuda"):
+        raise SparseCommError(f"unknown device {device!r}; use cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SparseCommError("--device cuda: no CUDA device is available here")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so a clock read after it times that work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def on_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    return tuple(tensor.to(device, non_blocking=True) for tensor in batch)
 
 
 def bits_per_second(rate: str) -> float:
@@ -95,31 +126,35 @@ def bits_per_second(rate: str) -> float:
     return value
 
 
-def compute_seconds_per_step(task: Workload, batch: int, seed: int, trials: int = 5) -> float:
+def compute_seconds_per_step(task: Workload, batch: int, seed: int, trials: int = 5,
+                             device: torch.device | None = None) -> float:
     """Forward + backward + SGD step of the workload's model alone (no communication), median."""
-    model = task.model(seed)
+    device = device or torch.device("cpu")
+    model = task.model(seed).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     times = []
     for batch_data in task.batches(0, 1, trials + 1, batch, seed + 1):
         tick = time.perf_counter()
         optimizer.zero_grad()
-        task.loss(model, batch_data).backward()
+        task.loss(model, on_device(batch_data, device)).backward()
         optimizer.step()
+        synchronize(device)
         times.append(time.perf_counter() - tick)
     return sorted(times[1:])[len(times[1:]) // 2]
 
 
 def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: int, lr: float,
-           seed: int) -> dict[str, Any]:
+           seed: int, device_name: str = "cpu") -> dict[str, Any]:
     """One rank's training run for one row: a sparsecomm preset (or spec) through its DDP hook, or
     one of PyTorch's own schemes (`BASELINES`)."""
-    compute_per_step = compute_seconds_per_step(task, batch, seed)
+    device = worker_device(device_name, rank)
+    compute_per_step = compute_seconds_per_step(task, batch, seed, device=device)
     baseline = BASELINES.get(row)
     if baseline is not None:
-        model, meter = baseline.wrap(task.model(seed))
+        model, meter = baseline.wrap(task.model(seed).to(device))
         reducer, applies_momentum = None, False
     else:
-        model = DistributedDataParallel(task.model(seed))
+        model = DistributedDataParallel(task.model(seed).to(device))
         reducer = register_ddp_hook(model, row, seed=seed)
         applies_momentum = reducer.spec.feedback.name == "dgc_momentum"
     # one update rule for every row: SGD with Nesterov momentum, applied by the optimizer or, for
@@ -130,9 +165,10 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
     start = time.perf_counter()
     for batch_data in task.batches(rank, world, steps, batch, seed):
         optimizer.zero_grad()
-        loss = task.loss(model, batch_data)
+        loss = task.loss(model, on_device(batch_data, device))
         loss.backward()  # the hook's local stages run here, its collectives on their own thread
         optimizer.step()
+        synchronize(device)
         losses.append(float(loss.detach()))
         if reducer is None:
             meter.step()
@@ -162,7 +198,7 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
         "compute_s": compute_per_step * steps,
         "bytes_per_step": summary["bytes_per_step"], "metric": evaluation.metric,
         "test_loss": evaluation.loss, "parameters": numel, "budget": budget,
-        "digest": hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest(),
+        "digest": hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest(),
     }
 
 
@@ -173,12 +209,14 @@ def reference_row(names: list[str]) -> str | None:
 
 def run(workload_name: str, presets: list[str], workers: int, steps: int, batch: int = 32, lr: float | None = None,
         seed: int = 0, bandwidth: str = "1gbit", namespaces: list[str] | None = None,
-        target_loss: float | None = None) -> dict[str, Any]:
+        target_loss: float | None = None, device: str = "cpu") -> dict[str, Any]:
     """Train with each row — a preset, a spec, or one of PyTorch's schemes (`BASELINES`); rows carry
     the final metric, bytes, the time split and the time to ``target_loss`` (default: where the
     reference row, `reference_row`, has made 95% of its improvement), measured and modeled. A
-    baseline that cannot run on this workload is a row saying why."""
+    baseline that cannot run on this workload is a row saying why. ``device``: where each rank
+    trains (`worker_device`)."""
     link = bits_per_second(bandwidth)
+    check_device(device)  # fail before starting any worker
     task = load_workload(workload_name)  # built once here, handed to every worker
     lr = task.default_lr if lr is None else lr
     for preset in presets:
@@ -198,9 +236,9 @@ def run(workload_name: str, presets: list[str], workers: int, steps: int, batch:
                          "workers": workers, "steps": steps, "note": refused[preset]})
             continue
         if in_job:
-            results = shared_view(worker(dist.get_rank(), workers, task, preset, steps, batch, lr, seed))
+            results = shared_view(worker(dist.get_rank(), workers, task, preset, steps, batch, lr, seed, device))
         else:
-            results = run_local(workers, worker, task, preset, steps, batch, lr, seed, timeout=3600,
+            results = run_local(workers, worker, task, preset, steps, batch, lr, seed, device, timeout=3600,
                                 namespaces=namespaces)
         first = results[0]
         identical = len({r["digest"] for r in results}) == 1
@@ -240,6 +278,7 @@ def run(workload_name: str, presets: list[str], workers: int, steps: int, batch:
         seconds = row["time_to_target_s"]
         row["speedup_to_target"] = reference_time / seconds if seconds and reference_time else None
     return {"benchmark": "train", "workload": workload_name, "workers": workers, "steps": steps, "lr": lr,
+            "device": device,
             "launcher": "torchrun" if in_job else "local", "reference": reference,
             "bandwidth": bandwidth, "target_loss": target, "rows": rows, "curves": curves}
 

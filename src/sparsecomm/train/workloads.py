@@ -62,10 +62,12 @@ class Digits:
         return F.cross_entropy(model(inputs), labels)
 
     def evaluate(self, model: nn.Module) -> Evaluation:
+        device = next(model.parameters()).device
+        test_x, test_y = self.test_x.to(device), self.test_y.to(device)
         with torch.no_grad():
-            logits = model(self.test_x)
-            accuracy = float((logits.argmax(1) == self.test_y).float().mean())
-            return Evaluation(100.0 * accuracy, float(F.cross_entropy(logits, self.test_y)))
+            logits = model(test_x)
+            accuracy = float((logits.argmax(1) == test_y).float().mean())
+            return Evaluation(100.0 * accuracy, float(F.cross_entropy(logits, test_y)))
 
 
 class StdlibLanguageModel:
@@ -139,11 +141,12 @@ class StdlibLanguageModel:
 
     def evaluate(self, model: nn.Module) -> Evaluation:
         starts = torch.arange(0, len(self.test_tokens) - self.CONTEXT, 2)
+        device = next(model.parameters()).device
         total = 0.0
         with torch.no_grad():
             for chunk in torch.split(starts, 2048):  # 2048 × 5001 logits at a time
                 context, target = self._windows(self.test_tokens, chunk)
-                total += float(F.cross_entropy(model(context), target, reduction="sum"))
+                total += float(F.cross_entropy(model(context.to(device)), target.to(device), reduction="sum"))
         loss = total / len(starts)
         return Evaluation(float(torch.exp(torch.tensor(loss))), loss)
 
