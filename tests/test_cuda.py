@@ -109,7 +109,7 @@ def test_a_sparse_selection_reaches_the_host_in_one_copy():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_the_one_pass_gpu_selection_keeps_exactly_what_nonzero_keeps(dtype):
-    from sparsecomm.sparsify.threshold import indices_at_or_above
+    from sparsecomm.sparsify.cuda_select import indices_at_or_above  # the kernel itself, at every size
 
     generator = torch.Generator(device="cuda").manual_seed(4)
     for numel in (1, 4095, 4097, 1_000_003):
@@ -120,6 +120,14 @@ def test_the_one_pass_gpu_selection_keeps_exactly_what_nonzero_keeps(dtype):
             got = indices_at_or_above(flat, threshold)
             want = torch.nonzero(flat.abs() >= threshold).squeeze(1)
             assert torch.equal(got, want), (numel, threshold)
+
+
+def test_the_triton_kernels_serve_only_tensors_large_enough_to_repay_their_start():
+    from sparsecomm.sparsify.base import TRITON_MIN_NUMEL, gpu_kernels
+
+    assert gpu_kernels(torch.empty(TRITON_MIN_NUMEL - 1, device="cuda"), "cuda_select") is None
+    assert gpu_kernels(torch.empty(TRITON_MIN_NUMEL, device="cuda"), "cuda_select") is not None
+    assert gpu_kernels(torch.empty(TRITON_MIN_NUMEL, device="cuda", dtype=torch.float64), "cuda_select") is None
 
 
 def test_dgc_on_the_gpu_selects_about_k_without_a_host_round_trip_for_the_threshold():
@@ -138,7 +146,7 @@ def test_dgc_on_the_gpu_selects_about_k_without_a_host_round_trip_for_the_thresh
 def test_the_gpu_sampled_threshold_is_the_sample_top_rounded_down_to_8_significant_bits(dtype):
     from sparsecomm.sparsify.dgc_threshold import device_sampled_threshold
 
-    flat = torch.randn(3_000_001, generator=torch.Generator(device="cuda").manual_seed(5), device="cuda").to(dtype)
+    flat = torch.randn(4_500_001, generator=torch.Generator(device="cuda").manual_seed(5), device="cuda").to(dtype)
     for k, stride in ((3000, 100), (30, 1000), (300_000, 7), (1, 1)):
         threshold = device_sampled_threshold(flat, k, stride, torch.Generator(device="cuda").manual_seed(6))
         start = int(torch.randint(stride, (1,), generator=torch.Generator(device="cuda").manual_seed(6), device="cuda"))

@@ -449,8 +449,11 @@ class GradientReducer:
         self._measure_submit(tensor, segments, wire.path, submitted - start, submitted)
         if self.budget.measuring.first_issue is None:
             self.budget.measuring.first_issue = submitted
-        # posted on the process group itself, as DDP posts its own: dist.all_reduce's checks cost more
-        work = self._process_group.allreduce([on_wire(wire.tensor, self.wire_device)])
+        # posted on the process group itself, as DDP posts its own: dist.all_reduce's checks cost more.
+        # A CUDA tensor goes as it is, on gloo too: gloo stages it through pinned memory on its own
+        # stream and thread, where a copy to the wire device here would hold up the backward pass
+        posted = wire.tensor if wire.tensor.device.type == "cuda" else on_wire(wire.tensor, self.wire_device)
+        work = self._process_group.allreduce([posted])
         result: torch.futures.Future = torch.futures.Future()
 
         def finish(done: torch.futures.Future) -> None:

@@ -98,10 +98,17 @@ TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """dtypes the GPU kernels take: their magnitudes compare exactly in float32 inside them"""
 
 
+TRITON_MIN_NUMEL = 1 << 22
+"""the least tensor the Triton kernels serve: below it torch's ops take as long per call, and
+Triton's start in each process (the kernels' first call, ~0.75 s on an H200 with a warm cache)
+would outweigh what they save over any realistic run"""
+
+
 def gpu_kernels(tensor: torch.Tensor, module: str) -> ModuleType | None:
     """The Triton kernels of ``sparsecomm.sparsify.<module>`` where they serve ``tensor`` (on a
-    GPU, of a `TRITON_DTYPES` dtype, Triton installed); None where torch's own ops must."""
-    if tensor.device.type != "cuda" or tensor.dtype not in TRITON_DTYPES:
+    GPU, of a `TRITON_DTYPES` dtype, at least `TRITON_MIN_NUMEL` entries, Triton installed); None
+    where torch's own ops must."""
+    if tensor.device.type != "cuda" or tensor.dtype not in TRITON_DTYPES or tensor.numel() < TRITON_MIN_NUMEL:
         return None
     try:
         return importlib.import_module(f"sparsecomm.sparsify.{module}")
