@@ -87,6 +87,33 @@ def ddp_steps(rank: int, world: int, preset: str, device: str, steps: int) -> di
             "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters())}
 
 
+def rank_disagreements(rank: int, world: int, preset: str, steps: int) -> int:
+    """Steps on which this rank's averaged gradients differ from rank 0's: a 16.8M-parameter MLP on
+    the GPU, gloo carrying its CUDA buckets, large enough that work left on a side stream shows."""
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2048, 4096), nn.ReLU(), nn.Linear(4096, 2048)).cuda()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    reducer = sc.GradientReducer(preset, model=ddp, seed=3)
+    ddp.register_comm_hook(reducer, sc.ddp_comm_hook)
+    generator = torch.Generator(device="cuda").manual_seed(rank)
+    disagreements = 0
+    for _ in range(steps):
+        ddp.zero_grad()
+        ddp(torch.randn(16, 2048, generator=generator, device="cuda")).square().mean().backward()
+        mine = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        first = mine.clone()
+        dist.broadcast(first, 0)
+        disagreements += not torch.equal(mine, first)
+    reducer.close()
+    return disagreements
+
+
+@pytest.mark.parametrize("preset", ["adaptive", "dense", "dgc"])
+def test_every_rank_applies_the_same_sum_on_every_step_when_gloo_carries_cuda_gradients(preset):
+    assert run_local(2, rank_disagreements, preset, 30, timeout=240) == [0, 0]
+
+
 @pytest.mark.parametrize("preset", sc.available_presets())
 def test_the_ddp_hook_runs_every_preset_on_nccl(preset):
     (gpu,) = run_local(1, ddp_steps, preset, "cuda", 4, backend="nccl", timeout=240)

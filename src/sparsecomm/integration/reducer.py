@@ -122,6 +122,13 @@ class ReducerStats:
         }
 
 
+def _result_future(tensor: torch.Tensor) -> torch.futures.Future:
+    """The future a call's sum is handed back in. For a CUDA gradient it knows the device, so that
+    setting it records the setter's stream and a waiter's stream waits for that work: the callbacks
+    of c10d's futures run on side streams, and DDP copies the sum into the gradients on its own."""
+    return torch.futures.Future(devices=[tensor.device]) if tensor.device.type == "cuda" else torch.futures.Future()
+
+
 def _default_group() -> dist.ProcessGroup:
     from torch.distributed.distributed_c10d import _get_default_group
 
@@ -339,7 +346,7 @@ class GradientReducer:
             segments.append(Segment(name, start, numel, whole=numel < self.dense_below))
             start += numel
         reduced = self._submit(key, reordered, segments, stats_key=stats_key)
-        result: torch.futures.Future = torch.futures.Future()
+        result = _result_future(buffer)
 
         def back_to_ddp_layout(done: torch.futures.Future[torch.Tensor]) -> None:
             try:
@@ -401,7 +408,7 @@ class GradientReducer:
                 future.set_exception(err)
         else:
             future = transport.reduce_async(contribution, self.async_group, request, out, self.session)
-        result: torch.futures.Future = torch.futures.Future()
+        result = _result_future(tensor)
 
         def finish(done: torch.futures.Future[Reduction]) -> None:
             # not Future.then: it would wrap a SparseCommError in a RuntimeError
@@ -454,7 +461,7 @@ class GradientReducer:
         # stream and thread, where a copy to the wire device here would hold up the backward pass
         posted = wire.tensor if wire.tensor.device.type == "cuda" else on_wire(wire.tensor, self.wire_device)
         work = self._process_group.allreduce([posted])
-        result: torch.futures.Future = torch.futures.Future()
+        result = _result_future(tensor)
 
         def finish(done: torch.futures.Future) -> None:
             try:
