@@ -98,10 +98,10 @@ TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """dtypes the GPU kernels take: their magnitudes compare exactly in float32 inside them"""
 
 
-TRITON_MIN_NUMEL = 1 << 22
-"""the least tensor the Triton kernels serve: below it torch's ops take as long per call, and
-Triton's start in each process (the kernels' first call, ~0.75 s on an H200 with a warm cache)
-would outweigh what they save over any realistic run"""
+TRITON_MIN_NUMEL = 1 << 21
+"""the least tensor the Triton kernels serve: from about this size on they beat torch's ops per
+call; below it they would only add their start, paid once in each process (the kernels' first call
+compiles or loads them)"""
 
 
 def gpu_kernels(tensor: torch.Tensor, module: str) -> ModuleType | None:
