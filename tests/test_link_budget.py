@@ -367,6 +367,14 @@ def test_a_user_set_budget_decides_by_bytes_alone_and_never_probes():
         assert modes == {expected}, bytes_
 
 
+def test_before_the_first_step_a_user_budget_below_fp16s_bytes_plans_sparse_and_a_larger_one_dense():
+    for bytes_, expected in [(20_000, Plan(SPARSE, 0.001)), (DENSE_BYTES // 2, Plan(DENSE)),
+                             (DENSE_BYTES, Plan(DENSE))]:
+        plan = LinkBudget(Adaptive(budget=bytes_), world_size=2)
+        plan.total_numel = N  # the model's size, as the reducer tells it; what the budget covers: not yet known
+        assert plan.begin_step(now=0.0) == expected, bytes_
+
+
 def test_the_plan_follows_the_slowest_compute_link_and_step():
     one = report(compute=0.001, throughput=20e6, dense=0.2, sparse=0.004)
     two = report(compute=0.003, throughput=10e6, dense=0.5, sparse=0.005)

@@ -309,7 +309,8 @@ class LinkBudget:
     world_size: int
     step: int = 0
     total_numel: int = 0
-    """elements reduced per step (all tensors): the dense all_reduce's size"""
+    """elements reduced per step (all tensors): the dense all_reduce's size (before the first step:
+    the model's, where the reducer knows it)"""
     budget_numel: int = 0
     """elements under the adaptive sparsifier per step"""
     compute_s: deque[float] = _window(COMPUTE_WINDOW)
@@ -448,9 +449,14 @@ class LinkBudget:
             # the link probed at start-up, the compute not timed yet: sparse at the floor density,
             # cheap on any link, and a first sparse step warms the sparse path up
             return Plan(SPARSE, self.sparsifier.floor)
-        if self.budget_numel == 0:
-            return Plan(DENSE)
         dense_bytes = 2 / self.world_size * 4 * self.total_numel  # fp32 all_reduce, in allgather bytes per rank
+        if self.budget_numel == 0:
+            if self.step == 0 and 0 < self.sparsifier.budget < dense_bytes / 2:
+                # a user budget below fp16's bytes (the model's size told before the first step, what
+                # the budget covers not yet measured): sparse from the start, at the floor density —
+                # a dense first step would send the whole gradient over a link chosen too slow for it
+                return Plan(SPARSE, self.sparsifier.floor)
+            return Plan(DENSE)
         half_allowed = self.max_magnitude * HALF_HEADROOM < HALF_RANGE
         if self.sparsifier.budget:  # user-set: bytes alone decide, no timing
             fixed = self.sparsifier.budget

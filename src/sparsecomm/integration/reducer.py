@@ -236,6 +236,8 @@ class GradientReducer:
         self._rank = dist.get_rank(self._process_group)
         self._reports = BudgetReports(self.async_group, self.wire_device)
         """the budget's reports on their way to every rank"""
+        if self.budget is not None and module is not None:  # its size, before the first step measures it
+            self.budget.total_numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
         if self.budget is not None and self.world_size > 1 and not self.budget.sparsifier.budget:
             # the sparse path's and the link's costs, timed before the first step, so that step can be planned
             self.budget.calibrate(self.spec)
