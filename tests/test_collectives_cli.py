@@ -109,6 +109,37 @@ def test_a_shaped_link_really_limits_the_rate():
     assert not any(name in listed for name in namespaces)  # cleaned up
 
 
+def _one_way_seconds(rank: int, world: int, nbytes: int) -> float:
+    """Median time to send ``nbytes`` from rank 0 to rank 1 and get a 4-byte answer, the link idle before."""
+    message, answer, times = torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(1), []
+    for _ in range(5):
+        dist.barrier()
+        time.sleep(0.05)  # long enough for any token bucket to refill
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(message, 1)
+            dist.recv(answer, 1)
+        else:
+            dist.recv(message, 0)
+            dist.send(answer, 0)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[2]
+
+
+def test_link_bursts_hold_a_quarter_millisecond_of_line_time_and_at_least_16_kb():
+    from sparsecomm.netns import link_burst
+
+    assert link_burst("100mbit") == "16384" and link_burst("1gbit") == "32000" and link_burst("10gbit") == "320000"
+
+
+@pytest.mark.skipif(not ShapedNetwork.available()[0], reason=f"no shaped network here: {ShapedNetwork.available()[1]}")
+def test_a_message_smaller_than_the_old_burst_still_pays_its_wire_time():
+    # 200 kB at 100 Mbit/s: 16 ms of wire; a 256 KB token bucket let it through in 1.4 ms
+    with ShapedNetwork(2, "100mbit") as network:
+        seconds = run_local(2, _one_way_seconds, 200_000, namespaces=network.namespaces, timeout=120)[0]
+    assert seconds >= 0.8 * 200_000 * 8 / 100e6
+
+
 def stalled_ping_pongs(rank: int, world: int) -> float:
     """Rank 1 answers every other ping 20 ms late, as a thread kept from a busy processor would."""
     from sparsecomm.bench import calibration

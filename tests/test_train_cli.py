@@ -177,7 +177,7 @@ def test_by_default_the_job_trains_on_a_link_shaped_to_a_real_clusters_ratio(tmp
 
 
 def test_link_rates_are_read_or_refused_clearly(capsys):
-    from sparsecomm.train.runner import bits_per_second
+    from sparsecomm.netns import bits_per_second
 
     assert bits_per_second("1gbit") == 1e9 and bits_per_second("100mbit") == 1e8 and bits_per_second("5e6") == 5e6
     assert train_on_loopback(["--bandwidth", "fast", "--steps", "1"]) == 2

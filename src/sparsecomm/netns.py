@@ -3,6 +3,12 @@ to a bridge (in a hub namespace of its own) by a veth pair rate-limited with ``t
 directions — like workers on a switch with ports of the given rate. Needs root and iproute2;
 `ShapedNetwork.available` says whether this machine allows it. Addresses are private and live
 only inside the namespaces created here.
+
+The token bucket holds `BURST_S` of line time (at least `MIN_BURST_BYTES`): a real port sends
+every byte at its rate, and a larger bucket lets any message that fits through at the veth's own
+speed once the link has idled — which flatters small payloads (compressed gradients) over large
+ones (dense all_reduces). Measured at 100 Mbit/s with a 256 KB bucket: a 100 kB message took
+1.96 ms and a 200 kB one 1.40 ms, against 8 and 16 ms of wire.
 """
 
 from __future__ import annotations
@@ -18,6 +24,31 @@ from sparsecomm.errors import SparseCommError
 
 INTERFACE = "scnet"
 _CLONE_NEWNET = 0x40000000
+RATES = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+BURST_S, MIN_BURST_BYTES = 256e-6, 16 * 1024
+"""the token bucket: this much line time, and never less than this many bytes (tbf must hold a few
+packets; at 1 Gbit/s 16 KB made a 1 MB message 55% slower than its wire time, 32 KB 24%, with ~1 ms
+of base cost)"""
+
+
+def bits_per_second(rate: str) -> float:
+    """'1gbit' → 1e9; a bare number is bits per second."""
+    number, scale = rate.lower(), 1.0
+    for suffix, factor in RATES.items():
+        if number.endswith(suffix):
+            number, scale = number[: -len(suffix)], factor
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise SparseCommError(f"cannot read link rate {rate!r}; use e.g. 100mbit or 1gbit") from None
+    if value <= 0:
+        raise SparseCommError(f"link rate must be positive, got {rate!r}")
+    return value
+
+
+def link_burst(rate: str) -> str:
+    """The token bucket for a link of ``rate``, in bytes as ``tc`` reads them (`BURST_S`)."""
+    return str(max(MIN_BURST_BYTES, round(bits_per_second(rate) / 8 * BURST_S)))
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -27,8 +58,9 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 class ShapedNetwork:
     """``with ShapedNetwork(workers=4, rate="1gbit") as net:`` — ``net.namespaces[r]`` for rank r."""
 
-    def __init__(self, workers: int, rate: str = "1gbit", burst: str = "256kb", latency: str = "50ms") -> None:
-        self.workers, self.rate, self.burst, self.latency = workers, rate, burst, latency
+    def __init__(self, workers: int, rate: str = "1gbit", burst: str | None = None, latency: str = "50ms") -> None:
+        self.workers, self.rate, self.latency = workers, rate, latency
+        self.burst = burst if burst is not None else link_burst(rate)
         tag = uuid.uuid4().hex[:6]
         self.hub = f"sc-{tag}-hub"
         self.namespaces = [f"sc-{tag}-w{r}" for r in range(workers)]

@@ -19,11 +19,11 @@ from sparsecomm.errors import SparseCommError
 from sparsecomm.integration.ddp_hook import register_ddp_hook
 from sparsecomm.integration.presets import resolve
 from sparsecomm.launch import run_local
+from sparsecomm.netns import bits_per_second
 from sparsecomm.train.baselines import BASELINES, has_sparse_gradients
 from sparsecomm.train.workloads import Workload
 from sparsecomm.train.workloads import workload as load_workload
 
-RATES = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 MOMENTUM = 0.9
 
 
@@ -109,21 +109,6 @@ def synchronize(device: torch.device) -> None:
 
 def on_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
     return tuple(tensor.to(device, non_blocking=True) for tensor in batch)
-
-
-def bits_per_second(rate: str) -> float:
-    """'1gbit' → 1e9; a bare number is bits per second."""
-    number, scale = rate.lower(), 1.0
-    for suffix, factor in RATES.items():
-        if number.endswith(suffix):
-            number, scale = number[: -len(suffix)], factor
-    try:
-        value = float(number) * scale
-    except ValueError:
-        raise SparseCommError(f"cannot read link rate {rate!r}; use e.g. 100mbit or 1gbit") from None
-    if value <= 0:
-        raise SparseCommError(f"link rate must be positive, got {rate!r}")
-    return value
 
 
 def compute_seconds_per_step(task: Workload, batch: int, seed: int, trials: int = 5,

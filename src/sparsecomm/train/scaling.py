@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from sparsecomm.integration.presets import resolve
+from sparsecomm.netns import bits_per_second
 from sparsecomm.train.baselines import BASELINES
 
 LINKS = {"1gbit": (1e9, 50e-6), "10gbit": (10e9, 20e-6), "100gbit": (100e9, 5e-6)}
@@ -194,8 +195,6 @@ def median_step_s(result: dict[str, Any], name: str) -> float:
 
 def _point(result: dict[str, Any]) -> tuple[float, float] | None:
     """(rate, α) of the link a run trained on, if it was a shaped one."""
-    from sparsecomm.train.runner import bits_per_second
-
     link = result.get("link", "")
     if not link or not link[0].isdigit():
         return None
