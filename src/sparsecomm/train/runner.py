@@ -153,7 +153,7 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
         loss = task.loss(model, on_device(batch_data, device))
         loss.backward()  # the hook's local stages run here, its collectives on their own thread
         optimizer.step()
-        synchronize(device)
+        # reading the loss copies it to the host after the step's queued kernels: on a GPU it waits for them
         losses.append(float(loss.detach()))
         if reducer is None:
             meter.step()
