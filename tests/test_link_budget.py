@@ -14,6 +14,7 @@ from sparsecomm.components import Adaptive
 from sparsecomm.integration.budget import (
     COST_WINDOW,
     DENSE,
+    ENERGY_EVERY,
     EXPLORE_SHARE,
     HALF,
     MAX_SPARSE_DENSITY,
@@ -33,11 +34,12 @@ DENSE_BYTES = 4 * N  # an fp32 all_reduce at P = 2, in allgather bytes per rank
 
 
 def report(compute=0.0, throughput=0.0, dense=None, half=None, sparse=None, per_nnz=0.0, fixed=0.0,
-           magnitude=0.0, encode=0.0, decode=0.0) -> torch.Tensor:
+           magnitude=0.0, encode=0.0, decode=0.0, preferred=0.0) -> torch.Tensor:
     """One step's agreed report (see `LinkBudget.end_step`): throughput negated, unmeasured +inf;
-    unmeasured costs 0. ``sparse``: a sparse step's whole time beyond its per-byte cost."""
+    unmeasured costs 0. ``sparse``: a sparse step's whole time beyond its per-byte cost; ``preferred``:
+    the density the ranks' gradients preferred."""
     return torch.tensor([compute, -throughput if throughput else math.inf, dense or 0.0, half or 0.0,
-                         sparse or 0.0, per_nnz, fixed, magnitude, encode, decode], dtype=torch.float64)
+                         sparse or 0.0, per_nnz, fixed, magnitude, encode, decode, preferred], dtype=torch.float64)
 
 
 def budget(**settings) -> LinkBudget:
@@ -128,6 +130,97 @@ def test_sparse_density_stops_at_its_ceiling_and_dense_wins_where_it_costs_no_mo
     assert next_plan(plan) == Plan(DENSE)
     cheap = measured(budget(), sparse=0.0005, compute=0.002, throughput=1e9, dense=0.006, per_nnz=2.0, magnitude=1.0)
     assert next_plan(cheap) == Plan(SPARSE, MAX_SPARSE_DENSITY)
+
+
+def sampled(plan: LinkBudget, squares: torch.Tensor) -> float:
+    """The density ``plan`` prefers for a gradient whose sampled squares are ``squares``."""
+    return plan.energy_density([squares])
+
+
+def power_law(gamma: float, count: int = 100_000) -> torch.Tensor:
+    """Squares whose largest fraction f holds f**gamma of their sum (shuffled: order is no matter)."""
+    held = (torch.arange(count + 1, dtype=torch.float64) / count).pow(gamma)
+    return held.diff()[torch.randperm(count, generator=torch.Generator().manual_seed(0))].float()
+
+
+# 2 ms of compute, 0.5 ms of sparse overhead; 10 MB/s at P = 2 and 2 bytes a nonzero: 0.2 s per unit
+# of density over the 1M entries
+COSTS = dict(sparse=0.0005, compute=0.002, throughput=10e6, per_nnz=2.0, magnitude=1.0)
+
+
+def test_the_preferred_density_sends_the_most_gradient_energy_per_second_of_step():
+    # E(d) = d**gamma: the most energy per second where the elasticity gamma equals the share of the
+    # step spent on the payload, c·d = T0·gamma / (1 − gamma). Near it the energy per second is flat
+    # (within 1% from 0.8 to 1.2 times it at gamma = 0.7), so the histogram's small error moves the pick
+    for gamma in (0.3, 0.5, 0.7):
+        plan = measured(budget(horizon=1.0, floor=0.0001), **COSTS)
+        expected = 0.0025 * gamma / (1 - gamma) / 0.2
+        assert sampled(plan, power_law(gamma)) == pytest.approx(expected, rel=0.25), gamma
+
+
+def test_a_gradient_held_by_few_entries_is_sent_at_the_floor_and_a_flat_one_up_to_its_horizon():
+    concentrated = torch.zeros(100_000)
+    concentrated[::10_000] = 1.0  # 10 entries, a hundredth of the floor's share
+    assert sampled(measured(budget(floor=0.001), **COSTS), concentrated) == pytest.approx(0.001)
+    flat = torch.ones(100_000)
+    # what a step leaves out is sent within the horizon: a flat gradient needs 1/H of its entries a step
+    for horizon, expected in ((8.0, 1 / 8), (20.0, 1 / 20), (1.0, MAX_SPARSE_DENSITY)):
+        assert sampled(measured(budget(horizon=horizon), **COSTS), flat) == pytest.approx(expected, rel=0.1)
+
+
+def test_a_gradient_not_measured_yet_or_without_energy_states_no_preference():
+    assert sampled(budget(), power_law(0.5)) == 0.0  # no compute or link measured yet
+    plan = measured(budget(), **COSTS)
+    assert sampled(plan, torch.zeros(1000)) == 0.0 and plan.energy_density([]) == 0.0
+    assert sampled(plan, torch.tensor([1.0, math.nan])) == 0.0
+
+
+def test_sparse_steps_run_at_the_density_the_ranks_gradients_preferred():
+    plan = measured(budget(probe=0), **COSTS)
+    for preferred in (0.004, 0.020, 0.005):  # each the largest of its step's ranks
+        plan.observe(report(preferred=preferred))
+    assert next_plan(plan) == Plan(SPARSE, 0.005)  # their median
+    plan.observe(report(preferred=0.0))  # a step that measured none leaves the window as it was
+    assert list(plan.preferred_density) == [0.004, 0.020, 0.005]
+
+
+def test_each_rank_reports_the_density_its_own_sampled_gradient_prefers():
+    plan = measured(budget(horizon=1.0), **COSTS)
+    while plan.step % ENERGY_EVERY:  # the steps between sample nothing
+        plan.begin_step(now=0.0)
+        assert not plan.measuring.wants_energy
+        plan.measuring.total_numel = plan.measuring.budget_numel = N
+        plan.end_step()
+    plan.begin_step(now=0.0)
+    plan.measuring.total_numel = plan.measuring.budget_numel = N
+    gradient = power_law(0.5, N).sqrt()
+    plan.sample_energy(gradient, [(0, N)])
+    assert sum(sample.numel() for sample in plan.measuring.energy_samples) == pytest.approx(N / 61, abs=1)
+    reported = plan.end_step()
+    assert reported[-1].item() == pytest.approx(sampled(plan, power_law(0.5, N)), rel=0.25)  # from a 1/61 sample
+
+
+def test_no_gradient_is_sampled_where_the_link_carries_it_whole_or_the_user_set_the_budget():
+    fast = report(compute=0.010, throughput=10e9, dense=0.004, per_nnz=2.0, magnitude=1.0)
+    for plan, first in ((budget(), fast), (budget(budget=20_000), report(per_nnz=2.0))):
+        next_plan(plan, first)
+        plan.begin_step(now=0.0)
+        plan.sample_energy(torch.ones(N), [(0, N)])
+        assert not plan.measuring.wants_energy and plan.measuring.energy_samples == []
+
+
+def test_the_horizon_is_the_feedbacks_momentum_memory_unless_the_sparsifier_sets_one():
+    flat = torch.ones(100_000)  # sent at 1/H of its entries a step
+    for spec, expected in (("adaptive+dgc_momentum(momentum=0.9)+rice+int8+allgather", 1 / 10),
+                           ("adaptive+dgc_momentum(momentum=0.8)+rice+int8+allgather", 1 / 5),
+                           ("adaptive+residual+rice+int8+allgather", MAX_SPARSE_DENSITY),
+                           ("adaptive(horizon=20)+dgc_momentum(momentum=0.9)+rice+int8+allgather", 1 / 20)):
+        resolved = sc.resolve(spec)
+        plan = LinkBudget(resolved.sparsifier, 2, resolved.feedback.delay_horizon())
+        plan.total_numel = plan.budget_numel = N
+        assert sampled(measured(plan, **COSTS), flat) == pytest.approx(expected, rel=0.1), spec
+    with pytest.raises(sc.SparseCommError, match="horizon"):
+        Adaptive(horizon=0.5)
 
 
 def test_fp16_steps_need_headroom_below_fp16s_range_and_must_beat_fp32():
@@ -403,7 +496,8 @@ def test_the_budget_state_round_trips_through_a_checkpoint():
     plan = budget()
     next_plan(plan)
     for cost in (0.003, 0.004):
-        next_plan(plan, report(compute=0.002, throughput=10e6, dense=0.4, sparse=cost, per_nnz=2.0, magnitude=3.0))
+        next_plan(plan, report(compute=0.002, throughput=10e6, dense=0.4, sparse=cost, per_nnz=2.0, magnitude=3.0,
+                               preferred=0.01))
     restored = budget()
     restored.load_state_dict(plan.state_dict())
     assert restored.state_dict() == plan.state_dict()

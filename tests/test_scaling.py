@@ -44,6 +44,10 @@ def test_adaptive_takes_its_cheapest_mode():
     assert fast == pytest.approx(0.010 + 1.75 * 50 * MB * 0.08e-9)  # fp16 dense on 100 Gbit/s
     budget = 0.010 / (8 / 100e6) / 7  # what the link carries while the step computes, per peer
     assert slow == pytest.approx(0.010 + 0.002 * (1 + 7) + 7 * budget * 8 / 100e6)
+    # the density its run preferred, where that is less: 0.01% of the 25M entries at 1.5 bytes each
+    settled = row("adaptive", "adaptive", 50 * MB, sparse_overhead_s=0.004, bytes_per_nnz=1.5, sparse_density=0.0001)
+    assert settled.step_s(8, 100e6, 0) == pytest.approx(0.010 + 0.002 * (1 + 7) + 7 * 3_750 * 8 / 100e6)
+    assert settled.step_s(8, 100e9, 0) == pytest.approx(fast)  # where fp16 dense is cheaper still
 
 
 def run(link: str, steps_s: dict[str, float], workers: int = 2) -> dict:

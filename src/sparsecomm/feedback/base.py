@@ -34,6 +34,12 @@ class Feedback(Component):
         self.update(accumulated, SparseGradient(torch.arange(flat.numel(), device=flat.device), sent,
                                                 accumulated.shape), state)
 
+    def delay_horizon(self) -> float:
+        """Steps within which an entry this feedback holds back still moves the weights about as it
+        would have on time (what the adaptive budget's density rule assumes): one, unless the
+        feedback keeps a momentum."""
+        return 1.0
+
     def update_flushed(self, averaged: torch.Tensor, state: dict[str, Any]) -> None:
         """After a dense step's all_reduce: what this feedback owns that follows the average (DGC's
         momentum, once it is the ranks' common buffer), applied to ``averaged`` in place. Every rank

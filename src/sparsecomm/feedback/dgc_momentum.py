@@ -52,6 +52,11 @@ class DGCMomentum(Feedback):
         if self.clip < 0:
             raise SparseCommError("dgc_momentum clip must be >= 0 (0: off)")
 
+    def delay_horizon(self) -> float:
+        """A momentum m spreads each gradient over the next 1/(1 − m) steps' updates: an entry held
+        back for fewer steps than that arrives within its own momentum's memory."""
+        return 1.0 / (1.0 - self.momentum)
+
     def accumulate(self, grad: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
         buffer = momentum_buffer(state, grad, self.momentum, self.nesterov)
         state["averaged"] = False  # the common buffer B, if it was one, is this rank's own b from here on

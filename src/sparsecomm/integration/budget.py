@@ -1,5 +1,6 @@
-"""`LinkBudget`: what each step of an ``adaptive`` pipeline sends — what the link carries while the
-step computes, and no more — and in which of three forms.
+"""`LinkBudget`: what each step of an ``adaptive`` pipeline sends — the whole gradient where the link
+carries it while the step computes, otherwise its largest entries at the density that moves the
+most gradient energy per second of step — and in which of three forms.
 
 Every step, each rank measures:
 
@@ -9,6 +10,9 @@ Every step, each rank measures:
   stages, known one step later;
 - the link's throughput β: wire bytes per second of its large dense all_reduce calls (a ring
   all_reduce puts 2(P−1)/P of the tensor on each rank's link), and of one fp32 probe at start-up;
+- every `ENERGY_EVERY` steps, where sparse steps may run, the energy curve of a strided sample of
+  its gradient (`sparsecomm.integration.gradient_energy`), from which it reports the density it
+  prefers (below);
 - the bytes per nonzero its payloads took, the bytes it sent outside the budget (tensors below
   ``dense_below``, parameters sent whole, sparse embedding rows), and the largest magnitude it sent;
 - the step's whole time: its compute plus the time it waited for communication plus sparsecomm's
@@ -32,12 +36,16 @@ rank's — and after the first step no report needs a collective of its own.
 
 Each step runs in one of three modes:
 
-- **sparse**: each rank may send what the link — and the codecs feeding it — carry while the step
-  computes, B = C / (κ_e + (P−1)(κ_d + 1/β)) bytes (every rank selects and encodes its payload,
-  receives the P−1 others and decodes them; κ_e and κ_d are the calibrated seconds per byte), less the bytes sent
-  outside the budget; at the measured bytes per nonzero that buys density d = B / (bytes per nonzero
-  · N) of the N budgeted entries, between ``floor`` and `MAX_SPARSE_DENSITY`. It costs
-  O_s + (κ_e + (P−1)(κ_d + 1/β))·B;
+- **sparse**: the largest entries at density d of the N budgeted entries, between ``floor`` and
+  `MAX_SPARSE_DENSITY`: the median of the last densities the ranks preferred (each step, the
+  largest of its ranks' preferences). A rank prefers the d whose entries carry the most of its
+  gradient's energy per second of step, E(min(1, H·d)) / (C + O_s + κ·bytes(d)) (`energy_density`):
+  E the share of the sampled gradient's sum of squares its largest entries hold, H the horizon
+  within which error feedback delivers what a step leaves out (1/(1 − m) steps for DGC's momentum
+  m), bytes(d) = fixed bytes + d·N·(bytes per nonzero), κ = κ_e + (P−1)(κ_d + 1/β) seconds per byte
+  (every rank selects and encodes its payload, receives the P−1 others and decodes them; κ_e and
+  κ_d are the calibrated seconds per byte). Before any preference is known: what the link and
+  codecs carry while the step computes, B = C / κ bytes less the fixed bytes. It costs O_s + κ·bytes(d);
 - **dense** (fp32): a plain all_reduce, each tensor's feedback flushed into it: exact;
 - **half** (fp16): the same, scaled by 1/P and cast to fp16 (as DDP's fp16 hook does); error
   feedback keeps what the cast rounded away, DGC's momentum (which moves to the average on dense
@@ -58,7 +66,7 @@ Otherwise steps run in the *incumbent* mode, first the cheapest predicted. Modes
 whole steps: a dense mode's cost is the interquartile mean (`typical`) of its last steps' whole
 times — its collectives' own work may slow the compute it overlaps (gloo sums fp16 on the processor
 that runs the backward) — and until fp32 has run, the compute plus its wire time at the measured
-throughput; a sparse step's is the compute plus O_s plus its per-byte cost at the budget. Until
+throughput; a sparse step's is the compute plus O_s plus its per-byte cost at its density. Until
 sparse steps have been measured O_s counts as 0, so a link slower than the compute gets sparse
 steps at the ``floor`` density — the first warms the sparse path up and is not counted — until
 their cost is known, cheaply where sparse does not pay.
@@ -79,8 +87,8 @@ lost clearly waits in proportion, and on a slow link dense is rarely tried beyon
 modes due, the cheapest predicted goes first. A step whose mode differs from the step before's, and
 every step of a trial, is always heard, even when its report must go alone.
 
-A user-set ``budget`` (bytes per step) replaces B and turns the probes off: bytes alone
-decide the mode then (dense, half or sparse, whichever the budget holds) and a run repeats bit for
+A user-set ``budget`` (bytes per step) replaces B and the preferred density, and turns the probes
+off: bytes alone decide the mode then (dense, half or sparse, whichever the budget holds) and a run repeats bit for
 bit.
 """
 
@@ -95,6 +103,7 @@ from typing import Any
 
 import torch
 
+from sparsecomm.integration.gradient_energy import energy_share
 from sparsecomm.sparsify.adaptive import Adaptive
 
 MIN_WIRE_BYTES = 64 * 1024
@@ -130,6 +139,11 @@ PAIR_WINDOW = 4 * TRIAL_PAIRS
 TRIAL_PATIENCE = 6
 """steps after a trial's last step within which its reports are expected; a trial still missing
 some then is decided on those it has (or, with none of a mode, left undecided)"""
+ENERGY_SAMPLES, ENERGY_EVERY, DENSITY_CANDIDATES = 1 << 14, 4, 64
+"""about this many entries of a step's gradient sampled for its energy curve, on every this many
+steps (reading a curve costs ~0.3 ms, a tenth of a small model's step; it changes slowly); the
+densities between ``floor`` and `MAX_SPARSE_DENSITY` (log-spaced) among which a rank picks its
+preferred one"""
 COMPUTE_WINDOW, THROUGHPUT_WINDOW, COST_WINDOW = 9, 3, 12
 """compute and throughput: medians over this many agreed measurements; a mode's cost: the
 interquartile mean of this many (`typical`: steps vary widely and now and then by several times —
@@ -231,6 +245,10 @@ class StepMeasurement:
     """this rank's calibrated (κ_e, κ_d), carried by its reports"""
     total_numel: int = 0
     budget_numel: int = 0
+    wants_energy: bool = False
+    """whether this step samples its gradient's energy (`LinkBudget.begin_step` decides)"""
+    energy_samples: list[torch.Tensor] = field(default_factory=list)
+    """squares of a strided sample of the gradient's entries under the budget (`LinkBudget.sample_energy`)"""
 
     def forward_backward_s(self) -> float:
         """From the forward pass's start to the step's last call, less sparsecomm's local stages."""
@@ -307,6 +325,9 @@ class LinkBudget:
 
     sparsifier: Adaptive
     world_size: int
+    feedback_horizon: float = 1.0
+    """the pipeline's `Feedback.delay_horizon` (the reducer tells it): the horizon unless the
+    sparsifier sets one"""
     step: int = 0
     total_numel: int = 0
     """elements reduced per step (all tensors): the dense all_reduce's size (before the first step:
@@ -324,6 +345,8 @@ class LinkBudget:
     """the same for an fp16 dense step"""
     sparse_overhead_s: deque[float] = _window(COST_WINDOW)
     """O_s: what communicating cost a sparse step beyond its payloads' wire time and per-byte cost"""
+    preferred_density: deque[float] = _window(COMPUTE_WINDOW)
+    """the densities the steps' gradients preferred (`preferred_density`; of each step, the ranks' largest)"""
     bytes_per_nnz: float = FIRST_BYTES_PER_NNZ
     fixed_bytes: float = 0.0
     encode_per_byte: float = 0.0
@@ -366,6 +389,20 @@ class LinkBudget:
         if half_throughput is not None:
             self.half_throughput.append(half_throughput)
 
+    def sample_energy(self, gradient: torch.Tensor, spans: list[tuple[int, int]]) -> None:
+        """Keep the squares of every stride-th entry of the ``(start, numel)`` spans of a flat
+        gradient that the budget covers, this step's sample for `energy_density` (about
+        `ENERGY_SAMPLES` of the model's entries; the offset turns with the step), where this step
+        wants one (`StepMeasurement.wants_energy`)."""
+        if not self.measuring.wants_energy:
+            return
+        stride = max(1, (self.total_numel or gradient.numel()) // ENERGY_SAMPLES)
+        offset = self.step % stride
+        for start, numel in spans:
+            if numel > offset:
+                self.measuring.energy_samples.append(
+                    gradient[start + offset:start + numel:stride].detach().to(torch.float32).square())
+
     def begin_step(self, now: float, forward_start: float | None = None) -> Plan:
         """The first call of a step (whose forward pass began at ``forward_start``, when known):
         time the last step's compute if no forward hook did, and plan this step."""
@@ -375,6 +412,11 @@ class LinkBudget:
         self.measuring = StepMeasurement(first_submit=now, forward_start=forward_start, codec_cost=self.codec_cost)
         previous, self.current = self.current.mode, self.plan()
         self.switched = self.current.mode != previous
+        link = self.step_budget()
+        # a preferred density matters only where sparse steps may run: not to a user-set budget, nor
+        # where the link carries the whole gradient while the step computes
+        self.measuring.wants_energy = (self.step % ENERGY_EVERY == 0 and not self.sparsifier.budget
+                                       and self.world_size > 1 and (link is None or link < self.dense_bytes()))
         self.mode_steps[self.current.mode] = self.mode_steps.get(self.current.mode, 0) + 1
         return self.current
 
@@ -384,7 +426,8 @@ class LinkBudget:
         negated so that MAX takes the least; this step's whole time (compute and communicating) in
         its mode — fp32, fp16, or for sparse less its payloads' wire time and per-byte cost; then
         bytes per nonzero, bytes outside the budget and the largest magnitude sent; then the
-        calibrated κ_e and κ_d. Unmeasured: 0, and +inf for the throughput."""
+        calibrated κ_e and κ_d; then the density this rank's gradient preferred (`energy_density`).
+        Unmeasured: 0, and +inf for the throughput."""
         done = self.measuring
         self.finished = done
         self.total_numel, self.budget_numel = done.total_numel, done.budget_numel
@@ -408,13 +451,16 @@ class LinkBudget:
                 codecs = (encode_per_byte + (self.world_size - 1) * decode_per_byte) * done.payload_bytes
                 costs[SPARSE] = max(1e-6, compute + cost - wire - codecs)
         throughput = done.wire_bytes / done.wire_s if done.wire_s > 0 else 0.0
+        preferred = self.energy_density(done.energy_samples)
         return torch.tensor([compute, -throughput if throughput > 0 else math.inf, costs[DENSE], costs[HALF],
-                             costs[SPARSE], per_nnz, fixed, done.max_magnitude, *done.codec_cost], dtype=torch.float64)
+                             costs[SPARSE], per_nnz, fixed, done.max_magnitude, *done.codec_cost, preferred],
+                            dtype=torch.float64)
 
     def observe(self, agreed: torch.Tensor, step: int | None = None) -> None:
         """Every rank's report of one step (``step``, when known), reduced by MAX (see `end_step`):
         a step takes as long as its slowest rank."""
-        compute, negative_link, dense, half, sparse, per_nnz, fixed, magnitude, encode, decode = agreed.tolist()
+        compute, negative_link, dense, half, sparse, per_nnz, fixed, magnitude, encode, decode, preferred = (
+            agreed.tolist())
         self.reports_read += 1
         if compute > 0:
             self.compute_s.append(compute)
@@ -431,6 +477,8 @@ class LinkBudget:
             self.max_magnitude = magnitude
         if encode > 0 or decode > 0:
             self.encode_per_byte, self.decode_per_byte = encode, decode
+        if preferred > 0:
+            self.preferred_density.append(preferred)
         trial = self.trial
         if trial is not None and step is not None and step in trial.running:
             mode, density = trial.running.pop(step)
@@ -449,7 +497,7 @@ class LinkBudget:
             # the link probed at start-up, the compute not timed yet: sparse at the floor density,
             # cheap on any link, and a first sparse step warms the sparse path up
             return Plan(SPARSE, self.sparsifier.floor)
-        dense_bytes = 2 / self.world_size * 4 * self.total_numel  # fp32 all_reduce, in allgather bytes per rank
+        dense_bytes = self.dense_bytes()
         if self.budget_numel == 0:
             if self.step == 0 and 0 < self.sparsifier.budget < dense_bytes / 2:
                 # a user budget below fp16's bytes (the model's size told before the first step, what
@@ -499,7 +547,12 @@ class LinkBudget:
                          else dense_cost - dense_bytes / throughput + dense_bytes / 2 / half_throughput)
             costs[HALF] = (half_cost * (1 + HALF_MARGIN), Plan(HALF))
         exploring = not self.sparse_overhead_s
-        sparse = self._sparse(budget) if not exploring else Plan(SPARSE, self.sparsifier.floor)
+        if exploring:
+            sparse = Plan(SPARSE, self.sparsifier.floor)
+        elif self.preferred_density:
+            sparse = Plan(SPARSE, self.sparsifier.at_density(statistics.median(self.preferred_density)).density)
+        else:
+            sparse = self._sparse(budget)
         carrying = self.per_byte_s(throughput) * self.step_bytes(sparse.density)
         overhead = typical(self.sparse_overhead_s) if not exploring else 0.0
         costs[SPARSE] = ((compute + carrying + overhead) * (1 + SPARSE_MARGIN) + 1e-9, sparse)
@@ -574,9 +627,38 @@ class LinkBudget:
         elif len(history) < 2 * TRIAL_PAIRS and statistics.median(ratios) < threshold:
             self.rematch = trial.challenger  # a split first trial: a second at once, and both decide
 
+    def energy_density(self, samples: list[torch.Tensor]) -> float:
+        """The density at which the sampled gradient (``samples``, squared entries) sends the most of
+        its energy per second of step (`sparsecomm.integration.gradient_energy`): the argmax over
+        `DENSITY_CANDIDATES` densities d of E(min(1, H·d)) / (compute + O_s + per-byte cost · bytes(d)),
+        from the agreed costs (so every rank weighs alike) and this rank's own gradient (0: not
+        measurable yet). H is a horizon: with error feedback an entry left out is not lost but sent
+        some steps later, and one sent within H steps moves the weights about as it would have on
+        time, so a step's k entries carry about what the H·k largest of one step's gradient hold
+        (H: the sparsifier's ``horizon``, or the feedback's `Feedback.delay_horizon`)."""
+        if not samples or not self.compute_s or not self.throughput or self.budget_numel == 0:
+            return 0.0
+        squares = torch.cat(samples)
+        low = self.sparsifier.floor
+        densities = torch.logspace(math.log10(low), math.log10(max(low, MAX_SPARSE_DENSITY)), DENSITY_CANDIDATES,
+                                   dtype=torch.float64)
+        horizon = self.sparsifier.horizon or self.feedback_horizon
+        energy = energy_share(squares, (densities * horizon).clamp(max=1.0))
+        if not bool(energy[-1] > 0):
+            return 0.0
+        overhead = typical(self.sparse_overhead_s) if self.sparse_overhead_s else 0.0
+        seconds = (statistics.median(self.compute_s) + overhead
+                   + self.per_byte_s(statistics.median(self.throughput)) * self.step_bytes(densities))
+        return float(densities[int((energy / seconds).argmax())])
+
+    def dense_bytes(self) -> float:
+        """An fp32 all_reduce of the whole gradient, in allgather bytes per rank."""
+        return 2 / self.world_size * 4 * self.total_numel
+
     def step_budget(self) -> float | None:
-        """Bytes one rank may send this step (None: not measured yet): what the link and the codecs
-        carry while the step computes."""
+        """Bytes the link and the codecs carry while the step computes (None: not measured yet), or
+        the user-set budget: more than the whole gradient makes the step dense; before the gradient's
+        energy is known, what a sparse step sends."""
         if self.sparsifier.budget:
             return float(self.sparsifier.budget)
         if not self.compute_s or not self.throughput:
@@ -589,7 +671,7 @@ class LinkBudget:
         peers = max(1, self.world_size - 1)
         return self.encode_per_byte + peers * (self.decode_per_byte + 1 / throughput)
 
-    def step_bytes(self, density: float) -> float:
+    def step_bytes(self, density: Any) -> Any:
         """Bytes one rank sends on a sparse step at ``density``."""
         return self.fixed_bytes + density * self.budget_numel * self.bytes_per_nnz
 
@@ -603,7 +685,8 @@ class LinkBudget:
                 "compute_s": list(self.compute_s), "throughput": list(self.throughput),
                 "half_throughput": list(self.half_throughput),
                 "dense_cost_s": list(self.dense_cost_s), "half_cost_s": list(self.half_cost_s),
-                "sparse_overhead_s": list(self.sparse_overhead_s), "bytes_per_nnz": self.bytes_per_nnz,
+                "sparse_overhead_s": list(self.sparse_overhead_s),
+                "preferred_density": list(self.preferred_density), "bytes_per_nnz": self.bytes_per_nnz,
                 "fixed_bytes": self.fixed_bytes, "encode_per_byte": self.encode_per_byte,
                 "decode_per_byte": self.decode_per_byte,
                 "max_magnitude": self.max_magnitude,
@@ -621,6 +704,7 @@ class LinkBudget:
                            ("sparse_overhead_s", COST_WINDOW)):
             setattr(self, name, deque(state[name], maxlen=size))
         self.half_throughput = deque(state.get("half_throughput", ()), maxlen=THROUGHPUT_WINDOW)
+        self.preferred_density = deque(state.get("preferred_density", ()), maxlen=COMPUTE_WINDOW)
         self.bytes_per_nnz, self.fixed_bytes = state["bytes_per_nnz"], state["fixed_bytes"]
         self.encode_per_byte, self.decode_per_byte = state["encode_per_byte"], state["decode_per_byte"]
         self.max_magnitude, self.last_compute_s = state["max_magnitude"], state["last_compute_s"]

@@ -48,11 +48,12 @@ PRESETS: dict[str, Preset] = {
     ),
     "adaptive": Preset(
         "adaptive+dgc_momentum(masking=false,nesterov=true)+rice+int8+allgather",
-        "each step sends what the link carries while the step computes: dense (exact) where the whole gradient "
-        "fits or costs no more, else the largest entries the byte budget buys, with near-entropy (Rice) "
-        "indices, 8-bit values and Nesterov momentum correction (no masking: at a few percent density it would "
-        "discard most momentum); the budget comes from measured compute time and link throughput. Optimizer: "
-        "SGD without momentum; for other optimizers use adaptive+residual+rice+int8+allgather",
+        "dense (exact) where the link carries the whole gradient while the step computes or it costs no more, "
+        "else the largest entries at the density that moves the most gradient energy per second of step, with "
+        "near-entropy (Rice) indices, 8-bit values and Nesterov momentum correction (no masking: at a few percent "
+        "density it would discard most momentum); from measured compute time, link throughput and the gradient's "
+        "own energy curve. Optimizer: SGD without momentum; for other optimizers use "
+        "adaptive+residual+rice+int8+allgather",
         "ours (DGC's momentum correction, SparCML's sparse/dense switch)",
     ),
     "sparcml": Preset(

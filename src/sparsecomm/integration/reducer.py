@@ -218,7 +218,8 @@ class GradientReducer:
         """per DDP bucket as DDP lays it out (index, buffer, parameters): its key, stats key and
         segments, worked out once (derived, so not checkpointed)"""
         sparsifier = self.spec.sparsifier
-        self.budget = LinkBudget(sparsifier, self.world_size) if isinstance(sparsifier, Adaptive) else None
+        self.budget = (LinkBudget(sparsifier, self.world_size, self.spec.feedback.delay_horizon())
+                       if isinstance(sparsifier, Adaptive) else None)
         """the adaptive sparsifier's byte budget (None for other pipelines)"""
         self._plan: Plan | None = None
         """this step's plan while a step is open (the adaptive pipeline), else None"""
@@ -386,6 +387,10 @@ class GradientReducer:
         start = time.perf_counter()
         if self.budget is not None and self._plan is None:
             self._begin_budget_step(start)
+        if self.budget is not None and self._under_budget(tensor):
+            flat = tensor.reshape(-1)
+            self.budget.sample_energy(flat, [(s.start, s.numel) for s in segments if not s.whole] if segments
+                                      else [(0, flat.numel())])
         call = self._calls.get(key, 0)
         self._calls[key] = call + 1
         if self._plan is not None and self._plan.dense:
@@ -607,7 +612,7 @@ class GradientReducer:
             if values is None:
                 return transport, SparseGradient(sparse.indices[:0], sparse.values[:0], sparse.shape), request, "sparse"
             return transport, SparseGradient(sparse.indices, values, sparse.shape), request, "sparse"
-        if tensor.numel() < self.dense_below or self.spec.transport.name == "dense":
+        if not self._under_budget(tensor):
             screened, nonfinite = screen_nonfinite(tensor.detach(), self.pipeline.nonfinite)
             dense = screened if screened is not None else torch.zeros_like(tensor)
             transport = self.spec.transport if self.spec.transport.name == "dense" else DenseTransport()
@@ -617,6 +622,11 @@ class GradientReducer:
                                     density=density)
         request = replace(request, nonfinite=output.nonfinite, payload=output.payload, payload_is_contribution=True)
         return self.spec.transport, output.selection, request, "compressed"
+
+    def _under_budget(self, tensor: torch.Tensor) -> bool:
+        """Whether a tensor goes through the pipeline (compressed, or flushed on a dense
+        step) rather than by plain all_reduce."""
+        return not tensor.is_sparse and tensor.numel() >= self.dense_below and self.spec.transport.name != "dense"
 
     # -- the adaptive pipeline's measurements ---------------------------------------------------
     def _measure_submit(self, tensor: torch.Tensor, segments: list[Segment] | None, path: str, local_s: float,

@@ -1,8 +1,8 @@
-"""``adaptive``: the largest entries, as many as this step's byte budget buys.
+"""``adaptive``: the largest entries, as many as this step's plan asks for.
 
 Inside a `GradientReducer` the density is set every step by the reducer's `LinkBudget` (see
-`sparsecomm.integration.budget`) from what the link carries while a step computes; ``budget``,
-``floor`` and ``probe`` are that controller's settings. Used alone, it keeps ``density``.
+`sparsecomm.integration.budget`) from the measured link, compute and gradient; ``budget``,
+``floor``, ``probe`` and ``horizon`` are that controller's settings. Used alone, it keeps ``density``.
 
 Selection: a threshold estimated from a strided sample (as DGC's), then one pass; if that selects
 more than ``UPPER``·k, the threshold is raised to the k-th largest of the selected magnitudes, and
@@ -35,6 +35,10 @@ class Adaptive(Sparsifier):
     """the least density the budget may set"""
     probe: int = 200
     """with a measured budget, every ``probe`` steps one step is sent dense to re-measure the link (0: never)"""
+    horizon: float = 0.0
+    """with a measured budget, a step's k entries are taken to deliver what the ``horizon``·k largest
+    of one step's gradient hold: error feedback sends what a step leaves out some steps later
+    (0: the feedback's `Feedback.delay_horizon`, 1/(1 − m) for DGC's momentum m, else 1)"""
     sample: float = 0.01
     """fraction of the entries sampled for the threshold"""
     density: float = 1.0
@@ -47,6 +51,8 @@ class Adaptive(Sparsifier):
             raise SparseCommError("adaptive floor and density must be in (0, 1]")
         if self.probe < 0:
             raise SparseCommError("adaptive probe must be >= 0 steps")
+        if not (self.horizon == 0.0 or self.horizon >= 1.0):
+            raise SparseCommError("adaptive horizon must be >= 1 step, or 0 (from the feedback)")
         if not 0.0 < self.sample <= 1.0:
             raise SparseCommError("adaptive sample must be in (0, 1]")
 

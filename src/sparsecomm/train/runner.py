@@ -172,6 +172,8 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
             # what a sparse step cost beyond its wire time, and its bytes per nonzero (for projections)
             budget |= {"sparse_overhead_s": min(reducer.budget.sparse_overhead_s),
                       "bytes_per_nnz": reducer.budget.bytes_per_nnz, "fixed_bytes": reducer.budget.fixed_bytes}
+        if reducer.budget is not None and reducer.budget.preferred_density:
+            budget["sparse_density"] = statistics.median(reducer.budget.preferred_density)
         reducer.close()
     numel = sum(p.numel() for p in model.parameters())
     return {

@@ -12,7 +12,9 @@ an α-β model of how each row's bytes travel (α: seconds per message, β: seco
 - ``sparse_allreduce`` (SparCML): recursive doubling, log2 P rounds, round t carrying the union of
   2^t ranks' selections (SparCML App. B: E[K] = N(1 − (1 − d)^m)), never more than the dense tensor;
 - ``adaptive``: whichever of its modes costs least at that P and link — dense fp32, dense fp16, or
-  sparse at its budget β⁻¹·C/(P−1) bytes (at most a quarter of the entries), paying the overhead a
+  sparse at the density its run preferred (the gradient-energy rule's pick at the measured point,
+  not derived again per link: the run keeps no energy curve) but never more than β⁻¹·C/(P−1) bytes
+  or a quarter of the entries, paying the overhead a
   sparse step measured beyond its wire time (O_s: half of it taken as encoding, which stays, half
   as decoding one peer's payload, which grows as P−1).
 
@@ -58,6 +60,8 @@ class RowCosts:
     collectives: int = 1
     sparse_overhead_s: float | None = None
     bytes_per_nnz: float = 1.5
+    sparse_density: float | None = None
+    """adaptive: the density its sparse steps settled on (None: before any was preferred)"""
     unmodeled_s: float = 0.0
     """what the measured step took beyond the model at the run's own point (see the module)"""
 
@@ -67,7 +71,7 @@ class RowCosts:
         kind, collectives = _travel(row["preset"])
         return cls(row["preset"], kind, row["compute_s"] / steps, row["encode_s"] / steps, row["decode_s"] / steps,
                    row["bytes_per_step"], dense_bytes, row["workers"], collectives, row.get("sparse_overhead_s"),
-                   row.get("bytes_per_nnz", 1.5))
+                   row.get("bytes_per_nnz", 1.5), row.get("sparse_density"))
 
     def step_s(self, workers: int, rate_bps: float, alpha: float) -> float:
         """Projected seconds per step at ``workers`` on a link of ``rate_bps`` and latency ``alpha``."""
@@ -100,11 +104,14 @@ class RowCosts:
         return self.compute_s + _allreduce_time(workers, nbytes, beta, alpha)
 
     def _sparse_at_budget(self, workers: int, beta: float, alpha: float) -> float:
-        """adaptive's sparse mode: the bytes the link carries while the step computes (at most a
-        quarter of the entries), plus the overhead its sparse steps measured (see the module)."""
+        """adaptive's sparse mode: the run's preferred density, but no more bytes than the link
+        carries while the step computes nor a quarter of the entries, plus the overhead its sparse
+        steps measured (see the module)."""
         assert self.sparse_overhead_s is not None
         entries = self.dense_bytes / 4
         budget = min(self.compute_s / beta / (workers - 1), entries / 4 * self.bytes_per_nnz)
+        if self.sparse_density is not None:
+            budget = min(budget, self.sparse_density * entries * self.bytes_per_nnz)
         peers = (workers - 1) / max(1, self.measured_workers - 1)
         overhead = self.sparse_overhead_s / 2 * (1 + peers)
         return self.compute_s + overhead + _rounds(workers) * alpha + (workers - 1) * budget * beta
