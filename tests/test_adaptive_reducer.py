@@ -2,6 +2,8 @@
 sum, a dense step is the optimizer's own update, modes switch without losing anything, a non-finite
 gradient fails every rank, and with a measured budget every rank plans the same steps."""
 
+import statistics
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -104,6 +106,38 @@ def test_a_measured_budget_plans_alike_on_every_rank_through_several_buckets():
     runs = run_local(2, train, "adaptive", 24, 0.1)  # ~100 kB buckets: four of them
     assert runs[0]["modes"] == runs[1]["modes"] and runs[0]["digest"] == runs[1]["digest"]
     assert runs[0]["modes"][0] == SPARSE  # the link was timed at start-up: the first step is the cheap one
+
+
+def on_a_slow_link(rank: int, world: int, steps: int) -> dict:
+    """``steps`` of the adaptive preset with the start-up probe's fp32 and fp16 throughputs replaced
+    by 1 MB/s: every step is sparse, after the first exploring ones at the density the gradients
+    preferred (a dense step would be predicted to cost a hundred sparse ones)."""
+    model = DDP(mlp(0), bucket_cap_mb=0.1)
+    reducer = sc.register_ddp_hook(model, "adaptive")
+    for probed in (reducer.budget.throughput, reducer.budget.half_throughput):
+        probed.clear()
+        probed.append(1e6)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    plans = []
+    for data, labels in batches(rank, world, steps):
+        optimizer.zero_grad()
+        F.cross_entropy(model(data), labels).backward()
+        optimizer.step()
+        plans.append(reducer.budget.current)
+    preferred = list(reducer.budget.preferred_density)
+    reducer.close()
+    return {"digest": digest(model), "plans": plans, "preferred": preferred}
+
+
+def test_on_a_slow_link_sparse_steps_run_at_the_density_every_ranks_gradient_agreed_on():
+    runs = run_local(2, on_a_slow_link, 40)
+    assert runs[0]["plans"] == runs[1]["plans"] and runs[0]["digest"] == runs[1]["digest"]
+    preferred = runs[0]["preferred"]
+    assert {plan.mode for plan in runs[0]["plans"]} == {SPARSE}
+    assert preferred == runs[1]["preferred"] and len(preferred) >= 5  # one every 4th sparse step, agreed
+    assert all(0.001 <= density <= 0.25 for density in preferred)
+    last = runs[0]["plans"][-1]
+    assert last.mode == SPARSE and last.density == pytest.approx(statistics.median(preferred))
 
 
 def probed_link(rank: int, world: int) -> tuple[list[float], list[float]]:

@@ -186,7 +186,7 @@ def test_sparse_steps_run_at_the_density_the_ranks_gradients_preferred():
 
 def test_each_rank_reports_the_density_its_own_sampled_gradient_prefers():
     plan = measured(budget(horizon=1.0), **COSTS)
-    while plan.step % ENERGY_EVERY:  # the steps between sample nothing
+    while plan.sparse_steps % ENERGY_EVERY:  # the sparse steps between sample nothing
         plan.begin_step(now=0.0)
         assert not plan.measuring.wants_energy
         plan.measuring.total_numel = plan.measuring.budget_numel = N
@@ -200,7 +200,7 @@ def test_each_rank_reports_the_density_its_own_sampled_gradient_prefers():
     assert reported[-1].item() == pytest.approx(sampled(plan, power_law(0.5, N)), rel=0.25)  # from a 1/61 sample
 
 
-def test_no_gradient_is_sampled_where_the_link_carries_it_whole_or_the_user_set_the_budget():
+def test_no_gradient_is_sampled_on_dense_steps_or_under_a_user_set_budget():
     fast = report(compute=0.010, throughput=10e9, dense=0.004, per_nnz=2.0, magnitude=1.0)
     for plan, first in ((budget(), fast), (budget(budget=20_000), report(per_nnz=2.0))):
         next_plan(plan, first)

@@ -10,9 +10,8 @@ Every step, each rank measures:
   stages, known one step later;
 - the link's throughput β: wire bytes per second of its large dense all_reduce calls (a ring
   all_reduce puts 2(P−1)/P of the tensor on each rank's link), and of one fp32 probe at start-up;
-- every `ENERGY_EVERY` steps, where sparse steps may run, the energy curve of a strided sample of
-  its gradient (`sparsecomm.integration.gradient_energy`), from which it reports the density it
-  prefers (below);
+- on every `ENERGY_EVERY`-th sparse step, the energy curve of a strided sample of its gradient
+  (`sparsecomm.integration.gradient_energy`), from which it reports the density it prefers (below);
 - the bytes per nonzero its payloads took, the bytes it sent outside the budget (tensors below
   ``dense_below``, parameters sent whole, sparse embedding rows), and the largest magnitude it sent;
 - the step's whole time: its compute plus the time it waited for communication plus sparsecomm's
@@ -141,7 +140,7 @@ TRIAL_PATIENCE = 6
 some then is decided on those it has (or, with none of a mode, left undecided)"""
 ENERGY_SAMPLES, ENERGY_EVERY, DENSITY_CANDIDATES = 1 << 14, 4, 64
 """about this many entries of a step's gradient sampled for its energy curve, on every this many
-steps (reading a curve costs ~0.3 ms, a tenth of a small model's step; it changes slowly); the
+sparse steps (reading a curve costs ~0.3 ms, a tenth of a small model's step; it changes slowly); the
 densities between ``floor`` and `MAX_SPARSE_DENSITY` (log-spaced) among which a rank picks its
 preferred one"""
 COMPUTE_WINDOW, THROUGHPUT_WINDOW, COST_WINDOW = 9, 3, 12
@@ -412,11 +411,10 @@ class LinkBudget:
         self.measuring = StepMeasurement(first_submit=now, forward_start=forward_start, codec_cost=self.codec_cost)
         previous, self.current = self.current.mode, self.plan()
         self.switched = self.current.mode != previous
-        link = self.step_budget()
-        # a preferred density matters only where sparse steps may run: not to a user-set budget, nor
-        # where the link carries the whole gradient while the step computes
-        self.measuring.wants_energy = (self.step % ENERGY_EVERY == 0 and not self.sparsifier.budget
-                                       and self.world_size > 1 and (link is None or link < self.dense_bytes()))
+        # a preferred density matters only to sparse steps, and not to a user-set budget: dense
+        # steps (on a fast link, all but a few trials) sample nothing
+        self.measuring.wants_energy = (self.current.mode == SPARSE and self.sparse_steps % ENERGY_EVERY == 0
+                                       and not self.sparsifier.budget)
         self.mode_steps[self.current.mode] = self.mode_steps.get(self.current.mode, 0) + 1
         return self.current
 
