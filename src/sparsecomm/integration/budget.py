@@ -345,7 +345,7 @@ class LinkBudget:
     sparse_overhead_s: deque[float] = _window(COST_WINDOW)
     """O_s: what communicating cost a sparse step beyond its payloads' wire time and per-byte cost"""
     preferred_density: deque[float] = _window(COMPUTE_WINDOW)
-    """the densities the steps' gradients preferred (`preferred_density`; of each step, the ranks' largest)"""
+    """the densities the steps' gradients preferred (`energy_density`; of each step, the ranks' largest)"""
     bytes_per_nnz: float = FIRST_BYTES_PER_NNZ
     fixed_bytes: float = 0.0
     encode_per_byte: float = 0.0

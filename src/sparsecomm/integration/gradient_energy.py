@@ -1,13 +1,13 @@
 """How much of a gradient's energy (sum of squares) its largest entries hold: the curve the adaptive
-budget picks its density from (`sparsecomm.integration.budget`, `LinkBudget.preferred_density`).
+budget picks its density from (`sparsecomm.integration.budget`, `LinkBudget.energy_density`).
 
 Sending the k largest entries of a gradient g decreases the loss, to first order, in proportion to
 the energy they hold, E(k) = sum of their squares; a step that sends them costs T0 + c·k seconds.
 The density worth sending is the one with the most energy per second of step, E(k) / (T0 + c·k).
 
 The curve is read from a strided sample of the gradient, binned by magnitude rather than sorted: a
-sort of the sample would cost a step of a small model a tenth of its time, a histogram of
-eighth-octave bins (entries within one bin counted as equal) costs a few tens of microseconds.
+histogram of eighth-octave bins (entries within one bin counted as equal) costs a fraction of a
+sort, which on a small model's step would be a noticeable share of its time.
 """
 
 from __future__ import annotations
