@@ -387,7 +387,7 @@ class GradientReducer:
         start = time.perf_counter()
         if self.budget is not None and self._plan is None:
             self._begin_budget_step(start)
-        if self.budget is not None and self._under_budget(tensor):
+        if self.budget is not None and self.budget.measuring.wants_energy and self._under_budget(tensor):
             flat = tensor.reshape(-1)
             self.budget.sample_energy(flat, [(s.start, s.numel) for s in segments if not s.whole] if segments
                                       else [(0, flat.numel())])
