@@ -98,7 +98,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -148,6 +148,7 @@ COMPUTE_WINDOW, THROUGHPUT_WINDOW, COST_WINDOW = 9, 3, 12
 interquartile mean of this many (`typical`: steps vary widely and now and then by several times —
 the least would flatter a mode, as fp16 on gloo; a median of a few is as noisy as its samples)"""
 DENSE, HALF, SPARSE = "dense", "half", "sparse"
+Density = TypeVar("Density", float, torch.Tensor)
 
 
 EXACTNESS = (DENSE, HALF, SPARSE)
@@ -669,8 +670,8 @@ class LinkBudget:
         peers = max(1, self.world_size - 1)
         return self.encode_per_byte + peers * (self.decode_per_byte + 1 / throughput)
 
-    def step_bytes(self, density: Any) -> Any:
-        """Bytes one rank sends on a sparse step at ``density``."""
+    def step_bytes(self, density: Density) -> Density:
+        """Bytes one rank sends on a sparse step at ``density`` (one, or a tensor of candidates)."""
         return self.fixed_bytes + density * self.budget_numel * self.bytes_per_nnz
 
     def _sparse(self, budget: float) -> Plan:
