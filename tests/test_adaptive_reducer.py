@@ -108,11 +108,13 @@ def test_a_measured_budget_plans_alike_on_every_rank_through_several_buckets():
     assert runs[0]["modes"][0] == SPARSE  # the link was timed at start-up: the first step is the cheap one
 
 
-def on_a_slow_link(rank: int, world: int, steps: int) -> dict:
+def on_a_slow_link(rank: int, world: int, steps: int, device: str = "cpu") -> dict:
     """``steps`` of the adaptive preset with the start-up probe's fp32 and fp16 throughputs replaced
     by 1 MB/s: every step is sparse, after the first exploring ones at the density the gradients
-    preferred (a dense step would be predicted to cost a hundred sparse ones)."""
-    model = DDP(mlp(0), bucket_cap_mb=0.1)
+    preferred (a dense step would be predicted to cost a hundred sparse ones). On ``device``."""
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    model = DDP(mlp(0).to(device), bucket_cap_mb=0.1)
     reducer = sc.register_ddp_hook(model, "adaptive")
     for probed in (reducer.budget.throughput, reducer.budget.half_throughput):
         probed.clear()
@@ -121,16 +123,19 @@ def on_a_slow_link(rank: int, world: int, steps: int) -> dict:
     plans = []
     for data, labels in batches(rank, world, steps):
         optimizer.zero_grad()
-        F.cross_entropy(model(data), labels).backward()
+        F.cross_entropy(model(data.to(device)), labels.to(device)).backward()
         optimizer.step()
         plans.append(reducer.budget.current)
     preferred = list(reducer.budget.preferred_density)
     reducer.close()
-    return {"digest": digest(model), "plans": plans, "preferred": preferred}
+    return {"digest": digest(model.module.cpu()), "plans": plans, "preferred": preferred}
 
 
 def test_on_a_slow_link_sparse_steps_run_at_the_density_every_ranks_gradient_agreed_on():
-    runs = run_local(2, on_a_slow_link, 40)
+    agree_on_sparse_steps_at_the_preferred_density(run_local(2, on_a_slow_link, 40))
+
+
+def agree_on_sparse_steps_at_the_preferred_density(runs: list[dict]) -> None:
     assert runs[0]["plans"] == runs[1]["plans"] and runs[0]["digest"] == runs[1]["digest"]
     preferred = runs[0]["preferred"]
     assert {plan.mode for plan in runs[0]["plans"]} == {SPARSE}

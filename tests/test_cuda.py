@@ -9,7 +9,9 @@ import torch.nn as nn
 
 import sparsecomm as sc
 from helpers import contribution
+from sparsecomm.integration.gradient_energy import energy_share
 from sparsecomm.launch import run_local
+from test_adaptive_reducer import agree_on_sparse_steps_at_the_preferred_density, on_a_slow_link
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 
@@ -196,3 +198,27 @@ def test_the_training_job_runs_every_kind_of_row_on_gpus_with_ranks_in_step():
         assert row["ranks_identical"], row["preset"]
         assert row["final_metric"] > 50, row  # 60 steps learn digits well past chance
     assert all(len(curve["losses"]) == 60 for curve in result["curves"].values())
+
+
+def test_the_energy_curve_of_a_cuda_sample_is_the_cpu_curve():
+    """`adaptive` reads its density from a sample of the gradient where the gradient is."""
+    squares = torch.randn(16_384, generator=torch.Generator().manual_seed(5)).pow(6)  # heavy-tailed
+    fractions = torch.logspace(-3, 0, 64, dtype=torch.float64)
+    on_gpu = energy_share(squares.cuda(), fractions)
+    assert on_gpu.device.type == "cpu"  # on the fractions' device
+    torch.testing.assert_close(on_gpu, energy_share(squares, fractions), rtol=1e-9, atol=1e-12)
+
+
+def test_on_a_slow_link_cuda_gradients_run_sparse_at_the_density_every_rank_agreed_on():
+    """The sampled energy, the preference in the side report and the plans, with gloo carrying the
+    CUDA buckets: every rank the same plans and weights, every step sparse."""
+    agree_on_sparse_steps_at_the_preferred_density(run_local(2, on_a_slow_link, 40, "cuda", timeout=240))
+
+
+def test_sparse_embedding_updates_leave_every_rank_with_the_same_weights_on_the_gpu():
+    """SGD with momentum adds a sparse gradient's uncoalesced momentum with atomic additions on a GPU;
+    the job runs the optimizer's step deterministically, or the ranks' embeddings drift apart."""
+    from sparsecomm.train.runner import run
+
+    result = run("lm", ["torch-allreduce", "dense"], workers=2, steps=8, device="cuda")
+    assert [row["ranks_identical"] for row in result["rows"]] == [True, True]

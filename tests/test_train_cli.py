@@ -200,3 +200,15 @@ def test_train_runs_on_the_ranks_of_a_torchrun_job(tmp_path):
     assert result["launcher"] == "torchrun" and result["workers"] == 2
     assert [row["preset"] for row in result["rows"]] == ["dense", "dgc"]
     assert all(row["ranks_identical"] for row in result["rows"])
+
+
+def test_the_deterministic_optimizer_step_restores_the_callers_setting():
+    from sparsecomm.train.runner import identical_update
+
+    def setting() -> tuple[bool, bool]:
+        return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+
+    before = setting()
+    with identical_update():
+        assert setting() == (True, True)
+    assert setting() == before

@@ -7,6 +7,8 @@ import hashlib
 import os
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +113,22 @@ def on_device(batch: tuple[torch.Tensor, ...], device: torch.device) -> tuple[to
     return tuple(tensor.to(device, non_blocking=True) for tensor in batch)
 
 
+@contextmanager
+def identical_update() -> Iterator[None]:
+    """Run the optimizer's step with PyTorch's deterministic algorithms, so every rank turns the same
+    averaged gradient into the same weights. On a GPU, SGD with momentum keeps a sparse gradient's
+    momentum uncoalesced and adds it to the weights with atomic additions, which sum a row's
+    duplicates in any order: on the H100 the lm model's embedding weights differed between the two
+    ranks after the first step, from identical gradients (deterministic: never, in 25 steps)."""
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), \
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
 def compute_seconds_per_step(task: Workload, batch: int, seed: int, trials: int = 5,
                              device: torch.device | None = None) -> float:
     """Forward + backward + SGD step of the workload's model alone (no communication), median."""
@@ -152,7 +170,8 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
         optimizer.zero_grad()
         loss = task.loss(model, on_device(batch_data, device))
         loss.backward()  # the hook's local stages run here, its collectives on their own thread
-        optimizer.step()
+        with identical_update() if device.type == "cuda" else nullcontext():
+            optimizer.step()
         # reading the loss copies it to the host after the step's queued kernels: on a GPU it waits for them
         losses.append(float(loss.detach()))
         if reducer is None:
