@@ -3,6 +3,7 @@ sum, a dense step is the optimizer's own update, modes switch without losing any
 gradient fails every rank, and with a measured budget every rank plans the same steps."""
 
 import statistics
+import threading
 
 import pytest
 import torch
@@ -41,6 +42,29 @@ def test_dense_steps_are_nesterov_sgd_on_the_average_and_identical_on_every_rank
     plain = run_local(2, train, None, 8)
     assert ours[0]["modes"] == [DENSE] * 8 and ours[0]["digest"] == ours[1]["digest"]
     assert torch.allclose(ours[0]["parameters"], plain[0]["parameters"], rtol=1e-5, atol=1e-6)
+
+
+def momentum_threads(rank: int, world: int, steps: int) -> set[str]:
+    """The threads that applied DGC's momentum to a dense step's average, over ``steps`` DDP steps
+    of several buckets."""
+    from sparsecomm.pipeline import Pipeline
+
+    threads = set()
+    update_flushed = Pipeline.update_flushed
+
+    def recorded(self, *args, **kwargs):
+        threads.add(threading.current_thread().name)
+        return update_flushed(self, *args, **kwargs)
+
+    Pipeline.update_flushed = recorded  # this worker process's class only
+    train(rank, world, f"adaptive(budget={MODEL_BYTES})+{CORRECTED}", steps, 0.1)
+    return threads
+
+
+def test_a_dense_steps_sum_is_finished_on_the_thread_that_waits_for_the_step():
+    """DDP's buckets: the sums are finished when the last bucket's call finishes the step, on the
+    backward's thread, while gloo's threads carry the collectives still in flight."""
+    assert run_local(2, momentum_threads, 3) == [{threading.main_thread().name}] * 2
 
 
 def test_fp16_steps_stay_within_fp16s_rounding_of_dense_and_identical_on_every_rank():

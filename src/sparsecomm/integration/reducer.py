@@ -25,7 +25,8 @@ contributions with the pipeline's transport, and averages over the ranks. Rules:
   sparse at a byte budget — from numbers every rank reported; dense steps run as DDP's own hooks
   run a bucket (the feedback flushed into it, one asynchronous all_reduce, no agreement step: a
   non-finite gradient travels as NaN so every rank's sum is non-finite and every rank raises),
-  and DGC's momentum follows the average there, as DDP's optimizer's would.
+  and DGC's momentum follows the average there, as DDP's optimizer's would — applied when the
+  step is finished (`finish_step`), on the thread that waits for it, not on gloo's threads.
 
 Collectives run on a process group of their own (created here, on every rank): asynchronous calls
 on the reducer's `TransportSession` thread, in submission order, so they never interleave with the
@@ -37,10 +38,11 @@ worker thread — checkpoints it with ``state_dict()`` and releases it with ``cl
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -205,6 +207,9 @@ class GradientReducer:
         self._calls: dict[str, int] = {}
         """per stream key: calls so far (the agreement step checks every rank is at the same call)"""
         self._in_flight: list[torch.futures.Future] = []
+        self._unfinished: list[tuple[torch.futures.Future, Callable[[torch.futures.Future], None]]] = []
+        """dense steps' all_reduces (the collective's future, what completes the call) whose sum
+        `finish_step` turns into the result, on the thread that waits for the step"""
         self._uncompressed: dict[str, dict[str, Any]] = {}
         """per tensor sent uncompressed: the feedback's state for `Feedback.update_uncompressed`"""
         self._layouts: dict[str, list[str]] = {}
@@ -267,7 +272,7 @@ class GradientReducer:
         if len(set(names)) != len(names):
             raise SparseCommError(f"gradient names repeat: {sorted({n for n in names if names.count(n) > 1})}")
         agree(self.group, Request(key="gradients " + ", ".join(names), call=self.stats.steps), len(names), 0)
-        pending = [(tensor, self._submit(name, tensor, None, synchronous=i == len(named) - 1))
+        pending = [(tensor, self._submit(name, tensor, None, synchronous=i == len(named) - 1, in_step=True))
                    for i, (name, tensor) in enumerate(named)]
         self.finish_step()
         for tensor, future in pending:
@@ -276,7 +281,17 @@ class GradientReducer:
                 tensor.copy_(averaged)
 
     def finish_step(self) -> None:
-        """Wait for this step's calls, count the step, and raise the first error any call met."""
+        """Wait for this step's calls, count the step, and raise the first error any call met.
+
+        Dense steps' sums are averaged, checked and handed to the feedback's momentum here, in the
+        order they were posted, by the thread that waits for the step anyway — not in callbacks on
+        gloo's threads, where that Python holds the interpreter and the processor while later
+        buckets' collectives are still in flight."""
+        unfinished, self._unfinished = self._unfinished, []
+        for done, finish in unfinished:
+            with contextlib.suppress(Exception):  # a failed collective: finish hands its error to the result
+                done.wait()
+            finish(done)
         in_flight, self._in_flight = self._in_flight, []
         errors = []
         for future in in_flight:
@@ -315,7 +330,8 @@ class GradientReducer:
         known = self._bucket_layouts.get(signature)
         if known is not None:  # as it was last step: DDP keeps a bucket's layout until it rebuilds
             key, stats_key, segments = known
-            return self._submit(key, buffer, segments, stats_key=stats_key, synchronous=bucket.is_last())
+            return self._submit(key, buffer, segments, stats_key=stats_key, synchronous=bucket.is_last(),
+                                in_step=True)
         if not self._names:
             raise SparseCommError("a GradientReducer used as a DDP hook state needs model= (its parameter names key "
                                   "each parameter's residual and momentum)")
@@ -331,7 +347,8 @@ class GradientReducer:
         if buffer.is_sparse:
             segments = [Segment(names[0], 0, buffer.numel())]
             self._bucket_layouts[signature] = (key, names[0], segments)
-            return self._submit(key, buffer, segments, stats_key=names[0], synchronous=bucket.is_last())
+            return self._submit(key, buffer, segments, stats_key=names[0], synchronous=bucket.is_last(),
+                                in_step=True)
         stats_key = f"bucket{bucket.index()}"
         gradients = dict(zip(names, bucket.gradients(), strict=True))
         offsets = {name: (grad.data_ptr() - buffer.data_ptr()) // buffer.element_size()
@@ -340,7 +357,8 @@ class GradientReducer:
             segments = [Segment(name, offsets[name], grad.numel(), whole=grad.numel() < self.dense_below)
                         for name, grad in gradients.items()]
             self._bucket_layouts[signature] = (key, stats_key, segments)
-            return self._submit(key, buffer, segments, stats_key=stats_key, synchronous=bucket.is_last())
+            return self._submit(key, buffer, segments, stats_key=stats_key, synchronous=bucket.is_last(),
+                                in_step=True)
         # the first step of a fresh DDP after a resume: reduce in the checkpoint's layout, return in DDP's
         reordered = torch.cat([gradients[name].reshape(-1) for name in order])
         segments, start = [], 0
@@ -348,7 +366,7 @@ class GradientReducer:
             numel = gradients[name].numel()
             segments.append(Segment(name, start, numel, whole=numel < self.dense_below))
             start += numel
-        reduced = self._submit(key, reordered, segments, stats_key=stats_key)
+        reduced = self._submit(key, reordered, segments, stats_key=stats_key, in_step=True)
         result = _result_future(buffer)
 
         def back_to_ddp_layout(done: torch.futures.Future[torch.Tensor]) -> None:
@@ -380,7 +398,11 @@ class GradientReducer:
         return names
 
     def _submit(self, key: str, tensor: torch.Tensor, segments: list[Segment] | None,
-                stats_key: str | None = None, synchronous: bool = False) -> torch.futures.Future[torch.Tensor]:
+                stats_key: str | None = None, synchronous: bool = False,
+                in_step: bool = False) -> torch.futures.Future[torch.Tensor]:
+        """One call's local stages and collective; a future of its average. ``in_step``: the caller
+        completes the step with `finish_step` (DDP's buckets, `allreduce_`), which a dense step's
+        result then waits for (`_submit_native`)."""
         stats = self.stats.tensors.setdefault(stats_key or key, TensorStats())
         stats.steps += 1
         stats.dense_bytes += tensor.numel() * 4
@@ -394,7 +416,7 @@ class GradientReducer:
         call = self._calls.get(key, 0)
         self._calls[key] = call + 1
         if self._plan is not None and self._plan.dense:
-            return self._submit_native(key, tensor, segments, stats, start)
+            return self._submit_native(key, tensor, segments, stats, start, in_step)
         side = self._reports.take()  # rides on the agreement step (None: no adaptive budget, or taken)
         request = Request(key=key, call=call, seed=self.seed, step=self.stats.steps,
                           index_codec=self.spec.index_codec, value_codec=self.spec.value_codec, side=side or ())
@@ -445,7 +467,7 @@ class GradientReducer:
         return result
 
     def _submit_native(self, key: str, tensor: torch.Tensor, segments: list[Segment] | None, stats: TensorStats,
-                       start: float) -> torch.futures.Future[torch.Tensor]:
+                       start: float, in_step: bool) -> torch.futures.Future[torch.Tensor]:
         """A dense step of the adaptive pipeline, run as DDP's own hooks run a bucket: each tensor's
         feedback flushed into it (in fp16 scaled by 1/P on a ``half`` step), then one asynchronous
         all_reduce — no agreement step, no worker thread — and, once the sum is in, what the
@@ -504,7 +526,10 @@ class GradientReducer:
             except BaseException as err:  # noqa: BLE001 - handed to the waiter
                 result.set_exception(err)
 
-        work.get_future().add_done_callback(finish)
+        if in_step:  # the sum is finished by `finish_step`, on the thread waiting for the step
+            self._unfinished.append((work.get_future(), finish))
+        else:
+            work.get_future().add_done_callback(finish)
         self._in_flight.append(result)
         return result
 
