@@ -283,10 +283,10 @@ class GradientReducer:
     def finish_step(self) -> None:
         """Wait for this step's calls, count the step, and raise the first error any call met.
 
-        Dense steps' sums are averaged, checked and handed to the feedback's momentum here, in the
-        order they were posted, by the thread that waits for the step anyway — not in callbacks on
-        gloo's threads, where that Python holds the interpreter and the processor while later
-        buckets' collectives are still in flight."""
+        Dense steps' sums on a CPU are averaged, checked and handed to the feedback's momentum here,
+        in the order they were posted, by the thread that waits for the step anyway — not in
+        callbacks on gloo's threads, where that Python holds the interpreter and the processor
+        while later buckets' collectives are still in flight."""
         unfinished, self._unfinished = self._unfinished, []
         for done, finish in unfinished:
             with contextlib.suppress(Exception):  # a failed collective: finish hands its error to the result
@@ -401,8 +401,8 @@ class GradientReducer:
                 stats_key: str | None = None, synchronous: bool = False,
                 in_step: bool = False) -> torch.futures.Future[torch.Tensor]:
         """One call's local stages and collective; a future of its average. ``in_step``: the caller
-        completes the step with `finish_step` (DDP's buckets, `allreduce_`), which a dense step's
-        result then waits for (`_submit_native`)."""
+        completes the step with `finish_step` (DDP's buckets, `allreduce_`), which then finishes a
+        dense step's sum on a CPU (`_submit_native`)."""
         stats = self.stats.tensors.setdefault(stats_key or key, TensorStats())
         stats.steps += 1
         stats.dense_bytes += tensor.numel() * 4
@@ -526,7 +526,9 @@ class GradientReducer:
             except BaseException as err:  # noqa: BLE001 - handed to the waiter
                 result.set_exception(err)
 
-        if in_step:  # the sum is finished by `finish_step`, on the thread waiting for the step
+        # finished by `finish_step`, on the thread waiting for the step; a CUDA sum keeps c10d's
+        # callback, on the stream its work ended on (checked on a GPU that way; not yet this way)
+        if in_step and tensor.device.type == "cpu":
             self._unfinished.append((work.get_future(), finish))
         else:
             work.get_future().add_done_callback(finish)
