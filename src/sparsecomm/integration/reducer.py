@@ -25,8 +25,8 @@ contributions with the pipeline's transport, and averages over the ranks. Rules:
   sparse at a byte budget — from numbers every rank reported; dense steps run as DDP's own hooks
   run a bucket (the feedback flushed into it, one asynchronous all_reduce, no agreement step: a
   non-finite gradient travels as NaN so every rank's sum is non-finite and every rank raises),
-  and DGC's momentum follows the average there, as DDP's optimizer's would — applied when the
-  step is finished (`finish_step`), on the thread that waits for it, not on gloo's threads.
+  and DGC's momentum follows the average there, as DDP's optimizer's would — on a CPU applied
+  when the step is finished (`finish_step`), on the thread that waits for it, not on gloo's.
 
 Collectives run on a process group of their own (created here, on every rank): asynchronous calls
 on the reducer's `TransportSession` thread, in submission order, so they never interleave with the
