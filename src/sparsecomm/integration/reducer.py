@@ -272,7 +272,7 @@ class GradientReducer:
         if len(set(names)) != len(names):
             raise SparseCommError(f"gradient names repeat: {sorted({n for n in names if names.count(n) > 1})}")
         agree(self.group, Request(key="gradients " + ", ".join(names), call=self.stats.steps), len(names), 0)
-        pending = [(tensor, self._submit(name, tensor, None, synchronous=i == len(named) - 1, in_step=True))
+        pending = [(tensor, self._submit(name, tensor, None, synchronous=i == len(named) - 1))
                    for i, (name, tensor) in enumerate(named)]
         self.finish_step()
         for tensor, future in pending:
@@ -317,7 +317,7 @@ class GradientReducer:
 
     def reduce_async(self, key: str, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         """Local stages now; the collective on the worker thread; a future of the average."""
-        return self._submit(key, tensor, None)
+        return self._submit(key, tensor, None, in_step=False)
 
     def reduce_bucket_async(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """A DDP bucket: its parameters' state found by name (see `ddp_comm_hook`). The step's last
@@ -330,8 +330,7 @@ class GradientReducer:
         known = self._bucket_layouts.get(signature)
         if known is not None:  # as it was last step: DDP keeps a bucket's layout until it rebuilds
             key, stats_key, segments = known
-            return self._submit(key, buffer, segments, stats_key=stats_key, synchronous=bucket.is_last(),
-                                in_step=True)
+            return self._submit(key, buffer, segments, stats_key=stats_key, synchronous=bucket.is_last())
         if not self._names:
             raise SparseCommError("a GradientReducer used as a DDP hook state needs model= (its parameter names key "
                                   "each parameter's residual and momentum)")
@@ -347,8 +346,7 @@ class GradientReducer:
         if buffer.is_sparse:
             segments = [Segment(names[0], 0, buffer.numel())]
             self._bucket_layouts[signature] = (key, names[0], segments)
-            return self._submit(key, buffer, segments, stats_key=names[0], synchronous=bucket.is_last(),
-                                in_step=True)
+            return self._submit(key, buffer, segments, stats_key=names[0], synchronous=bucket.is_last())
         stats_key = f"bucket{bucket.index()}"
         gradients = dict(zip(names, bucket.gradients(), strict=True))
         offsets = {name: (grad.data_ptr() - buffer.data_ptr()) // buffer.element_size()
@@ -357,8 +355,7 @@ class GradientReducer:
             segments = [Segment(name, offsets[name], grad.numel(), whole=grad.numel() < self.dense_below)
                         for name, grad in gradients.items()]
             self._bucket_layouts[signature] = (key, stats_key, segments)
-            return self._submit(key, buffer, segments, stats_key=stats_key, synchronous=bucket.is_last(),
-                                in_step=True)
+            return self._submit(key, buffer, segments, stats_key=stats_key, synchronous=bucket.is_last())
         # the first step of a fresh DDP after a resume: reduce in the checkpoint's layout, return in DDP's
         reordered = torch.cat([gradients[name].reshape(-1) for name in order])
         segments, start = [], 0
@@ -366,7 +363,7 @@ class GradientReducer:
             numel = gradients[name].numel()
             segments.append(Segment(name, start, numel, whole=numel < self.dense_below))
             start += numel
-        reduced = self._submit(key, reordered, segments, stats_key=stats_key, in_step=True)
+        reduced = self._submit(key, reordered, segments, stats_key=stats_key)
         result = _result_future(buffer)
 
         def back_to_ddp_layout(done: torch.futures.Future[torch.Tensor]) -> None:
@@ -399,10 +396,10 @@ class GradientReducer:
 
     def _submit(self, key: str, tensor: torch.Tensor, segments: list[Segment] | None,
                 stats_key: str | None = None, synchronous: bool = False,
-                in_step: bool = False) -> torch.futures.Future[torch.Tensor]:
+                in_step: bool = True) -> torch.futures.Future[torch.Tensor]:
         """One call's local stages and collective; a future of its average. ``in_step``: the caller
         completes the step with `finish_step` (DDP's buckets, `allreduce_`), which then finishes a
-        dense step's sum on a CPU (`_submit_native`)."""
+        dense step's sum on a CPU (`_submit_native`); not so a lone `reduce_async`."""
         stats = self.stats.tensors.setdefault(stats_key or key, TensorStats())
         stats.steps += 1
         stats.dense_bytes += tensor.numel() * 4
