@@ -47,3 +47,20 @@ def test_every_pair_round_trips_at_the_edges(index_codec, value_codec):
                 assert torch.equal(decoded.values, expected.to(wire).to(grad.dtype)), where
         elif index.lossless:  # qsgd and the curve fits never flip a sign
             assert bool((decoded.values * expected >= 0).all()), where
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize(("index_codec", "value_codec"), PAIRS)
+def test_exact_codecs_carry_every_value_of_the_gradients_dtype(index_codec, value_codec, dtype):
+    from sparsecomm.encode.base import codecs_lossless
+    from sparsecomm.encode.exact import exact_codecs
+
+    given = sc.INDEX_CODECS.parse(index_codec), sc.VALUE_CODECS.parse(value_codec)
+    index, value = exact_codecs(*given, dtype)
+    if codecs_lossless(*given, dtype):
+        assert (index, value) == given  # the pipeline's own, where they are already exact
+    grad = random_sparse(5000, 300, seed=1).sorted()  # decoding gives indices ascending
+    grad = type(grad)(grad.indices, (grad.values * 10.0 ** -torch.arange(300).remainder(7)).to(dtype), grad.shape)
+    decoded = sc.decode(sc.encode(grad, index, value, rng=np.random.default_rng(0)), expect=5000)
+    assert torch.equal(decoded.indices, grad.indices)
+    assert decoded.values.dtype == dtype and torch.equal(decoded.values, grad.values)

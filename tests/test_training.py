@@ -275,6 +275,44 @@ def test_dgc_gives_tensors_it_sends_uncompressed_the_momentum_the_optimizer_leav
             torch.testing.assert_close(embedding, embedding_buffer)
 
 
+def embedding_rows(rank: int) -> torch.Tensor:
+    """A rank's embedding-style sparse gradient: rows of magnitudes from 1e-6 to 1 side by side, as
+    rare and frequent words' rows are (a blockwise quantizer rounds the small ones to nothing)."""
+    generator = torch.Generator().manual_seed(rank)
+    rows = torch.randperm(400, generator=generator)[:60].sort().values
+    scales = 10.0 ** -torch.randint(0, 7, (60, 1), generator=generator).float()
+    values = torch.randn(60, 32, generator=generator) * scales
+    return torch.sparse_coo_tensor(rows[None], values, (400, 32), check_invariants=True)
+
+
+def reduce_embedding_rows(rank: int, world: int, spec: str) -> tuple[list[torch.Tensor], dict[str, int]]:
+    averages, reducer = [], None
+    for _ in range(3):  # adaptive's first step is dense (sparse rows by a sparse all_reduce): then sparse
+        sparse, weight = embedding_rows(rank), torch.randn(8192, generator=torch.Generator().manual_seed(rank))
+        reducer = sc.allreduce_gradients([("embedding", sparse), ("weight", weight)], spec, reducer)
+        averages.append(sparse.to_dense())
+    assert reducer is not None
+    modes = dict(reducer.budget.mode_steps) if reducer.budget is not None else {"sparse": 3}
+    reducer.close()
+    return averages, modes
+
+
+@pytest.mark.parametrize("spec", [
+    "adaptive(budget=2000)+residual+rice+int8+allgather",  # 8-bit values
+    "deepreduce", "deepreduce-qsgd",  # Bloom-filter indices; curve-fitted or quantized values
+    "skcompress",  # quantile buckets coding indices and values together
+    "s2",  # a count sketch
+    "topk(ratio=0.01)+residual+raw+fp32+sparse_allreduce(algorithm=dsar_sa,qsgd_bits=4)",  # a 4-bit dense phase
+])
+def test_sparse_rows_are_averaged_exactly_whatever_the_pipelines_codecs_and_transport(spec):
+    results = run_local(2, reduce_embedding_rows, spec)
+    exact = (embedding_rows(0).to_dense() + embedding_rows(1).to_dense()) / 2
+    for averages, modes in results:
+        assert modes.get("sparse", 0) >= 2
+        for averaged in averages:
+            assert torch.equal(averaged, exact)
+
+
 @pytest.mark.parametrize("shape, sparse_dim", [((7, 3), 1), ((4, 5, 2), 2), ((6,), 1), ((5, 3), 2)])
 def test_reduced_sparse_gradients_are_the_nonzero_rows_torch_would_give(shape, sparse_dim):
     from sparsecomm.integration.reducer import nonzero_rows

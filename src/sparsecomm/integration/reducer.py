@@ -13,7 +13,9 @@ contributions with the pipeline's transport, and averages over the ranks. Rules:
   compressed bucket, such parameters are sent whole (every nonzero, no feedback).
 - Sparse COO gradients (``nn.Embedding(sparse=True)``) are already sparse: all their rows are sent
   exactly (no sparsifier, no feedback) through the pipeline's transport, or ``allgather`` if that is
-  ``dense``; the result is a sparse COO tensor again.
+  ``dense`` or inexact (a sketch, a quantized dense phase), with the pipeline's codecs where they are
+  lossless, else exact ones (`sparsecomm.encode.exact`): with no feedback to carry a lossy codec's
+  error forward, it would be lost. The result is a sparse COO tensor again.
 - Tensors sent these two uncompressed ways still get what the feedback owns in place of the
   optimizer: with ``dgc_momentum``, the same momentum, applied to their average over ranks.
 - Non-finite input follows the pipeline's ``nonfinite`` policy; under ``"raise"`` every rank raises
@@ -50,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sparsecomm.encode.exact import exact_codecs
 from sparsecomm.errors import SparseCommError
 from sparsecomm.finite import all_finite
 from sparsecomm.integration.budget import HALF, MIN_WIRE_BYTES, LinkBudget, Plan
@@ -61,7 +64,7 @@ from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.sparsify.adaptive import Adaptive
 from sparsecomm.spec import PipelineSpec, format_spec
 from sparsecomm.transport.agreement import agree
-from sparsecomm.transport.allgather import AllgatherTransport
+from sparsecomm.transport.allgather import AllgatherTransport, codecs_of
 from sparsecomm.transport.base import Transport
 from sparsecomm.transport.collectives import fingerprint, on_wire, wire_device
 from sparsecomm.transport.dense import DenseTransport
@@ -628,11 +631,14 @@ class GradientReducer:
     def _prepare(self, key: str, tensor: torch.Tensor, segments: list[Segment] | None,
                  request: Request) -> tuple[Transport, SparseGradient | torch.Tensor, Request, str]:
         """(transport, this rank's contribution, the request, the path taken) for one call."""
-        if tensor.is_sparse:
-            transport = self.spec.transport if self.spec.transport.name != "dense" else AllgatherTransport()
+        if tensor.is_sparse:  # sent exactly: an exact transport, codecs that decode to what they encode
+            transport = self.spec.transport
+            if not transport.exact or transport.name == "dense":
+                transport = AllgatherTransport()
             sparse = SparseGradient.from_sparse_coo(tensor.detach())
             values, nonfinite = screen_nonfinite(sparse.values, self.pipeline.nonfinite)
-            request = replace(request, nonfinite=nonfinite)
+            index_codec, value_codec = exact_codecs(*codecs_of(request), sparse.dtype)
+            request = replace(request, nonfinite=nonfinite, index_codec=index_codec, value_codec=value_codec)
             if values is None:
                 return transport, SparseGradient(sparse.indices[:0], sparse.values[:0], sparse.shape), request, "sparse"
             return transport, SparseGradient(sparse.indices, values, sparse.shape), request, "sparse"
