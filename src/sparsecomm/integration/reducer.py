@@ -33,9 +33,12 @@ contributions with the pipeline's transport, and averages over the ranks. Rules:
 Collectives run on a process group of their own (created here, on every rank): asynchronous calls
 on the reducer's `TransportSession` thread, in submission order, so they never interleave with the
 caller's collectives; a step's last call on the caller's thread once the calls before it are done
-(nothing is left to overlap it with). The reducer owns all runtime state — per-parameter pipeline
-state, auto's measurements, the adaptive budget and its reports in flight, call counters, the
-worker thread — checkpoints it with ``state_dict()`` and releases it with ``close()`` (or ``with``).
+(nothing is left to overlap it with). Payload calls expected to send few entries (`FUSE_BELOW`,
+decided from numbers every rank shares) wait for the step's last call and travel with it in one
+exchange: each would cost mostly an exchange's fixed cost. The reducer owns all runtime state —
+per-parameter pipeline state, auto's measurements, the adaptive budget and its reports in flight,
+call counters, the calls waiting for the step's last, the worker thread — checkpoints it with
+``state_dict()`` and releases it with ``close()`` (or ``with``).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.sparsify.adaptive import Adaptive
 from sparsecomm.spec import PipelineSpec, format_spec
 from sparsecomm.transport.agreement import agree
-from sparsecomm.transport.allgather import AllgatherTransport, codecs_of
+from sparsecomm.transport.allgather import AllgatherTransport, FusedCall, codecs_of
 from sparsecomm.transport.base import Transport
 from sparsecomm.transport.collectives import fingerprint, on_wire, wire_device
 from sparsecomm.transport.dense import DenseTransport
@@ -73,6 +76,10 @@ from sparsecomm.transport.session import TransportSession
 from sparsecomm.transport.side_numbers import read_tail, tail_elements, write_tail
 
 DENSE_BELOW = 4096
+FUSE_BELOW = 1 << 14
+"""a payload-carrying call expected to send fewer entries than this waits for its step's last call
+and travels in one exchange with it (`AllgatherTransport.reduce_fused`): such calls cost mostly a
+call's fixed cost, while larger ones gain more from starting while the backward pass runs"""
 EVERY_STEP_REPORTS, REPORT_EVERY = 8, 4
 """the adaptive pipeline's budget must hear every rank's numbers after each of the first steps, then
 after every few: those reports go in a small all_reduce of their own when no call of the next step
@@ -210,6 +217,8 @@ class GradientReducer:
         self._calls: dict[str, int] = {}
         """per stream key: calls so far (the agreement step checks every rank is at the same call)"""
         self._in_flight: list[torch.futures.Future] = []
+        self._deferred: list[tuple[FusedCall, torch.futures.Future]] = []
+        """this step's small calls waiting to travel with its last (`FUSE_BELOW`)"""
         self._unfinished: list[tuple[torch.futures.Future, Callable[[torch.futures.Future], None]]] = []
         """dense steps' all_reduces (the collective's future, what completes the call) whose sum
         `finish_step` turns into the result, on the thread that waits for the step"""
@@ -290,6 +299,9 @@ class GradientReducer:
         in the order they were posted, by the thread that waits for the step anyway — not in
         callbacks on gloo's threads, where that Python holds the interpreter and the processor
         while later buckets' collectives are still in flight."""
+        if self._deferred:  # no synchronous call took them (a resumed run's reordered last bucket)
+            self.session.drain()
+            self._exchange_deferred()
         unfinished, self._unfinished = self._unfinished, []
         for done, finish in unfinished:
             with contextlib.suppress(Exception):  # a failed collective: finish hands its error to the result
@@ -428,13 +440,24 @@ class GradientReducer:
             self._measure_submit(tensor, segments, path, submitted - start, submitted)
         # the sum lands in the gradient's own storage: the local stages above already copied what they use
         out = tensor if not tensor.is_sparse and tensor.is_contiguous() else None
+        this_call = FusedCall(contribution, request, out)
+        fuses = in_step and isinstance(transport, AllgatherTransport) and self._expected_entries(
+            tensor, segments, path) < FUSE_BELOW
+        future: torch.futures.Future
         if synchronous:  # on this thread, after the worker thread's calls (collectives stay in order)
             self.session.drain()
-            future: torch.futures.Future = torch.futures.Future()
-            try:
-                future.set_result(transport.reduce(contribution, self.async_group, request, out, self.session))
-            except BaseException as err:  # noqa: BLE001 - handed to the waiter, as an asynchronous call's
-                future.set_exception(err)
+            if fuses:
+                future = self._exchange_deferred(this_call)
+            else:
+                self._exchange_deferred()
+                future = torch.futures.Future()
+                try:
+                    future.set_result(transport.reduce(contribution, self.async_group, request, out, self.session))
+                except BaseException as err:  # noqa: BLE001 - handed to the waiter, as an asynchronous call's
+                    future.set_exception(err)
+        elif fuses:  # with the step's last call
+            future = torch.futures.Future()
+            self._deferred.append((this_call, future))
         else:
             future = transport.reduce_async(contribution, self.async_group, request, out, self.session)
         result = _result_future(tensor)
@@ -657,6 +680,36 @@ class GradientReducer:
         """Whether a tensor goes through the pipeline (compressed, or flushed on a dense
         step) rather than by plain all_reduce."""
         return not tensor.is_sparse and tensor.numel() >= self.dense_below and self.spec.transport.name != "dense"
+
+    def _expected_entries(self, tensor: torch.Tensor, segments: list[Segment] | None, path: str) -> int:
+        """How many entries a call is expected to send, from what every rank knows alike (sizes,
+        the sparsifier's target, this step's agreed density), so that every rank defers the same
+        calls: a sparse gradient's size bounds its rows; a sparsifier with no target counts all."""
+        if path != "compressed":
+            return tensor.numel()
+        sparsifier = self.spec.sparsifier if self._plan is None else self.pipeline.at_density(self._plan.density)
+        sizes = [(s.numel, s.whole) for s in segments] if segments else [(tensor.numel(), False)]
+        targets = [None if whole else sparsifier.target_count(numel) for numel, whole in sizes]
+        return sum(numel if target is None else target for (numel, _), target in zip(sizes, targets, strict=True))
+
+    def _exchange_deferred(self, last: FusedCall | None = None) -> torch.futures.Future:
+        """On this thread (the worker thread drained): the deferred calls, and ``last``, in one
+        exchange, each call's future set; ``last``'s future (without ``last``, an unused one)."""
+        deferred, self._deferred = self._deferred, []
+        last_future: torch.futures.Future = torch.futures.Future()
+        if last is not None:
+            deferred.append((last, last_future))
+        if deferred:
+            try:
+                reductions = AllgatherTransport().reduce_fused([call for call, _ in deferred], self.async_group,
+                                                               self.session)
+            except BaseException as err:  # noqa: BLE001 - handed to every waiter
+                for _, future in deferred:
+                    future.set_exception(err)
+            else:
+                for (_, future), reduction in zip(deferred, reductions, strict=True):
+                    future.set_result(reduction)
+        return last_future
 
     # -- the adaptive pipeline's measurements ---------------------------------------------------
     def _measure_submit(self, tensor: torch.Tensor, segments: list[Segment] | None, path: str, local_s: float,

@@ -6,21 +6,27 @@ With a `TransportSession` on gloo, a call is one round: each payload travels beh
 record (`sparsecomm.transport.payload_exchange`), and every rank checks every record before it
 returns. Without one, on NCCL (whose receives must match their messages' sizes), or when ``auto``
 already ran the agreement step, the agreement step's all_gather carries the sizes and the payloads
-follow. Payloads are decoded on the host and scattered into the sum on the gradient's device."""
+follow. Payloads are decoded on the host and scattered into the sum on the gradient's device.
+
+`AllgatherTransport.reduce_fused` exchanges several streams' calls at once: each rank's payloads
+go in one message behind one agreement record that names every stream and call (Horovod's tensor
+fusion, for variable-length payloads), so a step of small calls pays one exchange's fixed cost,
+and every sum is the one its own call would give."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass
 from itertools import chain
 
+import numpy as np
 import torch
 
 from sparsecomm.encode.base import IndexCodec, ValueCodec, codecs_lossless
 from sparsecomm.encode.index.rice import RiceIndices
 from sparsecomm.encode.value.floats import Float32Values
-from sparsecomm.errors import SparseCommError
+from sparsecomm.errors import PayloadError, SparseCommError
 from sparsecomm.host_memory import write_at
 from sparsecomm.payload import as_tensor, decode, encode
 from sparsecomm.sparse_gradient import SparseGradient
@@ -32,6 +38,7 @@ from sparsecomm.transport.collectives import (
     allgather_arrivals,
     fingerprint,
     fresh_buffer,
+    host_bytes,
     takes_short_messages,
     world,
 )
@@ -136,6 +143,75 @@ class AllgatherTransport(Transport):
         with record.phase("output"):
             return Reduction(deliver(total, sparse.shape, sparse.device, out), record)
 
+    def reduce_fused(self, calls: Sequence[FusedCall], group: Group = None,
+                     session: TransportSession | None = None) -> list[Reduction]:
+        """Each call's `reduce`, in one exchange: this rank's payloads in one message behind one
+        agreement record for them all (`fused_message`, `fused_request`). Every rank must pass the
+        same streams in the same order, or every rank raises naming them. Without a session on
+        gloo (NCCL's receives must match their messages), or for a single call, the calls run one
+        by one."""
+        if (len(calls) == 1 or session is None or not takes_short_messages(group)
+                or any(call.request.agreement is not None for call in calls)):
+            return [self.reduce(call.grad, group, call.request, call.out, session) for call in calls]
+        exchange = PayloadExchange(session.payload_capacity, group, (session.receiver("payloads, first round"),
+                                                                      session.receiver("payloads, second round")),
+                                   session.one_way_group(group))
+        records = [CallRecord(self.to_spec()) for _ in calls]
+        sparses, owns, payloads, configs = [], [], [], []
+        try:
+            request = fused_request([call.request for call in calls])
+            for call, record in zip(calls, records, strict=True):
+                sparse = as_sparse(call.grad)
+                index_codec, value_codec = codecs_of(call.request)
+                configs.append(fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype, index_codec.to_spec(),
+                                           value_codec.to_spec(), call.request.caller_config))
+                with record.phase("encode"):
+                    if call.request.payload is None:
+                        sparse = sparse.sorted()
+                    payloads.append(payload_of(sparse, group, call.request))
+                record.bytes_sent = payloads[-1].numel()
+                exact = codecs_lossless(index_codec, value_codec, sparse.dtype)
+                owns.append(sparse if exact or (call.request.payload is not None
+                                                and call.request.payload_is_contribution) else None)
+                sparses.append(sparse)
+            message = fused_message(payloads)
+        except BaseException:
+            exchange.close()  # the peers' messages still land before their buffers are reused
+            raise
+        numel, config = sum(sparse.numel for sparse in sparses), fingerprint(*configs)
+        envelope = agreement_record(request, numel, config, sum(sparse.nnz for sparse in sparses), message.numel())
+        rank = world(group)[0]
+        with closing(exchange):
+            exchange.send(envelope, message)
+            totals = []
+            for call, sparse, record in zip(calls, sparses, records, strict=True):
+                with record.phase("output"):  # cleared while the messages travel
+                    totals.append(output_buffer(call.out, sparse.numel, sparse.dtype, sparse.device))
+            summing = [RankOrderSum(total) for total in totals]
+
+            def add(sender: int, buffer: torch.Tensor) -> None:
+                parts = split_message(buffer, [sparse.numel for sparse in sparses])
+                for i, part in enumerate(parts):
+                    _add(summing[i], sender, part, owns[i] if sender == rank else None, sparses[i].shape, records[i])
+
+            for sender, peer, buffer in records[0].timed(exchange.first_round(), "transfer"):
+                # as `_in_one_round`: what another call sent, or after a non-finite gradient, is not read
+                if buffer is not None and bool((peer[:4] == envelope[:4]).all()) and not bool(peer[5]):
+                    add(sender, buffer)
+            with records[0].phase("agreement"):
+                agreement = check_table(exchange.table, request, numel, config)
+                sizes = exchange.table[:, NBYTES_FIELD].tolist()
+                _check_sizes(sizes, numel, parts=len(calls))
+            for sender, buffer in records[0].timed(exchange.second_round(), "transfer"):
+                add(sender, buffer)
+        session.payload_capacity = next_capacity(session.payload_capacity, sizes)
+        reductions = []
+        for call, sparse, record, total in zip(calls, sparses, records, totals, strict=True):
+            record.agreement = agreement
+            with record.phase("output"):
+                reductions.append(Reduction(deliver(total, sparse.shape, sparse.device, call.out), record))
+        return reductions
+
     @staticmethod
     def _in_one_round(sparse: SparseGradient, own: SparseGradient | None, payload: torch.Tensor, group: Group,
                       request: Request, config: int, out: torch.Tensor | None, record: CallRecord,
@@ -184,6 +260,56 @@ class AllgatherTransport(Transport):
         return total
 
 
+@dataclass(frozen=True)
+class FusedCall:
+    """One stream's share of a fused exchange: its contribution, request and output buffer."""
+
+    grad: SparseGradient | torch.Tensor
+    request: Request
+    out: torch.Tensor | None = None
+
+
+def fused_request(requests: Sequence[Request]) -> Request:
+    """What a fused exchange's agreement record is made of: every stream's key and call number in its
+    key (so ranks that fuse other streams or calls fail naming them), the first call's number, the
+    non-finite flag of any, and the side numbers of the one call that carries some."""
+    sides = [request.side for request in requests if request.side]
+    if len(sides) > 1:
+        raise SparseCommError("at most one call of a fused exchange may carry side numbers")
+    return Request(key="; ".join(f"{request.key} (call {request.call})" for request in requests),
+                   call=requests[0].call, nonfinite=any(request.nonfinite for request in requests),
+                   side=sides[0] if sides else ())
+
+
+def fused_message(payloads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Payloads (uint8, on the host) as one message: their count and sizes (int64, little-endian),
+    then each in turn."""
+    header = np.array([len(payloads), *(payload.numel() for payload in payloads)], dtype="<i8")
+    return torch.cat([torch.from_numpy(header.view(np.uint8)), *payloads])
+
+
+def split_message(message: torch.Tensor, numels: Sequence[int]) -> list[torch.Tensor]:
+    """A fused message back into its payloads, one per stream of ``numels`` elements (views of
+    ``message``). A header that does not describe exactly this message, or announces a payload no
+    codec can produce for its stream, raises `PayloadError` before anything is read past it."""
+    header_bytes = 8 * (len(numels) + 1)
+    if message.numel() < header_bytes:
+        raise PayloadError(f"a fused message of {message.numel()} bytes cannot hold the header of {len(numels)} "
+                           "payloads")
+    header = np.frombuffer(host_bytes(message[:header_bytes]).numpy().tobytes(), dtype="<i8")
+    if header[0] != len(numels):
+        raise PayloadError(f"a fused message holds {header[0]} payloads where {len(numels)} were agreed")
+    sizes = [int(size) for size in header[1:]]
+    if any(not 0 < size <= MAX_PAYLOAD_SLACK + MAX_PAYLOAD_PER_ELEMENT * numel
+           for size, numel in zip(sizes, numels, strict=True)):
+        raise PayloadError(f"a fused message announces payloads of {sizes} bytes for tensors of {list(numels)} "
+                           "elements")
+    if header_bytes + sum(sizes) != message.numel():
+        raise PayloadError(f"a fused message of {message.numel()} bytes announces {header_bytes + sum(sizes)}")
+    ends = np.cumsum([header_bytes, *sizes]).tolist()
+    return [message[start:end] for start, end in zip(ends[:-1], ends[1:], strict=True)]
+
+
 def _add(summing: RankOrderSum, rank: int, buffer: torch.Tensor, decoded: SparseGradient | None,
          shape: torch.Size, record: CallRecord) -> None:
     with record.phase("decode"):
@@ -192,9 +318,10 @@ def _add(summing: RankOrderSum, rank: int, buffer: torch.Tensor, decoded: Sparse
         summing.add(rank, part)
 
 
-def _check_sizes(sizes: list[int], numel: int) -> None:
-    """Refuse announced payload sizes no codec can produce for ``numel`` elements (on every rank)."""
-    limit = MAX_PAYLOAD_SLACK + MAX_PAYLOAD_PER_ELEMENT * numel
+def _check_sizes(sizes: list[int], numel: int, parts: int = 1) -> None:
+    """Refuse announced payload sizes no codec can produce for ``numel`` elements (on every rank),
+    in one payload or, fused, in ``parts`` behind their header."""
+    limit = parts * MAX_PAYLOAD_SLACK + MAX_PAYLOAD_PER_ELEMENT * numel + (8 * (parts + 1) if parts > 1 else 0)
     if max(sizes) > limit or min(sizes) <= 0:
         raise SparseCommError(f"a rank announced a payload of {max(sizes)} bytes for a tensor of {numel} elements "
                               f"(at most {limit} is possible)")

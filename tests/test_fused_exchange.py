@@ -1,0 +1,148 @@
+"""Fused exchanges: several streams' payloads in one message behind one agreement record. Each sum is
+the one its own call would give, bit for bit; ranks that fuse other streams fail together naming
+them; a header that does not fit its message is refused before anything past it is read; and a DDP
+step's small calls travel with its last one, training to the same bits as unfused calls."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import sparsecomm as sc
+from helpers import random_sparse
+from sparsecomm.errors import PayloadError
+from sparsecomm.launch import run_local
+from sparsecomm.transport.allgather import FusedCall, fused_message, split_message
+
+STREAMS = {"a": (40_000, 300), "b": (5_000, 0), "c": (900, 900)}  # numel, nnz: a few, none, every entry
+CODECS = {"a": ("rice", "int8"), "b": ("rice", "fp32"), "c": ("raw", "fp16")}
+
+
+def calls(rank: int, call: int) -> list[FusedCall]:
+    made = []
+    for key, (numel, nnz) in STREAMS.items():
+        index_codec, value_codec = sc.INDEX_CODECS.parse(CODECS[key][0]), sc.VALUE_CODECS.parse(CODECS[key][1])
+        made.append(FusedCall(random_sparse(numel, nnz, seed=100 * call + 10 * rank + len(made)),
+                              sc.Request(key=key, call=call, index_codec=index_codec, value_codec=value_codec)))
+    return made
+
+
+def fused_and_alone(rank: int, world: int) -> list[bool]:
+    """Per call and stream: whether the fused sum equals, bit for bit, the stream's own call's sum."""
+    transport = sc.parse_spec("allgather").transport
+    same = []
+    with sc.TransportSession() as fused_session, sc.TransportSession() as alone_session:
+        for call in range(3):  # the first call has no capacity yet: its payloads go in a second round
+            fused = transport.reduce_fused(calls(rank, call), session=fused_session)
+            for part, reduction in zip(calls(rank, call), fused, strict=True):
+                alone = transport.reduce(part.grad, request=part.request, session=alone_session)
+                same.append(torch.equal(reduction.total, alone.total) and reduction.record.bytes_sent > 0)
+    return same
+
+
+def test_a_fused_exchange_sums_each_stream_exactly_as_its_own_call():
+    for same in run_local(2, fused_and_alone):
+        assert len(same) == 3 * len(STREAMS) and all(same)
+
+
+def fusing_other_streams(rank: int, world: int, what: str) -> str:
+    transport = sc.parse_spec("allgather").transport
+    with sc.TransportSession() as session:
+        for call in range(3):
+            mine = calls(rank, call)
+            if call == 2 and rank == 1:
+                mine = mine[:2] if what == "fewer" else [mine[1], mine[0], mine[2]]
+            try:
+                transport.reduce_fused(mine, session=session)
+            except sc.SparseCommError as err:
+                return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("what", ["fewer", "order"])
+def test_ranks_that_fuse_other_streams_fail_together_naming_them(what):
+    for message in run_local(2, fusing_other_streams, what):
+        assert "different tensors" in message and "a (call 2)" in message
+
+
+def test_a_fused_message_splits_back_into_its_payloads():
+    payloads = [torch.tensor([1, 2, 3], dtype=torch.uint8), torch.tensor([9], dtype=torch.uint8)]
+    parts = split_message(fused_message(payloads), [10, 10])
+    assert [part.tolist() for part in parts] == [[1, 2, 3], [9]]
+
+
+@pytest.mark.parametrize("damage", ["truncated header", "count", "a size too large", "sizes past the end",
+                                    "a zero size", "bytes left over"])
+def test_a_fused_header_that_does_not_fit_its_message_is_refused(damage):
+    message = fused_message([torch.arange(5, dtype=torch.uint8), torch.arange(7, dtype=torch.uint8)])
+    header = np.frombuffer(message[:24].numpy().tobytes(), dtype="<i8").copy()
+    body = message[24:]
+    if damage == "truncated header":
+        message = message[:20]
+    else:
+        if damage == "count":
+            header[0] = 3
+        elif damage == "a size too large":
+            header[1] = 1 << 62  # no codec makes this for 10 elements; nothing is allocated for it
+        elif damage == "sizes past the end":
+            header[2] = 8
+        elif damage == "a zero size":
+            header[1], header[2] = 0, 12
+        message = torch.cat([torch.from_numpy(header.view(np.uint8)), body])
+        if damage == "bytes left over":
+            message = torch.cat([message, torch.zeros(1, dtype=torch.uint8)])
+    with pytest.raises(PayloadError):
+        split_message(message, [10, 10])
+
+
+class ThreeBuckets(nn.Module):
+    """Small layers in buckets of their own (DDP's ``bucket_cap_mb``), and a sparse embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(300, 16, sparse=True)
+        self.hidden = nn.Linear(16 * 4, 256)
+        self.output = nn.Linear(256, 300)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.output(torch.relu(self.hidden(self.embedding(tokens).flatten(1))))
+
+
+def train_three_buckets(rank: int, world: int, spec: str, fuse_below: int) -> tuple[str, int]:
+    import sparsecomm.integration.reducer as reducer_module
+    from sparsecomm.transport.allgather import AllgatherTransport
+
+    reducer_module.FUSE_BELOW = fuse_below  # this worker process only
+    fused = []
+    original = AllgatherTransport.reduce_fused
+
+    def counted(self, calls, *args, **kwargs):
+        fused.append(len(calls))
+        return original(self, calls, *args, **kwargs)
+
+    AllgatherTransport.reduce_fused = counted
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = ThreeBuckets()
+    net = DDP(model, bucket_cap_mb=0.05)
+    reducer = sc.register_ddp_hook(net, spec)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        tokens = torch.randint(300, (32, 5), generator=generator)
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(net(tokens[:, :4]), tokens[:, 4]).backward()
+        optimizer.step()
+    reducer.close()
+    digest = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().tobytes()
+    return digest.hex(), max(fused, default=0)
+
+
+@pytest.mark.parametrize("spec", ["dgc", "adaptive(budget=3000)+dgc_momentum(masking=false,nesterov=true)+rice+int8"
+                                  "+allgather"])
+def test_a_ddp_steps_small_calls_travel_with_its_last_and_train_to_the_same_bits(spec):
+    unfused = run_local(2, train_three_buckets, spec, 0)
+    fused = run_local(2, train_three_buckets, spec, 1 << 14)
+    assert unfused[0][0] == unfused[1][0] == fused[0][0] == fused[1][0]
+    assert unfused[0][1] <= 1 and fused[0][1] >= 3  # every bucket alone, then three or more in one exchange
