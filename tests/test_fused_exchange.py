@@ -146,3 +146,39 @@ def test_a_ddp_steps_small_calls_travel_with_its_last_and_train_to_the_same_bits
     fused = run_local(2, train_three_buckets, spec, 1 << 14)
     assert unfused[0][0] == unfused[1][0] == fused[0][0] == fused[1][0]
     assert unfused[0][1] <= 1 and fused[0][1] >= 3  # every bucket alone, then three or more in one exchange
+
+
+def nan_in_a_fused_bucket(rank: int, world: int) -> str:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = ThreeBuckets()
+    net = DDP(model, bucket_cap_mb=0.05)
+    reducer = sc.register_ddp_hook(net, "dgc")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(rank)
+    poison = {"now": False}
+
+    def maybe_poison(grad: torch.Tensor) -> torch.Tensor:
+        if poison["now"]:
+            grad = grad.clone()
+            grad.view(-1)[7] = float("nan")
+        return grad
+
+    model.hidden.weight.register_hook(maybe_poison)
+    try:
+        for step in range(4):
+            poison["now"] = rank == 1 and step == 2  # one rank, one entry of a bucket that travels fused
+            tokens = torch.randint(300, (32, 5), generator=generator)
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(net(tokens[:, :4]), tokens[:, 4]).backward()
+            optimizer.step()
+    except Exception as err:  # noqa: BLE001 - what each rank saw is the result
+        return f"step {step}: {type(err).__name__}: {err}"
+    finally:
+        reducer.close()
+    return "no error"
+
+
+def test_a_non_finite_gradient_in_a_fused_call_makes_every_rank_raise_at_that_step():
+    for outcome in run_local(2, nan_in_a_fused_bucket):
+        assert outcome.startswith("step 2:") and "non-finite" in outcome
