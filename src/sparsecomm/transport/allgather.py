@@ -108,32 +108,17 @@ class AllgatherTransport(Transport):
 
     def reduce(self, grad: SparseGradient | torch.Tensor, group: Group = None, request: Request | None = None,
                out: torch.Tensor | None = None, session: TransportSession | None = None) -> Reduction:
-        sparse = as_sparse(grad)
         request = request or Request()
-        index_codec, value_codec = codecs_of(request)
-        config = fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype, index_codec.to_spec(),
-                             value_codec.to_spec(), request.caller_config)
         record = CallRecord(self.to_spec())
         exchange = None
         if session is not None and request.agreement is None and takes_short_messages(group):
-            # the peers' messages may arrive while this rank encodes its own
-            exchange = PayloadExchange(session.payload_capacity, group, (session.receiver("payloads, first round"),
-                                                                          session.receiver("payloads, second round")),
-                                       session.one_way_group(group))
+            exchange = _session_exchange(session, group)  # the peers' messages may arrive while this rank encodes
         try:
-            with record.phase("encode"):
-                if request.payload is None:
-                    sparse = sparse.sorted()  # as encoding needs it, and then this rank's own sum writes in order
-                payload = payload_of(sparse, group, request)
+            sparse, payload, config, own = self._encoded(grad, group, request, record)
         except BaseException:
             if exchange is not None:  # the peers' messages still land before their buffers are reused
                 exchange.close()
             raise
-        record.bytes_sent = payload.numel()
-        # a lossless payload decodes to this rank's own selection, and so does a pipeline's payload
-        # (its selection holds the values as decoded): no need to decode it
-        exact = codecs_lossless(index_codec, value_codec, sparse.dtype)
-        own = sparse if exact or (request.payload is not None and request.payload_is_contribution) else None
         if exchange is None:
             receiver = session.receiver("payloads") if session is not None else fresh_buffer
             total = self._in_two_rounds(sparse, own, payload, group, request, config, out, record, receiver)
@@ -153,27 +138,13 @@ class AllgatherTransport(Transport):
         if (len(calls) == 1 or session is None or not takes_short_messages(group)
                 or any(call.request.agreement is not None for call in calls)):
             return [self.reduce(call.grad, group, call.request, call.out, session) for call in calls]
-        exchange = PayloadExchange(session.payload_capacity, group, (session.receiver("payloads, first round"),
-                                                                      session.receiver("payloads, second round")),
-                                   session.one_way_group(group))
+        exchange = _session_exchange(session, group)
         records = [CallRecord(self.to_spec()) for _ in calls]
-        sparses, owns, payloads, configs = [], [], [], []
         try:
             request = fused_request([call.request for call in calls])
-            for call, record in zip(calls, records, strict=True):
-                sparse = as_sparse(call.grad)
-                index_codec, value_codec = codecs_of(call.request)
-                configs.append(fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype, index_codec.to_spec(),
-                                           value_codec.to_spec(), call.request.caller_config))
-                with record.phase("encode"):
-                    if call.request.payload is None:
-                        sparse = sparse.sorted()
-                    payloads.append(payload_of(sparse, group, call.request))
-                record.bytes_sent = payloads[-1].numel()
-                exact = codecs_lossless(index_codec, value_codec, sparse.dtype)
-                owns.append(sparse if exact or (call.request.payload is not None
-                                                and call.request.payload_is_contribution) else None)
-                sparses.append(sparse)
+            encoded = [self._encoded(call.grad, group, call.request, record)
+                       for call, record in zip(calls, records, strict=True)]
+            sparses, payloads, configs, owns = (list(column) for column in zip(*encoded, strict=True))
             message = fused_message(payloads)
         except BaseException:
             exchange.close()  # the peers' messages still land before their buffers are reused
@@ -211,6 +182,25 @@ class AllgatherTransport(Transport):
             with record.phase("output"):
                 reductions.append(Reduction(deliver(total, sparse.shape, sparse.device, call.out), record))
         return reductions
+
+    def _encoded(self, grad: SparseGradient | torch.Tensor, group: Group, request: Request,
+                 record: CallRecord) -> tuple[SparseGradient, torch.Tensor, int, SparseGradient | None]:
+        """(the contribution, sorted; this rank's payload; the call's configuration fingerprint; what
+        its own payload decodes to, where known without decoding it)."""
+        sparse = as_sparse(grad)
+        index_codec, value_codec = codecs_of(request)
+        config = fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype, index_codec.to_spec(),
+                             value_codec.to_spec(), request.caller_config)
+        with record.phase("encode"):
+            if request.payload is None:
+                sparse = sparse.sorted()  # as encoding needs it, and then this rank's own sum writes in order
+            payload = payload_of(sparse, group, request)
+        record.bytes_sent = payload.numel()
+        # a lossless payload decodes to this rank's own selection, and so does a pipeline's payload
+        # (its selection holds the values as decoded): no need to decode it
+        exact = codecs_lossless(index_codec, value_codec, sparse.dtype)
+        own = sparse if exact or (request.payload is not None and request.payload_is_contribution) else None
+        return sparse, payload, config, own
 
     @staticmethod
     def _in_one_round(sparse: SparseGradient, own: SparseGradient | None, payload: torch.Tensor, group: Group,
@@ -308,6 +298,13 @@ def split_message(message: torch.Tensor, numels: Sequence[int]) -> list[torch.Te
         raise PayloadError(f"a fused message of {message.numel()} bytes announces {header_bytes + sum(sizes)}")
     ends = np.cumsum([header_bytes, *sizes]).tolist()
     return [message[start:end] for start, end in zip(ends[:-1], ends[1:], strict=True)]
+
+
+def _session_exchange(session: TransportSession, group: Group) -> PayloadExchange:
+    """A one-round exchange on the session's reused receive buffers, its first receives posted."""
+    return PayloadExchange(session.payload_capacity, group, (session.receiver("payloads, first round"),
+                                                              session.receiver("payloads, second round")),
+                           session.one_way_group(group))
 
 
 def _add(summing: RankOrderSum, rank: int, buffer: torch.Tensor, decoded: SparseGradient | None,
