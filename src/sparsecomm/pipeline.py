@@ -27,6 +27,7 @@ import torch
 
 from sparsecomm.encode.base import codecs_lossless
 from sparsecomm.errors import SparseCommError
+from sparsecomm.feedback.base import flush_into
 from sparsecomm.finite import all_finite
 from sparsecomm.payload import decode, encode
 from sparsecomm.sparse_gradient import SparseGradient
@@ -65,13 +66,17 @@ class TensorState:
     step: int = 0
     feedback: dict[str, Any] = field(default_factory=dict)
     last: StepReport | None = None
+    codec_error: torch.Tensor | None = None
+    """a tensor sent whole: what a lossy codec (or a dense step's narrower dtype) lost of it, sent
+    with its next step (flat)"""
 
 
 @dataclass(frozen=True)
 class Segment:
     """A named tensor at ``[start, start + numel)`` of a flat buffer. ``whole``: send its gradient
-    as it is — every nonzero, no feedback — for tensors too small to be worth selecting (their
-    caller applies `Feedback.update_uncompressed` to the average)."""
+    as it is — every nonzero, no sparsifier, no feedback — for tensors too small to be worth
+    selecting (their caller applies `Feedback.update_uncompressed` to the average); what a lossy
+    codec loses of it is held and goes with its next step (`TensorState.codec_error`)."""
 
     key: str
     start: int
@@ -160,7 +165,8 @@ class Pipeline:
         for segment, state, shape in zip(segments, states, shapes, strict=True):
             state.feedback["world_size"] = self.world_size
             piece = screened[segment.start:segment.start + segment.numel].view(shape)
-            accumulated.append(piece if segment.whole else spec.feedback.accumulate(piece, state.feedback))
+            accumulated.append(with_codec_error(piece, state) if segment.whole
+                               else spec.feedback.accumulate(piece, state.feedback))
             sparsifier = Nonzero() if segment.whole else chosen.at_step(state.step)
             generator = None if segment.whole else seeded_generator(grad.device, self.seed, key_hash(segment.key),
                                                                     state.step)
@@ -182,9 +188,12 @@ class Pipeline:
                              else decode(payload, device=grad.device, expect=grad.shape))
                 parts = split(selection, segments)
         encode_s = time.perf_counter() - encoding
+        lossy = make_payload and not codecs_lossless(spec.index_codec, spec.value_codec)
         for segment, state, acc, part, target in zip(segments, states, accumulated, parts, targets, strict=True):
             if not segment.whole:
                 spec.feedback.update(acc, part, state.feedback)
+            else:
+                state.codec_error = codec_error(acc, part) if lossy else None
             state.step += 1
             state.last = StepReport(part.nnz, target if not segment.whole else part.nnz, segment.numel,
                                     len(payload) if payload is not None else 0)
@@ -202,8 +211,8 @@ class Pipeline:
         """A dense step: each tensor's gradient plus what its feedback sends with it (`Feedback.flush`),
         to be sent whole, times ``scale``, in ``out``'s dtype (a new tensor of ``grad``'s without
         ``out``, which may be ``grad`` itself); after the all_reduce, `update_flushed`. A narrower
-        ``out`` (fp16) rounds what is sent; error feedback keeps what the rounding lost (tensors
-        sent whole have no feedback: theirs is dropped). Returns (the flat wire tensor, whether
+        ``out`` (fp16) rounds what is sent; error feedback keeps what the rounding lost (for
+        tensors sent whole, `TensorState.codec_error` does). Returns (the flat wire tensor, whether
         every rank must raise). Non-finite input under ``"raise"`` leaves the state untouched; under
         ``"skip"`` the feedback flushes as with a zero gradient (DGC's momentum must move to the
         average on every rank alike)."""
@@ -224,7 +233,11 @@ class Pipeline:
             part = wire[segment.start:segment.start + segment.numel]
             if not segment.whole:
                 self.spec.feedback.flush(piece, state.feedback, part, scale)
-            elif scale != 1.0 or part.dtype != piece.dtype:
+            elif state.codec_error is not None or part.dtype != piece.dtype:
+                source = with_codec_error(piece, state)
+                held = source.clone() if source is piece else source  # flush_into keeps the loss in it
+                state.codec_error = None if flush_into(held, part, scale) else held
+            elif scale != 1.0:
                 torch.mul(piece, scale, out=part)
             elif part.data_ptr() != piece.data_ptr():
                 part.copy_(piece)
@@ -248,7 +261,8 @@ class Pipeline:
             "seed": self.seed,
             "tensors": {
                 key: {"step": s.step,
-                      "feedback": {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.feedback.items()}}
+                      "feedback": {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.feedback.items()},
+                      **({"codec_error": s.codec_error.clone()} if s.codec_error is not None else {})}
                 for key, s in self.states.items()
             },
         }
@@ -260,9 +274,24 @@ class Pipeline:
             )
         self.states = {
             key: TensorState(step=saved["step"], feedback={k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                                                           for k, v in saved["feedback"].items()})
+                                                           for k, v in saved["feedback"].items()},
+                             codec_error=saved["codec_error"].clone() if "codec_error" in saved else None)
             for key, saved in state["tensors"].items()
         }
+
+
+def with_codec_error(piece: torch.Tensor, state: TensorState) -> torch.Tensor:
+    """A tensor sent whole plus what codecs lost of it before (``piece`` itself when nothing was)."""
+    if state.codec_error is None:
+        return piece
+    return piece + state.codec_error.view(piece.shape)
+
+
+def codec_error(sent: torch.Tensor, received: SparseGradient) -> torch.Tensor:
+    """What receivers miss of ``sent`` (a tensor sent whole) given what they decode of it, flat."""
+    error = sent.reshape(-1).clone()
+    error.index_add_(0, received.indices.to(error.device), received.values.to(error.dtype), alpha=-1)
+    return error
 
 
 def join(parts: Sequence[SparseGradient], segments: Sequence[Segment], shape: torch.Size) -> SparseGradient:
