@@ -27,7 +27,6 @@ import torch
 
 from sparsecomm.encode.base import codecs_lossless
 from sparsecomm.errors import SparseCommError
-from sparsecomm.feedback.base import flush_into
 from sparsecomm.finite import all_finite
 from sparsecomm.payload import decode, encode
 from sparsecomm.sparse_gradient import SparseGradient
@@ -67,8 +66,7 @@ class TensorState:
     feedback: dict[str, Any] = field(default_factory=dict)
     last: StepReport | None = None
     codec_error: torch.Tensor | None = None
-    """a tensor sent whole: what a lossy codec (or a dense step's narrower dtype) lost of it, sent
-    with its next step (flat)"""
+    """a tensor sent whole: what a lossy codec lost of it, sent with its next step (flat)"""
 
 
 @dataclass(frozen=True)
@@ -211,8 +209,9 @@ class Pipeline:
         """A dense step: each tensor's gradient plus what its feedback sends with it (`Feedback.flush`),
         to be sent whole, times ``scale``, in ``out``'s dtype (a new tensor of ``grad``'s without
         ``out``, which may be ``grad`` itself); after the all_reduce, `update_flushed`. A narrower
-        ``out`` (fp16) rounds what is sent; error feedback keeps what the rounding lost (for
-        tensors sent whole, `TensorState.codec_error` does). Returns (the flat wire tensor, whether
+        ``out`` (fp16) rounds what is sent; error feedback keeps what the rounding lost (tensors
+        sent whole send what a lossy codec took from them before, and keep no rounding, as DDP's
+        fp16 hook keeps none). Returns (the flat wire tensor, whether
         every rank must raise). Non-finite input under ``"raise"`` leaves the state untouched; under
         ``"skip"`` the feedback flushes as with a zero gradient (DGC's momentum must move to the
         average on every rank alike)."""
@@ -233,12 +232,9 @@ class Pipeline:
             part = wire[segment.start:segment.start + segment.numel]
             if not segment.whole:
                 self.spec.feedback.flush(piece, state.feedback, part, scale)
-            elif state.codec_error is not None or part.dtype != piece.dtype:
-                source = with_codec_error(piece, state)
-                held = source.clone() if source is piece else source  # flush_into keeps the loss in it
-                state.codec_error = None if flush_into(held, part, scale) else held
-            elif scale != 1.0:
-                torch.mul(piece, scale, out=part)
+            elif state.codec_error is not None or scale != 1.0 or part.dtype != piece.dtype:
+                torch.mul(with_codec_error(piece, state), scale, out=part)  # fp16 rounds it, as DDP's hook
+                state.codec_error = None
             elif part.data_ptr() != piece.data_ptr():
                 part.copy_(piece)
             state.step += 1
@@ -250,10 +246,9 @@ class Pipeline:
         """After a dense step's all_reduce: each flushed tensor's `Feedback.update_flushed` on its
         slice of ``averaged`` (flat, in place; every rank passes the same)."""
         flat = averaged.view(-1)
-        for segment in segments or (Segment(key, 0, flat.numel()),):
-            if not segment.whole:
-                state = self.states[segment.key]
-                self.spec.feedback.update_flushed(flat[segment.start:segment.start + segment.numel], state.feedback)
+        flushed = [segment for segment in segments or (Segment(key, 0, flat.numel()),) if not segment.whole]
+        self.spec.feedback.update_flushed_([flat[s.start:s.start + s.numel] for s in flushed],
+                                           [self.states[s.key].feedback for s in flushed])
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -45,6 +45,12 @@ class Feedback(Component):
         momentum, once it is the ranks' common buffer), applied to ``averaged`` in place. Every rank
         passes the same average. Nothing here: a flush sent everything."""
 
+    def update_flushed_(self, averaged: list[torch.Tensor], states: list[dict[str, Any]]) -> None:
+        """`update_flushed` for several tensors (one dense call's parameters): a feedback may do it
+        in a few multi-tensor passes instead of a few per tensor (kernel launches on a GPU)."""
+        for tensor, state in zip(averaged, states, strict=True):
+            self.update_flushed(tensor, state)
+
     def update_uncompressed(self, averaged: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
         """The update for a tensor the reducer sends without this pipeline (small tensors, sparse
         embedding rows), given its average over ranks: the average itself, unless this feedback

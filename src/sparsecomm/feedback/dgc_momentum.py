@@ -111,25 +111,45 @@ class DGCMomentum(Feedback):
         """SGD's momentum on the average, in place: B ← m·B + avg, then avg becomes B (Nesterov:
         avg + m·B); with masking (every entry was sent) B is cleared after. The first dense step
         after sparse ones first empties v and b (`flush` sent them)."""
-        buffer = state["momentum_buffer"].view(-1)
-        if not state.get("averaged"):
-            clear_(state["accumulated"])
-            clear_(buffer)
-            state["averaged"] = True
-        torch.add(averaged, buffer, alpha=self.momentum, out=buffer)
-        if self.nesterov:
-            averaged.add_(buffer, alpha=self.momentum)
-        else:
-            averaged.copy_(buffer)
+        self.update_flushed_([averaged.view(-1)], [state])
+
+    def update_flushed_(self, averaged: list[torch.Tensor], states: list[dict[str, Any]]) -> None:
+        """`update_flushed` for several tensors (flat), in multi-tensor passes."""
+        buffers = []
+        for state in states:
+            buffer = state["momentum_buffer"].view(-1)
+            if not state.get("averaged"):
+                clear_(state["accumulated"])
+                clear_(buffer)
+                state["averaged"] = True
+            buffers.append(buffer)
+        self._momentum_step_(averaged, buffers)
         if self.masking:
-            clear_(buffer)
+            torch._foreach_zero_(buffers)
 
     def update_uncompressed(self, averaged: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
         """Momentum on an averaged gradient, as SGD applies it: b ← m·b + g, step b (Nesterov:
         g + m·b). Every rank holds the same average, so the same b."""
-        buffer = momentum_buffer(state, averaged, self.momentum, self.nesterov, accumulator=False)
-        torch.add(averaged, buffer, alpha=self.momentum, out=buffer)
-        return torch.add(averaged, buffer, alpha=self.momentum) if self.nesterov else buffer.clone()
+        updated = averaged.clone()
+        self.update_uncompressed_([updated], [state])
+        return updated
+
+    def update_uncompressed_(self, averaged: list[torch.Tensor], states: list[dict[str, Any]]) -> None:
+        """`update_uncompressed` for several tensors, in place, in multi-tensor passes."""
+        if averaged:
+            self._momentum_step_(averaged, [momentum_buffer(state, tensor, self.momentum, self.nesterov,
+                                                            accumulator=False)
+                                            for tensor, state in zip(averaged, states, strict=True)])
+
+    def _momentum_step_(self, averaged: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
+        """SGD's momentum step on each average, in place: b ← m·b + avg, then avg ← b (Nesterov:
+        avg + m·b) — one multi-tensor pass per operation, as torch's foreach SGD makes it."""
+        torch._foreach_mul_(buffers, self.momentum)
+        torch._foreach_add_(buffers, averaged)
+        if self.nesterov:
+            torch._foreach_add_(averaged, buffers, alpha=self.momentum)
+        else:
+            torch._foreach_copy_(averaged, buffers)
 
 
 def momentum_buffer(state: dict[str, Any], like: torch.Tensor, momentum: float, nesterov: bool,

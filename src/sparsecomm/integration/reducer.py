@@ -11,7 +11,7 @@ contributions with the pipeline's transport, and averages over the ranks. Rules:
 - Dense tensors with fewer than ``dense_below`` elements (biases, norms, small last buckets) go
   through a plain fp32 all_reduce with no feedback: compressing them saves nothing. Inside a
   compressed bucket, such parameters are sent whole (every nonzero, no sparsifier); what a lossy
-  codec rounds off them goes with their next step (`sparsecomm.pipeline.TensorState.codec_error`).
+  codec rounds off them goes with their next step (`TensorState.codec_error` in `sparsecomm.pipeline`).
 - Sparse COO gradients (``nn.Embedding(sparse=True)``) are already sparse: all their rows are sent
   exactly (no sparsifier, no feedback) through the pipeline's transport, or ``allgather`` if that is
   ``dense`` or inexact (a sketch, a quantized dense phase), with the pipeline's codecs where they are
