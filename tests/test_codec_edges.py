@@ -5,6 +5,8 @@ declares (lossless indices and values exact, casts exact to the wire type, lossy
 never of the wrong sign). The codec list comes from the registries, so a new codec is tested here
 the day it is registered."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -64,3 +66,32 @@ def test_exact_codecs_carry_every_value_of_the_gradients_dtype(index_codec, valu
     decoded = sc.decode(sc.encode(grad, index, value, rng=np.random.default_rng(0)), expect=5000)
     assert torch.equal(decoded.indices, grad.indices)
     assert decoded.values.dtype == dtype and torch.equal(decoded.values, grad.values)
+
+
+MAGNITUDES = {"subnormal": [1e-40, -5e-41, 3e-42, -1e-45], "largest float32": [3.4028235e38, -3.0e38, 1.0, -2.5e37],
+              "subnormal beside huge": [1e-40, 1e30, -2e-45, 7.0]}
+
+
+@pytest.mark.parametrize("value_codec", sorted({value for _, value in PAIRS}))
+@pytest.mark.parametrize("case", MAGNITUDES)
+def test_value_codecs_at_float32s_extremes_decode_what_the_feedback_expects_or_refuse(value_codec, case):
+    """Subnormal scales (127 / scale overflows) and scales near float32's largest (a level times
+    scale / 127 rounds past it) must neither turn into Inf or NaN on either side nor make the error
+    feedback's idea of what was received differ from what a receiver decodes. A codec that cannot
+    carry such values (fp16's range, a curve fit's float32 model) may refuse them, clearly."""
+    codec = sc.VALUE_CODECS.parse(value_codec)
+    values = torch.tensor(MAGNITUDES[case] * 64, dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an overflow inside numpy is a finding, as in the fuzzer
+        try:
+            payload = sc.encode(sc.SparseGradient(torch.arange(values.numel()), values, torch.Size([values.numel()])),
+                                sc.INDEX_CODECS.parse("raw"), codec, rng=np.random.default_rng(0))
+        except sc.SparseCommError as refused:
+            assert "overflows" in str(refused) and case != "subnormal"
+            return
+        decoded = sc.decode(payload, expect=values.numel()).values
+        expected = codec.as_decoded(values)  # None: the feedback decodes the payload itself
+    assert bool(torch.isfinite(decoded).all()), "a finite gradient decoded to Inf or NaN"
+    assert bool((decoded * values >= 0).all()), "a flipped sign"
+    if expected is not None:
+        assert torch.equal(decoded, expected)

@@ -3,6 +3,7 @@ today's decoders in a short bounded pass, and reports a planted bug with a repro
 reproduces it. (The note of each release reports a run of a million inputs or more.)"""
 
 import json
+import warnings
 
 import pytest
 
@@ -18,6 +19,23 @@ def test_a_short_pass_exercises_every_mutation_and_finds_nothing():
     assert set(report.by_mutation) == set(fuzz.MUTATIONS)
     assert report.outcomes["decoded"] > 100 and report.outcomes["PayloadError"] > 1000
     assert report.findings == [], report.findings[0]["problem"]
+
+
+FOUND = {
+    # seed 1126, a section_bytes mutation: an int8 scale of float32's largest value; level × (scale / 127)
+    # rounded past it and decoded to Inf (numpy warned of the overflow)
+    "int8 scale of float32's largest": "5350434d020201022c0100000000000003000000000000000c041800000000000000070000"
+                                       "000000000014000000000000000f0000000000000072617728626974733d363429696e74385b"
+                                       "00000000000000bb00000000000000ea00000000000000ffff7f7f04c9817db6d51c",
+}
+
+
+@pytest.mark.parametrize("finding", FOUND)
+def test_what_the_fuzzer_found_decodes_cleanly_now(finding):
+    payload = bytes.fromhex(FOUND[finding])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fuzz.check_decoded(sc.decode(payload), payload) is None
 
 
 def test_the_corpus_covers_every_registered_codec():

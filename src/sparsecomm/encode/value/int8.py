@@ -44,14 +44,18 @@ class Int8Values(ValueCodec):
         blocks = self._blocks(values.size)
         blocks.reshape(-1)[: values.size] = values
         scales = np.abs(blocks).max(axis=1)
-        inverse = np.divide(np.float32(LEVELS), scales, out=np.zeros_like(scales), where=scales > 0)
-        blocks *= inverse[:, None]
+        # each value over its bucket's scale is at most 1 in magnitude, then times 127: 127 / scale
+        # would overflow for a subnormal scale, and values times an infinite inverse are not levels
+        np.divide(blocks, scales[:, None], out=blocks, where=scales[:, None] > 0)
+        blocks *= np.float32(LEVELS)
         return scales, np.rint(blocks, out=blocks)
 
     @staticmethod
     def _scaled(levels: np.ndarray, scales: np.ndarray) -> np.ndarray:
-        """Levels (float32, whole buckets) times each bucket's step, in place."""
-        levels *= (scales / np.float32(LEVELS))[:, None]
+        """Levels (float32, whole buckets) times each bucket's step, in place: a level over 127 is
+        at most 1 in magnitude, so times the scale it never overflows (scale / 127 · 127 can)."""
+        levels /= np.float32(LEVELS)
+        levels *= scales[:, None]
         return levels
 
     def encode(self, values: torch.Tensor, rng: np.random.Generator) -> bytes:
