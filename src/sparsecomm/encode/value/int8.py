@@ -23,6 +23,10 @@ from sparsecomm.errors import PayloadError, SparseCommError
 
 LEVELS = 127
 MAX_BUCKET = 1 << 16
+SMALLEST_INVERTIBLE = np.float32(2.0**-120)
+"""scales from here up have a finite float32 127 / scale"""
+LARGEST_STEPPED = np.float32(2.0**127)
+"""scales up to here have 127 · (scale / 127) inside float32's range"""
 
 
 @VALUE_CODECS.register("int8")
@@ -44,18 +48,27 @@ class Int8Values(ValueCodec):
         blocks = self._blocks(values.size)
         blocks.reshape(-1)[: values.size] = values
         scales = np.abs(blocks).max(axis=1)
-        # each value over its bucket's scale is at most 1 in magnitude, then times 127: 127 / scale
-        # would overflow for a subnormal scale, and values times an infinite inverse are not levels
-        np.divide(blocks, scales[:, None], out=blocks, where=scales[:, None] > 0)
-        blocks *= np.float32(LEVELS)
+        safe = scales >= SMALLEST_INVERTIBLE
+        tiny = ~safe & (scales > 0)
+        # below SMALLEST_INVERTIBLE, 127 / scale overflows float32: those buckets are divided instead
+        tiny_levels = blocks[tiny] / scales[tiny, None] * np.float32(LEVELS) if tiny.any() else None
+        inverse = np.divide(np.float32(LEVELS), scales, out=np.zeros_like(scales), where=safe)
+        blocks *= inverse[:, None]
+        if tiny_levels is not None:
+            blocks[tiny] = tiny_levels
         return scales, np.rint(blocks, out=blocks)
 
     @staticmethod
     def _scaled(levels: np.ndarray, scales: np.ndarray) -> np.ndarray:
-        """Levels (float32, whole buckets) times each bucket's step, in place: a level over 127 is
-        at most 1 in magnitude, so times the scale it never overflows (scale / 127 · 127 can)."""
-        levels /= np.float32(LEVELS)
-        levels *= scales[:, None]
+        """Levels (float32, whole buckets) times each bucket's step, in place. Above
+        LARGEST_STEPPED, a level of 127 times scale / 127 can round past float32's largest: those
+        buckets take the level over 127 (at most 1 in magnitude) times the scale."""
+        huge = scales > LARGEST_STEPPED
+        huge_values = levels[huge] / np.float32(LEVELS) * scales[huge, None] if huge.any() else None
+        with np.errstate(over="ignore"):  # only in the huge buckets, replaced next
+            levels *= (scales / np.float32(LEVELS))[:, None]
+        if huge_values is not None:
+            levels[huge] = huge_values
         return levels
 
     def encode(self, values: torch.Tensor, rng: np.random.Generator) -> bytes:
