@@ -69,18 +69,18 @@ def test_exact_codecs_carry_every_value_of_the_gradients_dtype(index_codec, valu
 
 
 MAGNITUDES = {"subnormal": [1e-40, -5e-41, 3e-42, -1e-45], "largest float32": [3.4028235e38, -3.0e38, 1.0, -2.5e37],
-              "subnormal beside huge": [1e-40, 1e30, -2e-45, 7.0]}
+              "subnormal beside huge": [1e-40, 1e30, -2e-45, 7.0], "beyond float32": [1e300, -2.0, 3e-320, 5.0]}
 
 
 @pytest.mark.parametrize("value_codec", sorted({value for _, value in PAIRS}))
 @pytest.mark.parametrize("case", MAGNITUDES)
 def test_value_codecs_at_float32s_extremes_decode_what_the_feedback_expects_or_refuse(value_codec, case):
-    """Subnormal scales (127 / scale overflows) and scales near float32's largest (a level times
-    scale / 127 rounds past it) must neither turn into Inf or NaN on either side nor make the error
+    """Subnormal scales (127 / scale overflows), scales near float32's largest (a level times
+    scale / 127 rounds past it) and float64 values beyond float32's range must neither turn into Inf or NaN on either side nor make the error
     feedback's idea of what was received differ from what a receiver decodes. A codec that cannot
-    carry such values (fp16's range, a curve fit's float32 model) may refuse them, clearly."""
+    carry such values (fp16's range, a curve fit's or a quantizer's float32) may refuse them, clearly."""
     codec = sc.VALUE_CODECS.parse(value_codec)
-    values = torch.tensor(MAGNITUDES[case] * 64, dtype=torch.float32)
+    values = torch.tensor(MAGNITUDES[case] * 64, dtype=torch.float64 if case == "beyond float32" else torch.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an overflow inside numpy is a finding, as in the fuzzer
         try:

@@ -75,6 +75,8 @@ class Int8Values(ValueCodec):
         v = values.detach().to(device="cpu", dtype=torch.float32).reshape(-1).numpy()
         if v.size == 0:
             return b""
+        if values.dtype == torch.float64 and not np.isfinite(v).all():  # finite values, beyond float32's range
+            raise SparseCommError("a value overflows int8's float32 scales; use a wider value codec")
         scales, levels = self._quantize(v)
         return scales.astype("<f4").tobytes() + levels.reshape(-1)[: v.size].astype(np.int8).tobytes()
 
