@@ -76,9 +76,10 @@ MAGNITUDES = {"subnormal": [1e-40, -5e-41, 3e-42, -1e-45], "largest float32": [3
 @pytest.mark.parametrize("case", MAGNITUDES)
 def test_value_codecs_at_float32s_extremes_decode_what_the_feedback_expects_or_refuse(value_codec, case):
     """Subnormal scales (127 / scale overflows), scales near float32's largest (a level times
-    scale / 127 rounds past it) and float64 values beyond float32's range must neither turn into Inf or NaN on either side nor make the error
-    feedback's idea of what was received differ from what a receiver decodes. A codec that cannot
-    carry such values (fp16's range, a curve fit's or a quantizer's float32) may refuse them, clearly."""
+    scale / 127 rounds past it) and float64 values beyond float32's range must neither turn into
+    Inf or NaN on either side nor make the error feedback's idea of what was received differ from
+    what a receiver decodes. A codec that cannot carry such values (fp16's range, a curve fit's or
+    a quantizer's float32) may refuse them, clearly."""
     codec = sc.VALUE_CODECS.parse(value_codec)
     values = torch.tensor(MAGNITUDES[case] * 64, dtype=torch.float64 if case == "beyond float32" else torch.float32)
     with warnings.catch_warnings():

@@ -20,7 +20,8 @@ contributions with the pipeline's transport, and averages over the ranks. Rules:
 - Tensors sent these two uncompressed ways still get what the feedback owns in place of the
   optimizer: with ``dgc_momentum``, the same momentum, applied to their average over ranks.
 - Non-finite input follows the pipeline's ``nonfinite`` policy; under ``"raise"`` every rank raises
-  together (the flag rides on the transport's agreement step), none is left waiting.
+  together (the flag rides on the transport's agreement step), none is left waiting. So does every
+  rank when one rank's codec refuses its values (a value beyond fp16's range, say).
 - Every call's agreement step carries the tensor's key and call number: ranks that pass different
   tensors, orders or counts get `SparseCommError` naming the key, never a sum of the wrong tensors.
 - At construction all ranks check they have the same spec, seed, options and world size.
@@ -672,8 +673,13 @@ class GradientReducer:
             transport = self.spec.transport if self.spec.transport.name == "dense" else DenseTransport()
             return transport, dense, replace(request, nonfinite=nonfinite), "dense"
         density = self._plan.density if self._plan is not None else None
-        output = self.pipeline.step(tensor.reshape(-1) if segments else tensor, key, segments=segments,
-                                    density=density)
+        stepped = tensor.reshape(-1) if segments else tensor
+        try:
+            output = self.pipeline.step(stepped, key, segments=segments, density=density)
+        except SparseCommError as refused:  # a codec that cannot carry these values (fp16's range): all raise
+            nothing = SparseGradient(torch.zeros(0, dtype=torch.int64, device=tensor.device),
+                                     torch.zeros(0, dtype=tensor.dtype, device=tensor.device), stepped.shape)
+            return self.spec.transport, nothing, replace(request, refused=str(refused)), "compressed"
         request = replace(request, nonfinite=output.nonfinite, payload=output.payload, payload_is_contribution=True)
         return self.spec.transport, output.selection, request, "compressed"
 

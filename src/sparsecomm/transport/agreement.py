@@ -1,12 +1,13 @@
 """The agreement step: the first collective of every transport call.
 
 One fixed-size all_gather of every rank's (tensor size, configuration fingerprint, stream key, call
-number, nnz, non-finite flag, payload size). Every rank checks the same table, so either all of
-them go on — knowing the largest nnz and, when all sent one, every payload size — or all raise
-`SparseCommError`, none left hanging in a later collective. Because the stream's key and call
-number are in it, ranks that pass tensors in different orders or counts fail with the key named
-instead of summing the wrong tensors together. Each record also carries the request's side numbers
-(`sparsecomm.transport.side_numbers`), which every rank gets back from every rank, unchecked.
+number, nnz, a flag — non-finite input, or values its codec refused —, payload size). Every rank
+checks the same table, so either all of them go on — knowing the largest nnz and, when all sent
+one, every payload size — or all raise `SparseCommError`, none left hanging in a later collective.
+Because the stream's key and call number are in it, ranks that pass tensors in different orders or
+counts fail with the key named instead of summing the wrong tensors together. Each record also
+carries the request's side numbers (`sparsecomm.transport.side_numbers`), which every rank gets
+back from every rank, unchecked.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from sparsecomm.transport.collectives import Group, all_gather_single, on_wire, 
 from sparsecomm.transport.request import Agreement, Request
 from sparsecomm.transport.side_numbers import SIDE_FIELDS, side_words, sides_of_table
 
-_NUMEL, _CONFIG, _KEY, _CALL, _NNZ, _NONFINITE, _NBYTES = range(7)
+_NUMEL, _CONFIG, _KEY, _CALL, _NNZ, _FLAG, _NBYTES = range(7)
+NONFINITE, REFUSED = 1, 2
+"""the flag's values: this rank's input was non-finite; its codec refused its values"""
 NBYTES_FIELD = _NBYTES
 """where the payload size sits in a record"""
 CHECKED_FIELDS = 7
@@ -42,7 +45,8 @@ def agree(group: Group, request: Request, numel: int, config: int, nnz: int = 0,
 def agreement_record(request: Request, numel: int, config: int, nnz: int = 0, nbytes: int = 0) -> torch.Tensor:
     """This rank's row of the agreement table (`RECORD_FIELDS` int64 values: the checked fields, then
     the request's side numbers)."""
-    checked = [numel, config, request.key_hash, request.call, nnz, int(request.nonfinite), nbytes]
+    flag = REFUSED if request.refused else NONFINITE if request.nonfinite else 0
+    checked = [numel, config, request.key_hash, request.call, nnz, flag, nbytes]
     return torch.tensor(checked + side_words(request.side), dtype=torch.int64)
 
 
@@ -63,7 +67,10 @@ def check_table(table: torch.Tensor, request: Request, numel: int, config: int) 
         raise SparseCommError(
             f"ranks disagree on tensor size or transport configuration for {key!r} (this rank: numel "
             f"{numel}, config {config:#x}; across ranks numel {min(numels)}..{max(numels)})")
-    if any(row[_NONFINITE] for row in rows):
+    if any(row[_FLAG] == REFUSED for row in rows):
+        raise SparseCommError(f"a rank's codec could not encode its values of {key!r}; no rank applied them"
+                              + (f" — this one: {request.refused}" if request.refused else ""))
+    if any(row[_FLAG] for row in rows):
         raise SparseCommError(f"a rank had a non-finite gradient (NaN or Inf) in {key!r}; no rank applied it"
                               + (" — including this one" if request.nonfinite else ""))
     sizes = tuple(row[_NBYTES] for row in rows)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 
 import numpy as np
@@ -64,6 +64,17 @@ def payload_of(sparse: SparseGradient, group: Group, request: Request) -> torch.
         return as_tensor(request.payload)
     index_codec, value_codec = codecs_of(request)
     return as_tensor(encode(sparse, index_codec, value_codec, rng=request.rng(world(group)[0])))
+
+
+def payload_or_refusal(sparse: SparseGradient, group: Group, request: Request) -> tuple[torch.Tensor, Request]:
+    """(`payload_of`, the request), or where a codec cannot encode this rank's values (fp16's range)
+    an empty payload of the same codecs and the request marked ``refused``: the agreement step then
+    raises on every rank, where a refusal here would leave the others waiting for this payload."""
+    try:
+        return payload_of(sparse, group, request), request
+    except SparseCommError as refused:
+        nothing = SparseGradient(sparse.indices[:0], sparse.values[:0], sparse.shape)
+        return payload_of(nothing, group, request), replace(request, refused=str(refused))
 
 
 class RankOrderSum:
@@ -114,7 +125,7 @@ class AllgatherTransport(Transport):
         if session is not None and request.agreement is None and takes_short_messages(group):
             exchange = _session_exchange(session, group)  # the peers' messages may arrive while this rank encodes
         try:
-            sparse, payload, config, own = self._encoded(grad, group, request, record)
+            sparse, payload, config, own, request = self._encoded(grad, group, request, record)
         except BaseException:
             if exchange is not None:  # the peers' messages still land before their buffers are reused
                 exchange.close()
@@ -141,10 +152,10 @@ class AllgatherTransport(Transport):
         exchange = _session_exchange(session, group)
         records = [CallRecord(self.to_spec()) for _ in calls]
         try:
-            request = fused_request([call.request for call in calls])
             encoded = [self._encoded(call.grad, group, call.request, record)
                        for call, record in zip(calls, records, strict=True)]
-            sparses, payloads, configs, owns = (list(column) for column in zip(*encoded, strict=True))
+            sparses, payloads, configs, owns, requests = (list(column) for column in zip(*encoded, strict=True))
+            request = fused_request(requests)
             message = fused_message(payloads)
         except BaseException:
             exchange.close()  # the peers' messages still land before their buffers are reused
@@ -184,9 +195,10 @@ class AllgatherTransport(Transport):
         return reductions
 
     def _encoded(self, grad: SparseGradient | torch.Tensor, group: Group, request: Request,
-                 record: CallRecord) -> tuple[SparseGradient, torch.Tensor, int, SparseGradient | None]:
+                 record: CallRecord) -> tuple[SparseGradient, torch.Tensor, int, SparseGradient | None, Request]:
         """(the contribution, sorted; this rank's payload; the call's configuration fingerprint; what
-        its own payload decodes to, where known without decoding it)."""
+        its own payload decodes to, where known without decoding it; the request, ``refused`` where
+        a codec could not encode the values — `payload_or_refusal`)."""
         sparse = as_sparse(grad)
         index_codec, value_codec = codecs_of(request)
         config = fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype, index_codec.to_spec(),
@@ -194,13 +206,13 @@ class AllgatherTransport(Transport):
         with record.phase("encode"):
             if request.payload is None:
                 sparse = sparse.sorted()  # as encoding needs it, and then this rank's own sum writes in order
-            payload = payload_of(sparse, group, request)
+            payload, request = payload_or_refusal(sparse, group, request)
         record.bytes_sent = payload.numel()
         # a lossless payload decodes to this rank's own selection, and so does a pipeline's payload
         # (its selection holds the values as decoded): no need to decode it
         exact = codecs_lossless(index_codec, value_codec, sparse.dtype)
         own = sparse if exact or (request.payload is not None and request.payload_is_contribution) else None
-        return sparse, payload, config, own
+        return sparse, payload, config, own, request
 
     @staticmethod
     def _in_one_round(sparse: SparseGradient, own: SparseGradient | None, payload: torch.Tensor, group: Group,
@@ -262,12 +274,13 @@ class FusedCall:
 def fused_request(requests: Sequence[Request]) -> Request:
     """What a fused exchange's agreement record is made of: every stream's key and call number in its
     key (so ranks that fuse other streams or calls fail naming them), the first call's number, the
-    non-finite flag of any, and the side numbers of the one call that carries some."""
+    non-finite flag of any, the first refusal, and the side numbers of the one call that carries some."""
     sides = [request.side for request in requests if request.side]
     if len(sides) > 1:
         raise SparseCommError("at most one call of a fused exchange may carry side numbers")
     return Request(key="; ".join(f"{request.key} (call {request.call})" for request in requests),
                    call=requests[0].call, nonfinite=any(request.nonfinite for request in requests),
+                   refused=next((request.refused for request in requests if request.refused), ""),
                    side=sides[0] if sides else ())
 
 

@@ -32,12 +32,13 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from sparsecomm.encode.base import codecs_lossless
 from sparsecomm.encode.index.rice import RiceIndices
 from sparsecomm.encode.value.floats import Float32Values
 from sparsecomm.errors import SparseCommError
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.agreement import agree
-from sparsecomm.transport.allgather import AllgatherTransport, payload_of
+from sparsecomm.transport.allgather import AllgatherTransport, codecs_of, payload_or_refusal
 from sparsecomm.transport.base import TRANSPORTS, Transport, as_sparse
 from sparsecomm.transport.collectives import Group, fingerprint, takes_short_messages, wire_device, world
 from sparsecomm.transport.cost_model import CostModel, load_cost_model
@@ -117,9 +118,12 @@ class AutoTransport(Transport):
             if expected != "dense":
                 sparse = sparse.sorted()
             # Likewise allgather encodes before its agreement step, which then carries the payload
-            # sizes: allgather needs no size exchange of its own
-            if expected == "allgather":
-                request = replace(request, payload=payload_of(sparse, group, request))
+            # sizes: allgather needs no size exchange of its own. Codecs that may refuse these values
+            # (lossy for their dtype: fp16's range) encode before the agreement step whatever runs
+            # next, so that a refusal raises on every rank there (`payload_or_refusal`)
+            if expected == "allgather" or not codecs_lossless(*codecs_of(request), sparse.dtype):
+                payload, request = payload_or_refusal(sparse.sorted(), group, request)
+                request = replace(request, payload=payload)
         config = fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype, model.fingerprint(),
                              split_points_of(session, request, sparse.numel, workers))
         if expected == "allgather" and session is not None and takes_short_messages(group):

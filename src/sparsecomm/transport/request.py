@@ -37,7 +37,8 @@ class Request:
     seed stochastic parts (with the rank); ``payload`` is this rank's payload when the pipeline has
     already encoded it, and ``payload_is_contribution`` says the contribution passed with it is
     exactly what it decodes to (as a pipeline's selection is: values as receivers see them), so
-    ``allgather`` need not decode it; ``nonfinite`` makes every rank raise at the agreement step;
+    ``allgather`` need not decode it; ``nonfinite`` makes every rank raise at the agreement step,
+    and so does ``refused`` (why this rank's codec could not encode its values);
     ``agreement`` is set by a caller (``auto``) that already ran that step; ``caller_config`` is a
     calling transport's configuration fingerprint (``auto``'s), which ``allgather`` checks with its
     own when it runs the agreement step for that caller; ``side``: a few numbers this rank shares
@@ -53,6 +54,7 @@ class Request:
     payload: bytes | torch.Tensor | None = None
     payload_is_contribution: bool = False
     nonfinite: bool = False
+    refused: str = ""
     agreement: Agreement | None = None
     caller_config: int = 0
     side: tuple[float, ...] = ()
