@@ -148,12 +148,12 @@ def test_a_ddp_steps_small_calls_travel_with_its_last_and_train_to_the_same_bits
     assert unfused[0][1] <= 1 and fused[0][1] >= 3  # every bucket alone, then three or more in one exchange
 
 
-def nan_in_a_fused_bucket(rank: int, world: int) -> str:
+def poisoned_in_a_fused_bucket(rank: int, world: int, spec: str, poison_value: float) -> str:
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = ThreeBuckets()
     net = DDP(model, bucket_cap_mb=0.05)
-    reducer = sc.register_ddp_hook(net, "dgc")
+    reducer = sc.register_ddp_hook(net, spec)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(rank)
     poison = {"now": False}
@@ -161,7 +161,7 @@ def nan_in_a_fused_bucket(rank: int, world: int) -> str:
     def maybe_poison(grad: torch.Tensor) -> torch.Tensor:
         if poison["now"]:
             grad = grad.clone()
-            grad.view(-1)[7] = float("nan")
+            grad.view(-1)[7] = poison_value
         return grad
 
     model.hidden.weight.register_hook(maybe_poison)
@@ -180,5 +180,14 @@ def nan_in_a_fused_bucket(rank: int, world: int) -> str:
 
 
 def test_a_non_finite_gradient_in_a_fused_call_makes_every_rank_raise_at_that_step():
-    for outcome in run_local(2, nan_in_a_fused_bucket):
+    for outcome in run_local(2, poisoned_in_a_fused_bucket, "dgc", float("nan")):
         assert outcome.startswith("step 2:") and "non-finite" in outcome
+
+
+def test_a_value_one_ranks_codec_refuses_in_a_fused_call_makes_every_rank_raise_at_that_step():
+    """fp16 cannot carry 1e6: that rank's codec refuses it, and every rank raises at that step."""
+    outcomes = run_local(2, poisoned_in_a_fused_bucket, "topk(ratio=0.01)+residual+rice+fp16+allgather", 1e6,
+                         timeout=120)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.startswith("step 2:") and "could not encode its values" in outcome
+        assert ("overflows fp16" in outcome) == (rank == 1)
