@@ -109,6 +109,26 @@ class ThreeBuckets(nn.Module):
         return self.output(torch.relu(self.hidden(self.embedding(tokens).flatten(1))))
 
 
+class ThreeBucketTraining:
+    """`ThreeBuckets` under DDP in small buckets with ``spec``'s hook and plain SGD, the same weights
+    on every rank; `step` trains on a batch of this rank's tokens."""
+
+    def __init__(self, rank: int, spec: str) -> None:
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.model = ThreeBuckets()
+        self.net = DDP(self.model, bucket_cap_mb=0.05)
+        self.reducer = sc.register_ddp_hook(self.net, spec)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.generator = torch.Generator().manual_seed(rank)
+
+    def step(self) -> None:
+        tokens = torch.randint(300, (32, 5), generator=self.generator)
+        self.optimizer.zero_grad()
+        nn.functional.cross_entropy(self.net(tokens[:, :4]), tokens[:, 4]).backward()
+        self.optimizer.step()
+
+
 def train_three_buckets(rank: int, world: int, spec: str, fuse_below: int) -> tuple[str, int]:
     import sparsecomm.integration.reducer as reducer_module
     from sparsecomm.transport.allgather import AllgatherTransport
@@ -122,20 +142,11 @@ def train_three_buckets(rank: int, world: int, spec: str, fuse_below: int) -> tu
         return original(self, calls, *args, **kwargs)
 
     AllgatherTransport.reduce_fused = counted
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = ThreeBuckets()
-    net = DDP(model, bucket_cap_mb=0.05)
-    reducer = sc.register_ddp_hook(net, spec)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    generator = torch.Generator().manual_seed(rank)
+    training = ThreeBucketTraining(rank, spec)
     for _ in range(6):
-        tokens = torch.randint(300, (32, 5), generator=generator)
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(net(tokens[:, :4]), tokens[:, 4]).backward()
-        optimizer.step()
-    reducer.close()
-    digest = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().tobytes()
+        training.step()
+    training.reducer.close()
+    digest = torch.cat([p.detach().reshape(-1) for p in training.model.parameters()]).numpy().tobytes()
     return digest.hex(), max(fused, default=0)
 
 
@@ -149,13 +160,7 @@ def test_a_ddp_steps_small_calls_travel_with_its_last_and_train_to_the_same_bits
 
 
 def poisoned_in_a_fused_bucket(rank: int, world: int, spec: str, poison_value: float) -> str:
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = ThreeBuckets()
-    net = DDP(model, bucket_cap_mb=0.05)
-    reducer = sc.register_ddp_hook(net, spec)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    generator = torch.Generator().manual_seed(rank)
+    training = ThreeBucketTraining(rank, spec)
     poison = {"now": False}
 
     def maybe_poison(grad: torch.Tensor) -> torch.Tensor:
@@ -164,18 +169,15 @@ def poisoned_in_a_fused_bucket(rank: int, world: int, spec: str, poison_value: f
             grad.view(-1)[7] = poison_value
         return grad
 
-    model.hidden.weight.register_hook(maybe_poison)
+    training.model.hidden.weight.register_hook(maybe_poison)
     try:
         for step in range(4):
             poison["now"] = rank == 1 and step == 2  # one rank, one entry of a bucket that travels fused
-            tokens = torch.randint(300, (32, 5), generator=generator)
-            optimizer.zero_grad()
-            nn.functional.cross_entropy(net(tokens[:, :4]), tokens[:, 4]).backward()
-            optimizer.step()
+            training.step()
     except Exception as err:  # noqa: BLE001 - what each rank saw is the result
         return f"step {step}: {type(err).__name__}: {err}"
     finally:
-        reducer.close()
+        training.reducer.close()
     return "no error"
 
 
