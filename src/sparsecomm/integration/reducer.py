@@ -36,8 +36,9 @@ Collectives run on a process group of their own (created here, on every rank): a
 on the reducer's `TransportSession` thread, in submission order, so they never interleave with the
 caller's collectives; a step's last call on the caller's thread once the calls before it are done
 (nothing is left to overlap it with). Payload calls expected to send few entries (`FUSE_BELOW`,
-decided from numbers every rank shares) wait for the step's last call and travel with it in one
-exchange: each would cost mostly an exchange's fixed cost. The reducer owns all runtime state —
+decided from numbers every rank shares), and sparse gradients' rows, wait for the step's last call
+and travel with it in one exchange: each would cost mostly an exchange's fixed cost, and an
+embedding's rows are ready only as the backward pass ends. The reducer owns all runtime state —
 per-parameter pipeline state, auto's measurements, the adaptive budget and its reports in flight,
 call counters, the calls waiting for the step's last, the worker thread — checkpoints it with
 ``state_dict()`` and releases it with ``close()`` (or ``with``).
@@ -81,7 +82,10 @@ DENSE_BELOW = 4096
 FUSE_BELOW = 1 << 14
 """a payload-carrying call expected to send fewer entries than this waits for its step's last call
 and travels in one exchange with it (`AllgatherTransport.reduce_fused`): such calls cost mostly a
-call's fixed cost, while larger ones gain more from starting while the backward pass runs"""
+call's fixed cost, while larger ones gain more from starting while the backward pass runs. A sparse
+gradient's rows always wait (0: nothing waits): an embedding is the model's first layer, so its rows
+are ready as the backward pass ends, with little left to overlap them with, and how many rows each
+rank has is not known alike before the exchange"""
 EVERY_STEP_REPORTS, REPORT_EVERY = 8, 4
 """the adaptive pipeline's budget must hear every rank's numbers after each of the first steps, then
 after every few: those reports go in a small all_reduce of their own when no call of the next step
@@ -443,12 +447,12 @@ class GradientReducer:
         # the sum lands in the gradient's own storage: the local stages above already copied what they use
         out = tensor if not tensor.is_sparse and tensor.is_contiguous() else None
         this_call = FusedCall(contribution, request, out)
-        fuses = in_step and isinstance(transport, AllgatherTransport) and self._expected_entries(
-            tensor, segments, path) < FUSE_BELOW
+        fuses = in_step and isinstance(transport, AllgatherTransport) and FUSE_BELOW > 0  # with others, one exchange
+        waits = fuses and (path == "sparse" or self._expected_entries(tensor, segments, path) < FUSE_BELOW)
         future: torch.futures.Future
         if synchronous:  # on this thread, after the worker thread's calls (collectives stay in order)
             self.session.drain()
-            if fuses:
+            if fuses:  # the step's last call carries those that waited for it
                 future = self._exchange_deferred(this_call)
             else:
                 self._exchange_deferred()
@@ -457,7 +461,7 @@ class GradientReducer:
                     future.set_result(transport.reduce(contribution, self.async_group, request, out, self.session))
                 except BaseException as err:  # noqa: BLE001 - handed to the waiter, as an asynchronous call's
                     future.set_exception(err)
-        elif fuses:  # with the step's last call
+        elif waits:  # for the step's last call
             future = torch.futures.Future()
             self._deferred.append((this_call, future))
         else:
@@ -691,7 +695,7 @@ class GradientReducer:
     def _expected_entries(self, tensor: torch.Tensor, segments: list[Segment] | None, path: str) -> int:
         """How many entries a call is expected to send, from what every rank knows alike (sizes,
         the sparsifier's target, this step's agreed density), so that every rank defers the same
-        calls: a sparse gradient's size bounds its rows; a sparsifier with no target counts all."""
+        calls: a call outside the pipeline counts all its entries, a sparsifier with no target too."""
         if path != "compressed":
             return tensor.numel()
         sparsifier = self.spec.sparsifier if self._plan is None else self.pipeline.at_density(self._plan.density)
