@@ -172,9 +172,9 @@ def embedding_rows_of(rank: int, step: int) -> torch.Tensor:
 
 def rows_before_a_weight(rank: int, world: int, fuse_below: int) -> tuple[list[torch.Tensor], list[list[str]]]:
     """Three steps of a custom loop whose embedding rows come before its last call, a weight too large
-    to wait with ``fuse_below`` 1 (82 entries in 8-bit values; the rows go exact, and with no momentum
-    here their average is the two ranks' rows): each step's rows' average, and the streams of each
-    exchange that carried several calls."""
+    to wait with ``fuse_below`` 1 (82 entries; fp32 values and no momentum: the rows' average is
+    exactly the two ranks' rows): each step's rows' average, and the streams of each exchange that
+    carried several calls."""
     import sparsecomm.integration.reducer as reducer_module
     from sparsecomm.transport.allgather import AllgatherTransport
 
@@ -192,7 +192,7 @@ def rows_before_a_weight(rank: int, world: int, fuse_below: int) -> tuple[list[t
     for step in range(3):
         embedding, weight = embedding_rows_of(rank, step), torch.randn(8192)
         reducer = sc.allreduce_gradients([("embedding", embedding), ("weight", weight)],
-                                         "topk(ratio=0.01)+residual+rice+int8+allgather", reducer)
+                                         "topk(ratio=0.01)+residual+rice+fp32+allgather", reducer)
         averages.append(embedding.to_dense())
     assert reducer is not None
     reducer.close()

@@ -21,10 +21,17 @@ def gradient(rank: int, dtype: torch.dtype, huge: float) -> torch.Tensor:
     return grad
 
 
-def reduce_with(rank: int, world: int, spec: str, dtype: torch.dtype, huge: float) -> str:
+def embedding_rows(rank: int, dtype: torch.dtype, huge: float) -> torch.Tensor:
+    """20 rows of an embedding's gradient, as ``gradient``: rank 0's holds ``huge``."""
+    rows = gradient(rank, dtype, huge)[:320].view(20, 16)
+    at = torch.randperm(300, generator=torch.Generator().manual_seed(rank))[:20].sort().values
+    return torch.sparse_coo_tensor(at[None], rows, (300, 16), check_invariants=True)
+
+
+def reduce_with(rank: int, world: int, spec: str, dtype: torch.dtype, huge: float, rows: bool = False) -> str:
     reducer = sc.GradientReducer(spec, seed=0)
     try:
-        reducer.allreduce_([("w", gradient(rank, dtype, huge))])
+        reducer.allreduce_([("w", embedding_rows(rank, dtype, huge) if rows else gradient(rank, dtype, huge))])
     except sc.SparseCommError as err:
         return str(err)
     finally:
@@ -62,6 +69,14 @@ def direct_calls(rank: int, world: int, fused: bool) -> str:
         except sc.SparseCommError as err:
             return str(err)
     return "no error"
+
+
+def test_embedding_rows_beyond_the_pipelines_rounding_make_every_rank_raise_at_that_call():
+    """Rows go in the pipeline's value format where it is a rounding (here fp16), its error held."""
+    refusing, other = run_local(2, reduce_with, "topk(ratio=0.1)+residual+rice+fp16+allgather", torch.float32, 1e6,
+                                True, timeout=HANG_S)
+    assert "could not encode its values of 'w'" in refusing and "overflows fp16" in refusing
+    assert "could not encode its values of 'w'" in other and "overflows fp16" not in other
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["one call", "fused calls"])

@@ -298,7 +298,6 @@ def reduce_embedding_rows(rank: int, world: int, spec: str) -> tuple[list[torch.
 
 
 @pytest.mark.parametrize("spec", [
-    "adaptive(budget=2000)+residual+rice+int8+allgather",  # 8-bit values
     "deepreduce", "deepreduce-qsgd",  # Bloom-filter indices; curve-fitted or quantized values
     "skcompress",  # quantile buckets coding indices and values together
     "s2",  # a count sketch
@@ -311,6 +310,54 @@ def test_sparse_rows_are_averaged_exactly_whatever_the_pipelines_codecs_and_tran
         assert modes.get("sparse", 0) >= 2
         for averaged in averages:
             assert torch.equal(averaged, exact)
+
+
+def reduce_rows_in_8_bits(rank: int, world: int) -> tuple[list[torch.Tensor], torch.Tensor, dict[str, int]]:
+    averages, reducer = [], None
+    for step in range(4):  # other rows each step: an entry's error waits for its row to come back
+        sparse, weight = embedding_rows(rank + 2 * step), torch.randn(8192)
+        reducer = sc.allreduce_gradients([("embedding", sparse), ("weight", weight)],
+                                         "adaptive(budget=2000)+residual+rice+int8+allgather", reducer)
+        averages.append(sparse.to_dense())
+    assert reducer is not None and reducer.budget is not None
+    held = reducer.state_dict()["row_errors"]["embedding"].view(400, 32)
+    modes = dict(reducer.budget.mode_steps)
+    with sc.GradientReducer("adaptive(budget=2000)+residual+rice+int8+allgather") as resumed:
+        resumed.load_state_dict(reducer.state_dict())  # the held errors are state: a resume keeps them
+        assert torch.equal(resumed.state_dict()["row_errors"]["embedding"].view(400, 32), held)
+    reducer.close()
+    return averages, held, modes
+
+
+def test_sparse_rows_in_a_lossy_rounding_keep_its_error_until_their_row_is_sent_again():
+    results = run_local(2, reduce_rows_in_8_bits)
+    exact = [sum(embedding_rows(rank + 2 * step).to_dense() for rank in range(2)) / 2 for step in range(4)]
+    for averages, _, modes in results:
+        assert modes.get("sparse", 0) >= 3
+        assert not torch.equal(averages[-1], exact[-1])  # sent in 8 bits
+        assert torch.equal(averages[-1], results[0][0][-1])  # the same sum on every rank
+    # what was sent, plus what every rank still holds, is exactly what there was to send
+    held = sum(result[1] for result in results) / 2
+    torch.testing.assert_close(sum(results[0][0]) + held, sum(exact), rtol=1e-6, atol=1e-7)
+
+
+def rows_skipped_on_one_rank(rank: int, world: int) -> torch.Tensor:
+    rows = embedding_rows(rank).coalesce()
+    values = rows.values().clone()
+    if rank == 1:
+        values[0, 0] = float("nan")
+    rows = torch.sparse_coo_tensor(rows.indices(), values, rows.shape, check_invariants=True)
+    with sc.GradientReducer("topk(ratio=0.1)+residual+rice+int8+allgather", nonfinite="skip") as reducer:
+        reducer.allreduce_([("embedding", rows)])
+    return rows.to_dense()
+
+
+def test_a_rank_skipping_its_non_finite_rows_leaves_the_others_rounded_rows_to_average():
+    """The rank that skips sends nothing, in the same value format as the others' rounded rows."""
+    results = run_local(2, rows_skipped_on_one_rank)
+    assert torch.equal(results[0], results[1])
+    torch.testing.assert_close(results[0], embedding_rows(0).to_dense() / 2, rtol=0, atol=1e-2)
+    assert not torch.equal(results[0], embedding_rows(0).to_dense() / 2)  # 8-bit values
 
 
 @pytest.mark.parametrize("shape, sparse_dim", [((7, 3), 1), ((4, 5, 2), 2), ((6,), 1), ((5, 3), 2)])

@@ -13,10 +13,11 @@ contributions with the pipeline's transport, and averages over the ranks. Rules:
   compressed bucket, such parameters are sent whole (every nonzero, no sparsifier); what a lossy
   codec rounds off them goes with their next step (`TensorState.codec_error` in `sparsecomm.pipeline`).
 - Sparse COO gradients (``nn.Embedding(sparse=True)``) are already sparse: all their rows are sent
-  exactly (no sparsifier, no feedback) through the pipeline's transport, or ``allgather`` if that is
-  ``dense`` or inexact (a sketch, a quantized dense phase), with the pipeline's codecs where they are
-  lossless, else exact ones (`sparsecomm.encode.exact`): with no feedback to carry a lossy codec's
-  error forward, it would be lost. The result is a sparse COO tensor again.
+  (no sparsifier) through the pipeline's transport, or ``allgather`` if that is ``dense`` or inexact
+  (a sketch, a quantized dense phase), with the pipeline's codecs where they are lossless; where its
+  value codec is a deterministic rounding (int8, fp16), in that format with each entry's error held
+  until its row is sent again (`_rows_rounded`); else exactly (`sparsecomm.encode.exact`), since a
+  codec whose error is not known per entry would lose it. The result is a sparse COO tensor again.
 - Tensors sent these two uncompressed ways still get what the feedback owns in place of the
   optimizer: with ``dgc_momentum``, the same momentum, applied to their average over ranks.
 - Non-finite input follows the pipeline's ``nonfinite`` policy; under ``"raise"`` every rank raises
@@ -65,6 +66,7 @@ from sparsecomm.integration.budget import HALF, MIN_WIRE_BYTES, LinkBudget, Plan
 from sparsecomm.integration.link_probe import link_throughput, probe_numel
 from sparsecomm.integration.presets import resolve
 from sparsecomm.integration.reports import BudgetReports
+from sparsecomm.payload import encode
 from sparsecomm.pipeline import Pipeline, Segment, screen_nonfinite
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.sparsify.adaptive import Adaptive
@@ -230,6 +232,9 @@ class GradientReducer:
         `finish_step` turns into the result, on the thread that waits for the step"""
         self._uncompressed: dict[str, dict[str, Any]] = {}
         """per tensor sent uncompressed: the feedback's state for `Feedback.update_uncompressed`"""
+        self._row_errors: dict[str, torch.Tensor] = {}
+        """per sparse gradient sent in a lossy value format: each entry's rounding error, flat, added
+        to the entry the next time its row is sent (`_rows_rounded`)"""
         self._layouts: dict[str, list[str]] = {}
         """per set of parameters sharing a DDP bucket: the parameter order it was last reduced in"""
         self._restored_layouts: dict[str, list[str]] = {}
@@ -575,6 +580,12 @@ class GradientReducer:
         if tensor.is_sparse:
             coo = tensor.detach().coalesce()
             values, must_raise = screen_nonfinite(coo.values(), nonfinite)
+            errors = self._row_errors.get(segments[0].key if segments else key)
+            if errors is not None and values is not None:  # exact here: the rows' held rounding errors go too
+                at = tuple(coo.indices())
+                held = errors.view(coo.shape)
+                values = values + held[at]
+                held[at] = 0
             wire = torch.sparse_coo_tensor(coo.indices(), values if values is not None else torch.zeros_like(
                 coo.values()), coo.shape, is_coalesced=True, check_invariants=False)
             sent = wire.values()
@@ -660,17 +671,29 @@ class GradientReducer:
     def _prepare(self, key: str, tensor: torch.Tensor, segments: list[Segment] | None,
                  request: Request) -> tuple[Transport, SparseGradient | torch.Tensor, Request, str]:
         """(transport, this rank's contribution, the request, the path taken) for one call."""
-        if tensor.is_sparse:  # sent exactly: an exact transport, codecs that decode to what they encode
+        if tensor.is_sparse:  # rows: an exact transport; exact codecs, or a rounding whose error is held
             transport = self.spec.transport
             if not transport.exact or transport.name == "dense":
                 transport = AllgatherTransport()
             sparse = SparseGradient.from_sparse_coo(tensor.detach())
             values, nonfinite = screen_nonfinite(sparse.values, self.pipeline.nonfinite)
-            index_codec, value_codec = exact_codecs(*codecs_of(request), sparse.dtype)
-            request = replace(request, nonfinite=nonfinite, index_codec=index_codec, value_codec=value_codec)
+            given_index, given_value = codecs_of(request)
+            index_codec, value_codec = exact_codecs(given_index, given_value, sparse.dtype)
+            rounds = value_codec is not given_value and given_value.as_decoded(sparse.values[:0]) is not None
+            # decided from the dtype and spec alone, so every rank's configuration is alike
+            request = replace(request, nonfinite=nonfinite, index_codec=index_codec,
+                              value_codec=given_value if rounds else value_codec)
+            nothing = SparseGradient(sparse.indices[:0], sparse.values[:0], sparse.shape)
             if values is None:
-                return transport, SparseGradient(sparse.indices[:0], sparse.values[:0], sparse.shape), request, "sparse"
-            return transport, SparseGradient(sparse.indices, values, sparse.shape), request, "sparse"
+                return transport, nothing, request, "sparse"
+            if not rounds:
+                return transport, SparseGradient(sparse.indices, values, sparse.shape), request, "sparse"
+            try:
+                received, payload = self._rows_rounded(segments[0].key if segments else key, tensor,
+                                                       SparseGradient(sparse.indices, values, sparse.shape), request)
+            except SparseCommError as refused:  # beyond the format's range: every rank raises
+                return transport, nothing, replace(request, refused=str(refused)), "sparse"
+            return transport, received, replace(request, payload=payload, payload_is_contribution=True), "sparse"
         if not self._under_budget(tensor):
             screened, nonfinite = screen_nonfinite(tensor.detach(), self.pipeline.nonfinite)
             dense = screened if screened is not None else torch.zeros_like(tensor)
@@ -686,6 +709,25 @@ class GradientReducer:
             return self.spec.transport, nothing, replace(request, refused=str(refused)), "compressed"
         request = replace(request, nonfinite=output.nonfinite, payload=output.payload, payload_is_contribution=True)
         return self.spec.transport, output.selection, request, "compressed"
+
+    def _rows_rounded(self, name: str, tensor: torch.Tensor, rows: SparseGradient,
+                      request: Request) -> tuple[SparseGradient, bytes]:
+        """A sparse gradient's ``rows`` in the request's lossy value format, a deterministic rounding
+        (int8, fp16, bf16): (what receivers will decode, the payload). Each entry's values go with
+        the error it was last sent with, and the new error is held per entry (``_row_errors``, one
+        float per entry of the tensor) until its row is sent again. A value the format cannot carry
+        raises `SparseCommError` and changes nothing."""
+        assert request.index_codec is not None and request.value_codec is not None
+        errors = self._row_errors.get(name)
+        sent = rows.values if errors is None else rows.values + errors[rows.indices]
+        received = request.value_codec.as_decoded(sent)
+        assert received is not None
+        payload = encode(SparseGradient(rows.indices, sent, rows.shape), request.index_codec, request.value_codec,
+                         rng=request.rng(self._rank))
+        if errors is None:
+            errors = self._row_errors[name] = torch.zeros(tensor.numel(), dtype=sent.dtype, device=sent.device)
+        errors[rows.indices] = sent - received
+        return SparseGradient(rows.indices, received, rows.shape), payload
 
     def _under_budget(self, tensor: torch.Tensor) -> bool:
         """Whether a tensor goes through the pipeline (compressed, or flushed on a dense
@@ -778,6 +820,7 @@ class GradientReducer:
                 "uncompressed": {key: {name: value.clone() for name, value in state.items()}
                                  for key, state in self._uncompressed.items()},
                 "session": self.session.state_dict(), "layouts": {k: list(v) for k, v in self._layouts.items()},
+                "row_errors": {key: errors.clone() for key, errors in self._row_errors.items()},
                 "budget": self.budget.state_dict() if self.budget is not None else None,
                 "reports": self._reports.state_dict()}
 
@@ -788,6 +831,7 @@ class GradientReducer:
         self._uncompressed = {key: {name: value.clone() for name, value in saved.items()}
                               for key, saved in state["uncompressed"].items()}
         self.session.load_state_dict(state["session"])
+        self._row_errors = {key: errors.clone() for key, errors in state.get("row_errors", {}).items()}
         self._layouts = {key: list(names) for key, names in state.get("layouts", {}).items()}
         self._bucket_layouts = {}  # the checkpoint's layouts decide the next bucket's order
         if self.budget is not None and state.get("budget") is not None:
