@@ -129,21 +129,28 @@ class ThreeBucketTraining:
         self.optimizer.step()
 
 
-def train_three_buckets(rank: int, world: int, spec: str, fuse_below: int) -> tuple[str, list[list[str]]]:
-    """(the weights after six steps, the streams of each exchange that carried several calls)."""
+def recording_fused_exchanges(fuse_below: int) -> list[list[str]]:
+    """In this worker process only: ``FUSE_BELOW`` set to ``fuse_below``, and a list that gets the
+    streams (sorted) of each exchange that carries several calls."""
     import sparsecomm.integration.reducer as reducer_module
     from sparsecomm.transport.allgather import AllgatherTransport
 
-    reducer_module.FUSE_BELOW = fuse_below  # this worker process only
+    reducer_module.FUSE_BELOW = fuse_below
     fused: list[list[str]] = []
     original = AllgatherTransport.reduce_fused
 
-    def counted(self, calls, *args, **kwargs):
+    def recorded(self, calls, *args, **kwargs):
         if len(calls) > 1:
             fused.append(sorted(call.request.key for call in calls))
         return original(self, calls, *args, **kwargs)
 
-    AllgatherTransport.reduce_fused = counted
+    AllgatherTransport.reduce_fused = recorded
+    return fused
+
+
+def train_three_buckets(rank: int, world: int, spec: str, fuse_below: int) -> tuple[str, list[list[str]]]:
+    """(the weights after six steps, the streams of each exchange that carried several calls)."""
+    fused = recording_fused_exchanges(fuse_below)
     training = ThreeBucketTraining(rank, spec)
     for _ in range(6):
         training.step()
@@ -175,19 +182,7 @@ def rows_before_a_weight(rank: int, world: int, fuse_below: int) -> tuple[list[t
     to wait with ``fuse_below`` 1 (82 entries; fp32 values and no momentum: the rows' average is
     exactly the two ranks' rows): each step's rows' average, and the streams of each exchange that
     carried several calls."""
-    import sparsecomm.integration.reducer as reducer_module
-    from sparsecomm.transport.allgather import AllgatherTransport
-
-    reducer_module.FUSE_BELOW = fuse_below  # this worker process only
-    fused: list[list[str]] = []
-    original = AllgatherTransport.reduce_fused
-
-    def counted(self, calls, *args, **kwargs):
-        if len(calls) > 1:
-            fused.append([call.request.key for call in calls])
-        return original(self, calls, *args, **kwargs)
-
-    AllgatherTransport.reduce_fused = counted
+    fused = recording_fused_exchanges(fuse_below)
     averages, reducer = [], None
     for step in range(3):
         embedding, weight = embedding_rows_of(rank, step), torch.randn(8192)
