@@ -15,7 +15,7 @@ contributions with the pipeline's transport, and averages over the ranks. Rules:
 - Sparse COO gradients (``nn.Embedding(sparse=True)``) are already sparse: all their rows are sent
   (no sparsifier) through the pipeline's transport, or ``allgather`` if that is ``dense`` or inexact
   (a sketch, a quantized dense phase), with the pipeline's codecs where they are lossless; where its
-  value codec is a deterministic rounding (int8, fp16), in that format with each entry's error held
+  value codec is a deterministic rounding (int8, fp16, bf16), in that format, each entry's error held
   until its row is sent again (`_rows_rounded`); else exactly (`sparsecomm.encode.exact`), since a
   codec whose error is not known per entry would lose it. The result is a sparse COO tensor again.
 - Tensors sent these two uncompressed ways still get what the feedback owns in place of the
@@ -153,6 +153,11 @@ def _default_group() -> dist.ProcessGroup:
     from torch.distributed.distributed_c10d import _get_default_group
 
     return _get_default_group()
+
+
+def parameter_of(key: str, segments: list[Segment] | None) -> str:
+    """The parameter a call's gradient belongs to: its bucket's only segment, or the call's key."""
+    return segments[0].key if segments else key
 
 
 def nonzero_rows(dense: torch.Tensor, sparse_dim: int) -> torch.Tensor:
@@ -580,7 +585,7 @@ class GradientReducer:
         if tensor.is_sparse:
             coo = tensor.detach().coalesce()
             values, must_raise = screen_nonfinite(coo.values(), nonfinite)
-            errors = self._row_errors.get(segments[0].key if segments else key)
+            errors = self._row_errors.get(parameter_of(key, segments))
             if errors is not None and values is not None:  # exact here: the rows' held rounding errors go too
                 at = tuple(coo.indices())
                 held = errors.view(coo.shape)
@@ -689,7 +694,7 @@ class GradientReducer:
             if not rounds:
                 return transport, SparseGradient(sparse.indices, values, sparse.shape), request, "sparse"
             try:
-                received, payload = self._rows_rounded(segments[0].key if segments else key, tensor,
+                received, payload = self._rows_rounded(parameter_of(key, segments), tensor,
                                                        SparseGradient(sparse.indices, values, sparse.shape), request)
             except SparseCommError as refused:  # beyond the format's range: every rank raises
                 return transport, nothing, replace(request, refused=str(refused)), "sparse"
