@@ -31,7 +31,9 @@ from sparsecomm.finite import all_finite
 from sparsecomm.payload import decode, encode
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.sparsify.adaptive import Adaptive
+from sparsecomm.sparsify.base import Sparsifier
 from sparsecomm.sparsify.nonzero import Nonzero
+from sparsecomm.sparsify.shared_threshold import density_shares, magnitude_sample
 from sparsecomm.spec import PipelineSpec, format_spec, parse_spec
 
 NONFINITE_POLICIES = ("raise", "skip", "zero")
@@ -67,6 +69,10 @@ class TensorState:
     last: StepReport | None = None
     codec_error: torch.Tensor | None = None
     """a tensor sent whole: what a lossy codec lost of it, sent with its next step (flat)"""
+    density_share: float = 1.0
+    """with a planned density d, this tensor keeps d · share of its entries (`share_density`)"""
+    magnitudes: tuple[float, torch.Tensor] | None = None
+    """this step's planned density and sample of its accumulated magnitudes, until `share_density`"""
 
 
 @dataclass(frozen=True)
@@ -165,7 +171,14 @@ class Pipeline:
             piece = screened[segment.start:segment.start + segment.numel].view(shape)
             accumulated.append(with_codec_error(piece, state) if segment.whole
                                else spec.feedback.accumulate(piece, state.feedback))
-            sparsifier = Nonzero() if segment.whole else chosen.at_step(state.step)
+            sparsifier: Sparsifier
+            if segment.whole:
+                sparsifier = Nonzero()
+            elif density is None:
+                sparsifier = chosen.at_step(state.step)
+            else:  # the step's density, shared out by one threshold over the tensors (`share_density`)
+                sparsifier = self.at_density(density * state.density_share).at_step(state.step)
+                state.magnitudes = density, magnitude_sample(accumulated[-1], state.step)
             generator = None if segment.whole else seeded_generator(grad.device, self.seed, key_hash(segment.key),
                                                                     state.step)
             parts.append(sparsifier.sparsify(accumulated[-1], generator))
@@ -196,6 +209,19 @@ class Pipeline:
             state.last = StepReport(part.nnz, target if not segment.whole else part.nnz, segment.numel,
                                     len(payload) if payload is not None else 0)
         return StepOutput(selection, payload, encode_s=encode_s)
+
+    def share_density(self) -> None:
+        """At the end of a step with a planned density: each tensor sampled in it gets its share of
+        the next step's density (`sparsecomm.sparsify.shared_threshold`)."""
+        sampled = {key: (state.last.numel if state.last is not None else 0, state.magnitudes)
+                   for key, state in self.states.items() if state.magnitudes is not None}
+        if not sampled:
+            return
+        density = min(density for _, (density, _) in sampled.values())
+        shares = density_shares({key: (numel, sample) for key, (numel, (_, sample)) in sampled.items()}, density)
+        for key, share in shares.items():
+            self.states[key].density_share = share
+            self.states[key].magnitudes = None
 
     def at_density(self, density: float) -> Adaptive:
         """The ``adaptive`` sparsifier at ``density`` (other sparsifiers have no density to set)."""
@@ -257,6 +283,7 @@ class Pipeline:
             "tensors": {
                 key: {"step": s.step,
                       "feedback": {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.feedback.items()},
+                      "density_share": s.density_share,
                       **({"codec_error": s.codec_error.clone()} if s.codec_error is not None else {})}
                 for key, s in self.states.items()
             },
@@ -270,7 +297,8 @@ class Pipeline:
         self.states = {
             key: TensorState(step=saved["step"], feedback={k: (v.clone() if isinstance(v, torch.Tensor) else v)
                                                            for k, v in saved["feedback"].items()},
-                             codec_error=saved["codec_error"].clone() if "codec_error" in saved else None)
+                             codec_error=saved["codec_error"].clone() if "codec_error" in saved else None,
+                             density_share=saved.get("density_share", 1.0))
             for key, saved in state["tensors"].items()
         }
 

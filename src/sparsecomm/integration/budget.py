@@ -12,8 +12,10 @@ Every step, each rank measures:
   all_reduce puts 2(P−1)/P of the tensor on each rank's link), and of one fp32 probe at start-up;
 - on every `ENERGY_EVERY`-th sparse step, the energy curve of a strided sample of its gradient
   (`sparsecomm.integration.gradient_energy`), from which it reports the density it prefers (below);
-- the bytes per nonzero its payloads took, the bytes it sent outside the budget (tensors below
-  ``dense_below``, parameters sent whole, sparse embedding rows), and the largest magnitude it sent;
+- the payload bytes per entry its density budgeted (tensors may send more than the density,
+  `sparsecomm.sparsify.shared_threshold`: their extra counts here), the bytes it sent outside the
+  budget (tensors below ``dense_below``, parameters sent whole, sparse embedding rows), and the
+  largest magnitude it sent;
 - the step's whole time: its compute plus the time it waited for communication plus sparsecomm's
   local stages — for a sparse step less its payloads' wire time and their calibrated per-byte cost
   (below): what remains beyond the compute is the sparse path's fixed overhead O_s (passes over the
@@ -41,7 +43,7 @@ Each step runs in one of three modes:
   gradient's energy per second of step, E(min(1, H·d)) / (C + O_s + κ·bytes(d)) (`energy_density`):
   E the share of the sampled gradient's sum of squares its largest entries hold, H the horizon
   within which error feedback delivers what a step leaves out (1/(1 − m) steps for DGC's momentum
-  m), bytes(d) = fixed bytes + d·N·(bytes per nonzero), κ = κ_e + (P−1)(κ_d + 1/β) seconds per byte
+  m), bytes(d) = fixed bytes + d·N·(bytes per budgeted entry), κ = κ_e + (P−1)(κ_d + 1/β) seconds per byte
   (every rank selects and encodes its payload, receives the P−1 others and decodes them; κ_e and
   κ_d are the calibrated seconds per byte). Before any preference is known: what the link and
   codecs carry while the step computes, B = C / κ bytes less the fixed bytes. It costs O_s + κ·bytes(d);
@@ -237,6 +239,9 @@ class StepMeasurement:
     payload_nnz: int = 0
     whole_nnz: int = 0
     """nonzeros of parameters sent whole inside compressed calls (in ``payload_nnz`` too)"""
+    planned_nnz: int = 0
+    """the entries the step's density budgets in its compressed calls: its tensors may send more
+    (`sparsecomm.sparsify.shared_threshold`), so the bytes per budgeted entry hold their extra"""
     fixed_bytes: int = 0
     """bytes of the calls outside the budget (small tensors, sparse rows)"""
     max_magnitude: float = 0.0
@@ -348,6 +353,7 @@ class LinkBudget:
     preferred_density: deque[float] = _window(COMPUTE_WINDOW)
     """the densities the steps' gradients preferred (`energy_density`; of each step, the ranks' largest)"""
     bytes_per_nnz: float = FIRST_BYTES_PER_NNZ
+    """payload bytes per entry the density budgets (what the tensors sent above it included)"""
     fixed_bytes: float = 0.0
     encode_per_byte: float = 0.0
     decode_per_byte: float = 0.0
@@ -424,7 +430,7 @@ class LinkBudget:
         time (of this step, or with no forward hook of the step before); the link throughput,
         negated so that MAX takes the least; this step's whole time (compute and communicating) in
         its mode — fp32, fp16, or for sparse less its payloads' wire time and per-byte cost; then
-        bytes per nonzero, bytes outside the budget and the largest magnitude sent; then the
+        bytes per budgeted entry, bytes outside the budget and the largest magnitude sent; then the
         calibrated κ_e and κ_d; then the density this rank's gradient preferred (`energy_density`).
         Unmeasured: 0, and +inf for the throughput."""
         done = self.measuring
@@ -433,6 +439,8 @@ class LinkBudget:
         self.step += 1
         per_nnz = done.payload_bytes / done.payload_nnz if done.payload_nnz else 0.0
         fixed = done.fixed_bytes + done.whole_nnz * per_nnz
+        selected = done.payload_nnz - done.whole_nnz
+        per_budgeted = per_nnz * selected / done.planned_nnz if done.planned_nnz and selected > 0 else per_nnz
         cost = done.local_s + max(0.0, done.last_done - done.last_submit)
         compute = done.forward_backward_s() if done.forward_start is not None else self.last_compute_s
         costs = {DENSE: 0.0, HALF: 0.0, SPARSE: 0.0}
@@ -452,7 +460,7 @@ class LinkBudget:
         throughput = done.wire_bytes / done.wire_s if done.wire_s > 0 else 0.0
         preferred = self.energy_density(done.energy_samples)
         return torch.tensor([compute, -throughput if throughput > 0 else math.inf, costs[DENSE], costs[HALF],
-                             costs[SPARSE], per_nnz, fixed, done.max_magnitude, *done.codec_cost, preferred],
+                             costs[SPARSE], per_budgeted, fixed, done.max_magnitude, *done.codec_cost, preferred],
                             dtype=torch.float64)
 
     def observe(self, agreed: torch.Tensor, step: int | None = None) -> None:

@@ -331,6 +331,7 @@ class GradientReducer:
             except BaseException as err:  # noqa: BLE001 - raised below, after every call ended
                 errors.append(err)
         if self.budget is not None and self._plan is not None:
+            self.pipeline.share_density()
             step = self.budget.step
             self._reports.end_step(step, self.budget.end_step(), self._report_needed(),
                                    first=self.budget.reports_read == 0)
@@ -780,6 +781,10 @@ class GradientReducer:
         measuring.total_numel += tensor.numel()
         if path in ("compressed", "flush", "half"):
             measuring.budget_numel += sum(s.numel for s in segments if not s.whole) if segments else tensor.numel()
+        if path == "compressed" and self._plan is not None:
+            planned = self.pipeline.at_density(self._plan.density)
+            measuring.planned_nnz += sum(planned.target_count(s.numel) for s in segments if not s.whole) if segments \
+                else planned.target_count(tensor.numel())
         if path == "compressed" and segments:
             measuring.whole_nnz += sum(last.selected for s in segments if s.whole
                                        and (last := self.pipeline.states[s.key].last) is not None)
