@@ -44,6 +44,7 @@ def test_tensors_alike_keep_the_plans_density():
     ({"only": (BIG, torch.rand(10_000))}, DENSITY),  # one tensor: nothing to share
     ({"a": (BIG, torch.zeros(10_000)), "b": (SMALL, torch.zeros(256))}, DENSITY),  # nothing to rank
     ({"a": (BIG, torch.rand(10_000)), "b": (SMALL, torch.rand(256))}, 0.0),  # nothing to keep
+    ({"a": (BIG, torch.rand(10_000)), "b": (SMALL, torch.tensor([1.0, float("inf")]))}, DENSITY),  # no histogram
 ])
 def test_with_nothing_to_compare_every_share_is_one(sampled, density):
     assert set(density_shares(sampled, density).values()) == {1.0}

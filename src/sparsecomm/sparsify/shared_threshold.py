@@ -43,10 +43,10 @@ def density_shares(sampled: dict[str, tuple[int, torch.Tensor]], density: float)
     """Each tensor's share (≥ 1) of the next step's density, from ``key: (numel, sample)`` taken at
     ``density``: the fraction of its sample at or above the magnitude that density·(all numel)
     entries of the whole model reach, over ``density``. Fewer than two tensors, nothing to keep,
-    or all-zero samples: every share 1."""
+    all-zero or non-finite samples: every share 1."""
     shares = {key: 1.0 for key in sampled}
     kept = density * sum(numel for numel, _ in sampled.values())
-    if len(sampled) < 2 or not kept > 0:
+    if len(sampled) < 2 or not kept > 0 or not all(bool(sample.isfinite().all()) for _, sample in sampled.values()):
         return shares
     tiny = torch.finfo(torch.float32).tiny  # zeros land in a bin far below every magnitude
     octaves = {key: sample.clamp(min=tiny).log2().mul_(BINS_PER_OCTAVE).floor_().long()
