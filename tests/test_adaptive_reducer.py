@@ -107,6 +107,39 @@ def switching(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor, torch.
     return fed, delivered, held
 
 
+def test_sparse_rows_go_exactly_on_dense_steps_with_what_int8_steps_held_back():
+    """Sparse COO rows: sparse steps send them in int8 and hold each entry's rounding error; dense
+    and fp16 steps send them exactly through sparsecomm's own exchange (not gloo's sparse
+    all_reduce), the held errors with them. Rank 0 feeds rows, rank 1 nothing: what rank 0 fed in
+    was delivered or is held, and a dense step leaves nothing held on the rows it sent."""
+    fed, delivered, held, held_after_dense = run_local(2, switching_rows)[0]
+    assert torch.allclose(fed, delivered + held, atol=1e-6), float((fed - delivered - held).abs().max())
+    assert float(held.abs().max()) > 0  # the last (sparse) step rounded
+    assert all(float(errors[rows].abs().max()) == 0 and float(errors.abs().max()) > 0
+               for errors, rows in held_after_dense)  # rows not sent keep theirs
+
+
+def switching_rows(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple]]:
+    from sparsecomm.integration.budget import Plan
+
+    shape = (300, 8)
+    fed, delivered, held_after_dense = torch.zeros(shape), torch.zeros(shape), []
+    with sc.GradientReducer("adaptive+residual+rice+int8+allgather") as reducer:
+        for step, mode in enumerate([SPARSE, SPARSE, DENSE, SPARSE, HALF, SPARSE]):
+            reducer.budget.plan = lambda mode=mode: Plan(mode, 0.01)  # this step's mode, forced
+            generator = torch.Generator().manual_seed(step)
+            rows = torch.randint(300, (40,), generator=generator)
+            values = torch.randn(40, 8, generator=generator) * (rank == 0)
+            grad = torch.sparse_coo_tensor(rows[None], values, shape)
+            fed += grad.to_dense()
+            reducer.allreduce_([("embedding", grad)])
+            delivered += grad.to_dense() * world  # the average over ranks, times their number: rank 0's share
+            if mode != SPARSE:
+                held_after_dense.append((reducer._row_errors["embedding"].view(shape).clone(), rows))
+        held = reducer._row_errors["embedding"].view(shape).clone()
+    return fed, delivered, held, held_after_dense
+
+
 def test_a_non_finite_gradient_fails_every_rank_in_every_mode():
     for budget in (MODEL_BYTES * 10, MODEL_BYTES // 2 + 1, 5000):
         errors = run_local(2, nonfinite_in_step_three, f"adaptive(budget={budget})+residual+rice+int8+allgather")

@@ -18,6 +18,8 @@ contributions with the pipeline's transport, and averages over the ranks. Rules:
   value codec is a deterministic rounding (int8, fp16, bf16), in that format, each entry's error held
   until its row is sent again (`_rows_rounded`); else exactly (`sparsecomm.encode.exact`), since a
   codec whose error is not known per entry would lose it. The result is a sparse COO tensor again.
+  Never through gloo's sparse all_reduce, dense steps included: with DDP it can corrupt the heap
+  (the README's known platform issue).
 - Tensors sent these two uncompressed ways still get what the feedback owns in place of the
   optimizer: with ``dgc_momentum``, the same momentum, applied to their average over ranks.
 - Non-finite input follows the pipeline's ``nonfinite`` policy; under ``"raise"`` every rank raises
@@ -30,6 +32,7 @@ contributions with the pipeline's transport, and averages over the ranks. Rules:
   sparse at a byte budget — from numbers every rank reported; dense steps run as DDP's own hooks
   run a bucket (the feedback flushed into it, one asynchronous all_reduce, no agreement step: a
   non-finite gradient travels as NaN so every rank's sum is non-finite and every rank raises),
+  sparse gradients' rows exactly, with the step's last call,
   and DGC's momentum follows the average there, as DDP's optimizer's would — on a CPU applied
   when the step is finished (`finish_step`), on the thread that waits for it, not on gloo's.
 
@@ -315,7 +318,7 @@ class GradientReducer:
         in the order they were posted, by the thread that waits for the step anyway — not in
         callbacks on gloo's threads, where that Python holds the interpreter and the processor
         while later buckets' collectives are still in flight."""
-        if self._deferred:  # no synchronous call took them (a resumed run's reordered last bucket)
+        if self._deferred:  # no synchronous call took them (a dense step's last bucket, a resumed run's reordered one)
             self.session.drain()
             self._exchange_deferred()
         unfinished, self._unfinished = self._unfinished, []
@@ -444,7 +447,7 @@ class GradientReducer:
                                       else [(0, flat.numel())])
         call = self._calls.get(key, 0)
         self._calls[key] = call + 1
-        if self._plan is not None and self._plan.dense:
+        if self._plan is not None and self._plan.dense and not tensor.is_sparse:
             return self._submit_native(key, tensor, segments, stats, start, in_step)
         side = self._reports.take()  # rides on the agreement step (None: no adaptive budget, or taken)
         request = Request(key=key, call=call, seed=self.seed, step=self.stats.steps,
@@ -515,9 +518,8 @@ class GradientReducer:
         whose gradient is non-finite under ``nonfinite="raise"`` sends NaN, so every rank sums to a
         non-finite total and raises together."""
         assert self.budget is not None
-        # a sparse all_reduce has no room; a dense one carries a report in a scratch wire, which costs
-        # passes over the bucket: only a report the budget must hear
-        side = self._reports.take(needed_only=True) if not tensor.is_sparse else None
+        # a report travels in a scratch wire, which costs passes over the bucket: only one the budget must hear
+        side = self._reports.take(needed_only=True)
         wire = self._native_wire(key, tensor, segments, side)
         stats.path = wire.path
         submitted = time.perf_counter()
@@ -541,7 +543,7 @@ class GradientReducer:
                 stats.transport_s += time.perf_counter() - submitted
                 stats.bytes_sent += wire.nbytes
                 self._measure_done(wire.path, wire.nbytes, None)
-                if not all_finite(total.values() if total.is_sparse else total):
+                if not all_finite(total):
                     raise SparseCommError(f"a rank had a non-finite gradient (NaN or Inf) in {key!r}, or the sum "
                                           "overflowed; no rank applied it")
                 if wire.path == "half":  # already scaled to the average: back to the gradient's buffer and units
@@ -553,16 +555,12 @@ class GradientReducer:
                     assert wire.home is not None
                     total = wire.home.copy_(total)
                     total = total.div_(self.world_size) if self.average else total
-                elif total.is_sparse:  # dense for the feedback's momentum, as a sparse step's sum is
-                    total = total.to_dense().reshape(-1)
-                    total = total.div_(self.world_size) if self.average else total
                 elif self.average:
                     total = total.div_(self.world_size)
                 if wire.path in ("flush", "half"):  # what the feedback owns follows the average (DGC's momentum)
                     self.pipeline.update_flushed(total, key, segments)
                 total = self._update_uncompressed(total, key, segments, whole_only=wire.path in ("flush", "half"))
-                result.set_result(nonzero_rows(total.reshape(tensor.shape), tensor.sparse_dim()) if tensor.is_sparse
-                                  else total.reshape(tensor.shape).to(tensor.dtype))
+                result.set_result(total.reshape(tensor.shape).to(tensor.dtype))
             except BaseException as err:  # noqa: BLE001 - handed to the waiter
                 result.set_exception(err)
 
@@ -577,51 +575,37 @@ class GradientReducer:
 
     def _native_wire(self, key: str, tensor: torch.Tensor, segments: list[Segment] | None,
                      side: tuple[float, ...] | None) -> NativeWire:
-        """What a dense step sends for ``tensor``: sparse rows and tensors below ``dense_below`` as
-        they are (fp32), everything else flushed from its feedback, in fp16 on a ``half`` step; with
-        ``side`` (a budget report), followed by its tail (`sparsecomm.transport.side_numbers`)."""
+        """What a dense step sends for a dense ``tensor``: as it is (fp32) below ``dense_below``, else
+        flushed from its feedback, in fp16 on a ``half`` step; with ``side`` (a budget report),
+        followed by its tail (`sparsecomm.transport.side_numbers`)."""
         assert self.budget is not None and self._plan is not None
         nonfinite = self.pipeline.nonfinite
-        scale, home, carrying = 1.0, None, None
-        if tensor.is_sparse:
-            coo = tensor.detach().coalesce()
-            values, must_raise = screen_nonfinite(coo.values(), nonfinite)
-            errors = self._row_errors.get(parameter_of(key, segments))
-            if errors is not None and values is not None:  # exact here: the rows' held rounding errors go too
-                at = tuple(coo.indices())
-                held = errors.view(coo.shape)
-                values = values + held[at]
-                held[at] = 0
-            wire = torch.sparse_coo_tensor(coo.indices(), values if values is not None else torch.zeros_like(
-                coo.values()), coo.shape, is_coalesced=True, check_invariants=False)
-            sent = wire.values()
-            nbytes, path = coo.indices().numel() * 8 + sent.numel() * sent.element_size(), "sparse"
+        scale, carrying = 1.0, None
+        home = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+        half = self._plan.mode == HALF and not (segments is None and tensor.numel() < self.dense_below)
+        # the gradient's own buffer is the wire unless the wire is fp16 or carries a tail
+        full = self._wire_buffer(key, home, torch.float16 if half else home.dtype) if half or side else None
+        sent = full[:home.numel()] if full is not None else home
+        if segments is None and tensor.numel() < self.dense_below:  # no feedback: sent as it is
+            screened, must_raise = screen_nonfinite(home, nonfinite)
+            if screened is None:
+                sent.zero_()
+            elif screened is not sent:
+                sent.copy_(screened)
+            path = "dense"
+        elif half:
+            scale = 1.0 / self.world_size  # as DDP's fp16 hook: the sum of P values stays in range
+            sent, must_raise = self.pipeline.flush(home, key, segments, out=sent, scale=scale)
+            path = "half"
         else:
-            home = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
-            half = self._plan.mode == HALF and not (segments is None and tensor.numel() < self.dense_below)
-            # the gradient's own buffer is the wire unless the wire is fp16 or carries a tail
-            full = self._wire_buffer(key, home, torch.float16 if half else home.dtype) if half or side else None
-            sent = full[:home.numel()] if full is not None else home
-            if segments is None and tensor.numel() < self.dense_below:  # no feedback: sent as it is
-                screened, must_raise = screen_nonfinite(home, nonfinite)
-                if screened is None:
-                    sent.zero_()
-                elif screened is not sent:
-                    sent.copy_(screened)
-                path = "dense"
-            elif half:
-                scale = 1.0 / self.world_size  # as DDP's fp16 hook: the sum of P values stays in range
-                sent, must_raise = self.pipeline.flush(home, key, segments, out=sent, scale=scale)
-                path = "half"
-            else:
-                sent, must_raise = self.pipeline.flush(home, key, segments, out=sent)
-                path = "flush"
-            wire = sent
-            if side is not None:  # then full is the wire buffer
-                assert full is not None
-                write_tail(full[home.numel():], side, self._rank)
-                wire, carrying = full, home.numel()
-            nbytes = wire.numel() * wire.element_size()
+            sent, must_raise = self.pipeline.flush(home, key, segments, out=sent)
+            path = "flush"
+        wire = sent
+        if side is not None:  # then full is the wire buffer
+            assert full is not None
+            write_tail(full[home.numel():], side, self._rank)
+            wire, carrying = full, home.numel()
+        nbytes = wire.numel() * wire.element_size()
         if must_raise:
             sent.fill_(math.nan)
         elif sent.numel() and self._report_needed():
@@ -685,14 +669,20 @@ class GradientReducer:
             values, nonfinite = screen_nonfinite(sparse.values, self.pipeline.nonfinite)
             given_index, given_value = codecs_of(request)
             index_codec, value_codec = exact_codecs(given_index, given_value, sparse.dtype)
-            rounds = value_codec is not given_value and given_value.as_decoded(sparse.values[:0]) is not None
-            # decided from the dtype and spec alone, so every rank's configuration is alike
+            exact = self._plan is not None and self._plan.dense  # a dense step sends every row exactly
+            rounds = (not exact and value_codec is not given_value
+                      and given_value.as_decoded(sparse.values[:0]) is not None)
+            # decided from the dtype, the spec and the agreed plan alone, so every rank's configuration is alike
             request = replace(request, nonfinite=nonfinite, index_codec=index_codec,
                               value_codec=given_value if rounds else value_codec)
             nothing = SparseGradient(sparse.indices[:0], sparse.values[:0], sparse.shape)
             if values is None:
                 return transport, nothing, request, "sparse"
             if not rounds:
+                errors = self._row_errors.get(parameter_of(key, segments)) if exact else None
+                if errors is not None:  # the rows' held rounding errors go with them, and are gone
+                    values = values + errors[sparse.indices]
+                    errors[sparse.indices] = 0
                 return transport, SparseGradient(sparse.indices, values, sparse.shape), request, "sparse"
             try:
                 received, payload = self._rows_rounded(parameter_of(key, segments), tensor,
