@@ -182,15 +182,15 @@ def nonzero_rows(dense: torch.Tensor, sparse_dim: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class NativeWire:
-    """What one call of a dense step sends: the tensor all_reduced, its path (``sparse``, ``dense``,
-    ``flush`` or ``half``), its bytes, the gradient's flat buffer the sum goes back into, and — when
+    """What one call of a dense step sends: the tensor all_reduced, its path (``dense``, ``flush`` or
+    ``half``), its bytes, the gradient's flat buffer the sum goes back into, and — when
     the call carries a budget report — how many leading elements are gradient (the rest is the
     report's tail)."""
 
     tensor: torch.Tensor
     path: str
     nbytes: int
-    home: torch.Tensor | None
+    home: torch.Tensor
     carrying: int | None = None
 
 
@@ -547,12 +547,10 @@ class GradientReducer:
                     raise SparseCommError(f"a rank had a non-finite gradient (NaN or Inf) in {key!r}, or the sum "
                                           "overflowed; no rank applied it")
                 if wire.path == "half":  # already scaled to the average: back to the gradient's buffer and units
-                    assert wire.home is not None
                     total = wire.home.copy_(total)
                     if not self.average:
                         total.mul_(self.world_size)
                 elif wire.carrying is not None:  # back to the gradient's buffer: the wire is scratch
-                    assert wire.home is not None
                     total = wire.home.copy_(total)
                     total = total.div_(self.world_size) if self.average else total
                 elif self.average:
