@@ -140,23 +140,41 @@ def switching_rows(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor, t
     return fed, delivered, held, held_after_dense
 
 
-def test_a_non_finite_gradient_fails_every_rank_in_every_mode():
-    for budget in (MODEL_BYTES * 10, MODEL_BYTES // 2 + 1, 5000):
-        errors = run_local(2, nonfinite_in_step_three, f"adaptive(budget={budget})+residual+rice+int8+allgather")
-        assert all("non-finite" in error for error in errors), (budget, errors)
+NUMEL = 20_000
+BUDGETS = {DENSE: 10 * 4 * NUMEL, HALF: 3 * NUMEL, SPARSE: 5000}
+"""per mode, a user budget whose steps of one ``NUMEL``-element tensor at 2 ranks run in it (fp16
+once the largest magnitude sent is known: an fp32 all_reduce puts 4·NUMEL bytes on each link)"""
 
 
-def nonfinite_in_step_three(rank: int, world: int, spec: str) -> str:
+@pytest.mark.parametrize("feedback, unchanged_in", [("residual", (DENSE,)),
+                                                    ("dgc_momentum(masking=false,nesterov=true)", (DENSE, HALF))])
+def test_a_non_finite_gradient_fails_every_rank_in_every_mode(feedback, unchanged_in):
+    """The rank with the NaN keeps its feedback as it was; on dense steps whose flush only reads the
+    feedback's state (the NaN then goes unscreened and makes every rank's sum NaN), every rank does."""
+    for mode, budget in BUDGETS.items():
+        runs = run_local(2, nonfinite_in_step_three, f"adaptive(budget={budget})+{feedback}+rice+int8+allgather")
+        assert all(run["mode"] == mode and "non-finite" in run["error"] for run in runs), (mode, runs)
+        assert runs[1]["unchanged"], mode
+        if mode in unchanged_in:
+            assert runs[0]["unchanged"], mode
+
+
+def nonfinite_in_step_three(rank: int, world: int, spec: str) -> dict:
+    """The error step 3 raised, its mode, and whether the feedback's tensors are as before it."""
     with sc.GradientReducer(spec) as reducer:
         for step in range(4):
-            grad = torch.randn(20_000)
+            grad = torch.randn(NUMEL)
             if step == 3 and rank == 1:
                 grad[17] = float("nan")
+            before = {name: value.clone() for name, value in reducer.pipeline.states["w"].feedback.items()
+                      if isinstance(value, torch.Tensor)} if step == 3 else {}
             try:
                 reducer.allreduce_([("w", grad)])
             except sc.SparseCommError as err:
-                return str(err)
-    return "no error"
+                after = reducer.pipeline.states["w"].feedback
+                return {"error": str(err), "mode": reducer.budget.current.mode,
+                        "unchanged": all(torch.equal(value, after[name]) for name, value in before.items())}
+    return {"error": "no error", "mode": reducer.budget.current.mode, "unchanged": False}
 
 
 def test_a_measured_budget_plans_alike_on_every_rank_through_several_buckets():

@@ -68,6 +68,19 @@ def test_exact_codecs_carry_every_value_of_the_gradients_dtype(index_codec, valu
     assert decoded.values.dtype == dtype and torch.equal(decoded.values, grad.values)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_raw_codecs_carry_every_value_exactly_with_indices_as_wide_as_the_gradient_needs(dtype):
+    from sparsecomm.encode.exact import raw_codecs
+
+    assert raw_codecs(dtype, 2**31)[0].bits == 32 and raw_codecs(dtype, 2**31 + 1)[0].bits == 64
+    index, value = raw_codecs(dtype, 5000)
+    grad = random_sparse(5000, 300, seed=2).sorted()
+    grad = type(grad)(grad.indices, (grad.values * 10.0 ** -torch.arange(300).remainder(7)).to(dtype), grad.shape)
+    decoded = sc.decode(sc.encode(grad, index, value, rng=np.random.default_rng(0)), expect=5000)
+    assert torch.equal(decoded.indices, grad.indices)
+    assert decoded.values.dtype == dtype and torch.equal(decoded.values, grad.values)
+
+
 MAGNITUDES = {"subnormal": [1e-40, -5e-41, 3e-42, -1e-45], "largest float32": [3.4028235e38, -3.0e38, 1.0, -2.5e37],
               "subnormal beside huge": [1e-40, 1e30, -2e-45, 7.0], "beyond float32": [1e300, -2.0, 3e-320, 5.0]}
 

@@ -231,7 +231,8 @@ class Pipeline:
         return self.spec.sparsifier.at_density(density)
 
     def flush(self, grad: torch.Tensor, key: str = "", segments: Sequence[Segment] | None = None,
-              out: torch.Tensor | None = None, scale: float = 1.0) -> tuple[torch.Tensor, bool]:
+              out: torch.Tensor | None = None, scale: float = 1.0,
+              sum_checked: bool = False) -> tuple[torch.Tensor, bool]:
         """A dense step: each tensor's gradient plus what its feedback sends with it (`Feedback.flush`),
         to be sent whole, times ``scale``, in ``out``'s dtype (a new tensor of ``grad``'s without
         ``out``, which may be ``grad`` itself); after the all_reduce, `update_flushed`. A narrower
@@ -240,11 +241,18 @@ class Pipeline:
         fp16 hook keeps none). Returns (the flat wire tensor, whether
         every rank must raise). Non-finite input under ``"raise"`` leaves the state untouched; under
         ``"skip"`` the feedback flushes as with a zero gradient (DGC's momentum must move to the
-        average on every rank alike)."""
+        average on every rank alike). ``sum_checked``: the caller raises on every rank when the sum
+        is non-finite; under ``"raise"``, where no tensor's flush changes its state
+        (`Feedback.flush_reads_only`), the gradient then goes unscreened — a NaN sent makes every
+        rank's sum NaN — saving a pass over it (and on a GPU a wait for it) before the all_reduce."""
         flat = grad.detach().reshape(-1)
         segments = segments or (Segment(key, 0, flat.numel()),)
         wire = out.view(-1) if out is not None else torch.empty_like(flat)
-        screened, must_raise = screen_nonfinite(flat, self.nonfinite)
+        screened: torch.Tensor | None = flat
+        must_raise = False
+        left_to_sum = sum_checked and self.nonfinite == "raise"
+        if not (left_to_sum and self._flush_reads_only(flat, segments, wire.dtype, scale)):
+            screened, must_raise = screen_nonfinite(flat, self.nonfinite)
         if must_raise:
             for segment in segments:
                 self.states.setdefault(segment.key, TensorState()).last = StepReport(0, None, segment.numel, 0, True)
@@ -267,6 +275,20 @@ class Pipeline:
             state.last = StepReport(0 if skipped else segment.numel, None if skipped else segment.numel,
                                     segment.numel, 0, skipped)
         return wire, False
+
+    def _flush_reads_only(self, flat: torch.Tensor, segments: Sequence[Segment], wire_dtype: torch.dtype,
+                          scale: float) -> bool:
+        """Whether `flush` changes no tensor's state: each feedback's flush only reads it, and no
+        tensor sent whole has a codec's error to send along."""
+        for segment in segments:
+            state = self.states.get(segment.key) or TensorState()
+            if segment.whole:
+                if state.codec_error is not None:
+                    return False
+            elif not self.spec.feedback.flush_reads_only(flat[segment.start:segment.start + segment.numel],
+                                                         state.feedback, wire_dtype, scale):
+                return False
+        return True
 
     def update_flushed(self, averaged: torch.Tensor, key: str = "", segments: Sequence[Segment] | None = None) -> None:
         """After a dense step's all_reduce: each flushed tensor's `Feedback.update_flushed` on its

@@ -34,6 +34,14 @@ class Feedback(Component):
         self.update(accumulated, SparseGradient(torch.arange(flat.numel(), device=flat.device), sent,
                                                 accumulated.shape), state)
 
+    def flush_reads_only(self, grad: torch.Tensor, state: dict[str, Any], wire_dtype: torch.dtype,
+                         scale: float = 1.0) -> bool:
+        """Whether `flush` with these arguments only reads ``state``: then a dense step whose sum is
+        never applied (a rank's NaN under ``nonfinite="raise"``) leaves nothing to undo, and the
+        gradient need not be screened before it is sent (`Pipeline.flush`). Not by default: the
+        default flush moves what it held into the wire."""
+        return False
+
     def delay_horizon(self) -> float:
         """Steps within which an entry this feedback holds back still moves the weights about as it
         would have on time (what the adaptive budget's density rule assumes): one, unless the

@@ -107,6 +107,12 @@ class DGCMomentum(Feedback):
         elif out.data_ptr() != flat.data_ptr():
             out.copy_(flat)
 
+    def flush_reads_only(self, grad: torch.Tensor, state: dict[str, Any], wire_dtype: torch.dtype,
+                         scale: float = 1.0) -> bool:
+        """Always: it reads v and b (zeros where there are none yet); `update_flushed` empties
+        them once the sum is in."""
+        return True
+
     def update_flushed(self, averaged: torch.Tensor, state: dict[str, Any]) -> None:
         """SGD's momentum on the average, in place: B ← m·B + avg, then avg becomes B (Nesterov:
         avg + m·B); with masking (every entry was sent) B is cleared after. The first dense step

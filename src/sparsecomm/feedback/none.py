@@ -19,3 +19,8 @@ class NoFeedback(Feedback):
 
     def update(self, accumulated: torch.Tensor, sent: SparseGradient, state: dict[str, Any]) -> None:
         return None
+
+    def flush_reads_only(self, grad: torch.Tensor, state: dict[str, Any], wire_dtype: torch.dtype,
+                         scale: float = 1.0) -> bool:
+        """Nothing is held, so nothing changes."""
+        return True

@@ -33,6 +33,13 @@ class Residual(Feedback):
         subtract_sent(accumulated, sent)
         state["clear"] = False
 
+    def flush_reads_only(self, grad: torch.Tensor, state: dict[str, Any], wire_dtype: torch.dtype,
+                         scale: float = 1.0) -> bool:
+        """While the residual is known to be zero, an exact flush sends the gradient alone."""
+        residual = state.get("residual")
+        return (bool(state.get("clear")) and residual is not None and residual.shape == grad.shape
+                and scale == 1.0 and wire_dtype == grad.dtype)
+
     def flush(self, grad: torch.Tensor, state: dict[str, Any], out: torch.Tensor, scale: float = 1.0) -> None:
         """grad + residual into ``out``; the residual keeps what ``out`` lost (`Feedback.flush`,
         without indices; while the residual is known to be zero, grad goes straight to ``out``)."""

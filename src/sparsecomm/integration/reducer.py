@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sparsecomm.encode.exact import exact_codecs
+from sparsecomm.encode.exact import exact_codecs, raw_codecs
 from sparsecomm.errors import SparseCommError
 from sparsecomm.finite import all_finite
 from sparsecomm.integration.budget import HALF, MIN_WIRE_BYTES, LinkBudget, Plan
@@ -515,8 +515,8 @@ class GradientReducer:
         feedback flushed into it (in fp16 scaled by 1/P on a ``half`` step), then one asynchronous
         all_reduce — no agreement step, no worker thread — and, once the sum is in, what the
         feedback owns applied to the average (`Pipeline.update_flushed`: DGC's momentum). A rank
-        whose gradient is non-finite under ``nonfinite="raise"`` sends NaN, so every rank sums to a
-        non-finite total and raises together."""
+        whose gradient is non-finite under ``nonfinite="raise"`` sends NaN (or its gradient as it
+        is), so every rank sums to a non-finite total and raises together."""
         assert self.budget is not None
         # a report travels in a scratch wire, which costs passes over the bucket: only one the budget must hear
         side = self._reports.take(needed_only=True)
@@ -575,7 +575,9 @@ class GradientReducer:
                      side: tuple[float, ...] | None) -> NativeWire:
         """What a dense step sends for a dense ``tensor``: as it is (fp32) below ``dense_below``, else
         flushed from its feedback, in fp16 on a ``half`` step; with ``side`` (a budget report),
-        followed by its tail (`sparsecomm.transport.side_numbers`)."""
+        followed by its tail (`sparsecomm.transport.side_numbers`). Under ``nonfinite="raise"`` the gradient is
+        screened only where its state would need undoing (`Pipeline.flush`): a rank's NaN or Inf
+        makes every rank's sum non-finite, and `_submit_native` raises on every rank."""
         assert self.budget is not None and self._plan is not None
         nonfinite = self.pipeline.nonfinite
         scale, carrying = 1.0, None
@@ -585,7 +587,7 @@ class GradientReducer:
         full = self._wire_buffer(key, home, torch.float16 if half else home.dtype) if half or side else None
         sent = full[:home.numel()] if full is not None else home
         if segments is None and tensor.numel() < self.dense_below:  # no feedback: sent as it is
-            screened, must_raise = screen_nonfinite(home, nonfinite)
+            screened, must_raise = (home, False) if nonfinite == "raise" else screen_nonfinite(home, nonfinite)
             if screened is None:
                 sent.zero_()
             elif screened is not sent:
@@ -593,10 +595,10 @@ class GradientReducer:
             path = "dense"
         elif half:
             scale = 1.0 / self.world_size  # as DDP's fp16 hook: the sum of P values stays in range
-            sent, must_raise = self.pipeline.flush(home, key, segments, out=sent, scale=scale)
+            sent, must_raise = self.pipeline.flush(home, key, segments, out=sent, scale=scale, sum_checked=True)
             path = "half"
         else:
-            sent, must_raise = self.pipeline.flush(home, key, segments, out=sent)
+            sent, must_raise = self.pipeline.flush(home, key, segments, out=sent, sum_checked=True)
             path = "flush"
         wire = sent
         if side is not None:  # then full is the wire buffer
@@ -607,9 +609,10 @@ class GradientReducer:
         if must_raise:
             sent.fill_(math.nan)
         elif sent.numel() and self._report_needed():
-            low, high = torch.aminmax(sent)
-            measuring = self.budget.measuring
-            measuring.max_magnitude = max(measuring.max_magnitude, max(-float(low), float(high)) / scale)
+            low, high = (float(bound) for bound in torch.aminmax(sent))
+            if math.isfinite(low) and math.isfinite(high):  # else the sum is non-finite: every rank raises
+                measuring = self.budget.measuring
+                measuring.max_magnitude = max(measuring.max_magnitude, max(-low, high) / scale)
         return NativeWire(wire, path, nbytes, home, carrying)
 
     def _wire_buffer(self, key: str, home: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -666,8 +669,9 @@ class GradientReducer:
             sparse = SparseGradient.from_sparse_coo(tensor.detach())
             values, nonfinite = screen_nonfinite(sparse.values, self.pipeline.nonfinite)
             given_index, given_value = codecs_of(request)
-            index_codec, value_codec = exact_codecs(given_index, given_value, sparse.dtype)
-            exact = self._plan is not None and self._plan.dense  # a dense step sends every row exactly
+            exact = self._plan is not None and self._plan.dense  # a dense step sends every row exactly, and cheaply
+            index_codec, value_codec = (raw_codecs(sparse.dtype, math.prod(sparse.shape)) if exact
+                                        else exact_codecs(given_index, given_value, sparse.dtype))
             rounds = (not exact and value_codec is not given_value
                       and given_value.as_decoded(sparse.values[:0]) is not None)
             # decided from the dtype, the spec and the agreed plan alone, so every rank's configuration is alike
