@@ -575,9 +575,9 @@ class GradientReducer:
                      side: tuple[float, ...] | None) -> NativeWire:
         """What a dense step sends for a dense ``tensor``: as it is (fp32) below ``dense_below``, else
         flushed from its feedback, in fp16 on a ``half`` step; with ``side`` (a budget report),
-        followed by its tail (`sparsecomm.transport.side_numbers`). Under ``nonfinite="raise"`` the gradient is
-        screened only where its state would need undoing (`Pipeline.flush`): a rank's NaN or Inf
-        makes every rank's sum non-finite, and `_submit_native` raises on every rank."""
+        followed by its tail (`sparsecomm.transport.side_numbers`). Under ``nonfinite="raise"`` the
+        gradient is screened only where its state would need undoing (`Pipeline.flush`): a rank's
+        NaN or Inf makes every rank's sum non-finite, and `_submit_native` raises on every rank."""
         assert self.budget is not None and self._plan is not None
         nonfinite = self.pipeline.nonfinite
         scale, carrying = 1.0, None
