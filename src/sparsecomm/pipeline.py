@@ -244,7 +244,8 @@ class Pipeline:
         average on every rank alike). ``sum_checked``: the caller raises on every rank when the sum
         is non-finite; under ``"raise"``, where no tensor's flush changes its state
         (`Feedback.flush_reads_only`), the gradient then goes unscreened — a NaN sent makes every
-        rank's sum NaN — saving a pass over it (and on a GPU a wait for it) before the all_reduce."""
+        rank's sum NaN — saving a pass over it (and on a GPU a wait for it) before the all_reduce;
+        the feedback is then untouched and each tensor's step counted on every rank alike."""
         flat = grad.detach().reshape(-1)
         segments = segments or (Segment(key, 0, flat.numel()),)
         wire = out.view(-1) if out is not None else torch.empty_like(flat)

@@ -183,9 +183,9 @@ def nonzero_rows(dense: torch.Tensor, sparse_dim: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class NativeWire:
     """What one call of a dense step sends: the tensor all_reduced, its path (``dense``, ``flush`` or
-    ``half``), its bytes, the gradient's flat buffer the sum goes back into, and — when
-    the call carries a budget report — how many leading elements are gradient (the rest is the
-    report's tail)."""
+    ``half``), its bytes, the gradient's flat buffer the sum goes back into, and — when the call
+    carries a budget report — how many leading elements are gradient (the rest is the report's
+    tail)."""
 
     tensor: torch.Tensor
     path: str
