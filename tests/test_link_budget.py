@@ -35,10 +35,10 @@ DENSE_BYTES = 4 * N  # an fp32 all_reduce at P = 2, in allgather bytes per rank
 
 def report(compute=0.0, throughput=0.0, dense=None, half=None, sparse=None, per_nnz=0.0, fixed=0.0,
            magnitude=0.0, encode=0.0, decode=0.0, preferred=0.0) -> torch.Tensor:
-    """One step's agreed report (see `LinkBudget.end_step`): throughput negated, unmeasured +inf;
-    unmeasured costs 0. ``sparse``: a sparse step's whole time beyond its per-byte cost; ``preferred``:
-    the density the ranks' gradients preferred."""
-    return torch.tensor([compute, -throughput if throughput else math.inf, dense or 0.0, half or 0.0,
+    """One step's agreed report (see `LinkBudget.end_step`): unmeasured throughput and costs 0.
+    ``sparse``: a sparse step's whole time beyond its per-byte cost; ``preferred``: the density the
+    ranks' gradients preferred."""
+    return torch.tensor([compute, throughput, dense or 0.0, half or 0.0,
                          sparse or 0.0, per_nnz, fixed, magnitude, encode, decode, preferred], dtype=torch.float64)
 
 
@@ -468,12 +468,13 @@ def test_before_the_first_step_a_user_budget_below_fp16s_bytes_plans_sparse_and_
         assert plan.begin_step(now=0.0) == expected, bytes_
 
 
-def test_the_plan_follows_the_slowest_compute_link_and_step():
+def test_the_plan_follows_the_slowest_compute_and_step_and_the_link_as_the_last_rank_to_post_timed_it():
+    # rank two posted its all_reduce first and waited for rank one's: its time holds that wait
     one = report(compute=0.001, throughput=20e6, dense=0.2, sparse=0.004)
     two = report(compute=0.003, throughput=10e6, dense=0.5, sparse=0.005)
     plan = budget()
     plan.observe(torch.maximum(one, two))  # what every rank makes of every rank's report
-    assert plan.compute_s[-1] == 0.003 and plan.throughput[-1] == 10e6 and plan.dense_cost_s[-1] == 0.5
+    assert plan.compute_s[-1] == 0.003 and plan.throughput[-1] == 20e6 and plan.dense_cost_s[-1] == 0.5
     assert plan.sparse_overhead_s[-1] == pytest.approx(0.002)  # the slowest sparse step beyond the slowest compute
 
 

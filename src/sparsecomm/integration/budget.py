@@ -9,7 +9,9 @@ Every step, each rank measures:
   to hook, the step's whole wall time until the next step less communication waits and local
   stages, known one step later;
 - the link's throughput β: wire bytes per second of its large dense all_reduce calls (a ring
-  all_reduce puts 2(P−1)/P of the tensor on each rank's link), and of one fp32 probe at start-up;
+  all_reduce puts 2(P−1)/P of the tensor on each rank's link), and of one fp32 probe at start-up.
+  Of a step's, the fastest rank's: a call's time on a rank includes its wait for the ranks that
+  post theirs later, the last to post waits for the link alone;
 - on every `ENERGY_EVERY`-th sparse step, the energy curve of a strided sample of its gradient
   (`sparsecomm.integration.gradient_energy`), from which it reports the density it prefers (below);
 - the payload bytes per entry its density budgeted (tensors may send more than the density,
@@ -31,7 +33,7 @@ look dear and shrink them further.
 When a step ends each rank reports these numbers; the report rides on the next step's first call
 (`sparsecomm.integration.reports`: in its agreement record or a tail of its all_reduce), every rank
 takes the maximum over the ranks, and the step after next reads it (the very first report goes
-alone and is read at once). So every rank plans alike — from the slowest compute and link, the
+alone and is read at once). So every rank plans alike — from the slowest compute, the link, the
 dearest payloads and codecs, the largest magnitude, and each mode's steps as long as their slowest
 rank's — and after the first step no report needs a collective of its own.
 
@@ -427,12 +429,12 @@ class LinkBudget:
 
     def end_step(self) -> torch.Tensor:
         """The step ended: this rank's report, to be reduced by MAX over the ranks. Slots: compute
-        time (of this step, or with no forward hook of the step before); the link throughput,
-        negated so that MAX takes the least; this step's whole time (compute and communicating) in
-        its mode — fp32, fp16, or for sparse less its payloads' wire time and per-byte cost; then
-        bytes per budgeted entry, bytes outside the budget and the largest magnitude sent; then the
-        calibrated κ_e and κ_d; then the density this rank's gradient preferred (`energy_density`).
-        Unmeasured: 0, and +inf for the throughput."""
+        time (of this step, or with no forward hook of the step before); the link throughput (MAX:
+        the rank that waited least for the others to post measured the link); this step's whole
+        time (compute and communicating) in its mode — fp32, fp16, or for sparse less its payloads'
+        wire time and per-byte cost; then bytes per budgeted entry, bytes outside the budget and the
+        largest magnitude sent; then the calibrated κ_e and κ_d; then the density this rank's
+        gradient preferred (`energy_density`). Unmeasured: 0."""
         done = self.measuring
         self.finished = done
         self.total_numel, self.budget_numel = done.total_numel, done.budget_numel
@@ -459,20 +461,19 @@ class LinkBudget:
                 costs[SPARSE] = max(1e-6, compute + cost - wire - codecs)
         throughput = done.wire_bytes / done.wire_s if done.wire_s > 0 else 0.0
         preferred = self.energy_density(done.energy_samples)
-        return torch.tensor([compute, -throughput if throughput > 0 else math.inf, costs[DENSE], costs[HALF],
+        return torch.tensor([compute, throughput, costs[DENSE], costs[HALF],
                              costs[SPARSE], per_budgeted, fixed, done.max_magnitude, *done.codec_cost, preferred],
                             dtype=torch.float64)
 
     def observe(self, agreed: torch.Tensor, step: int | None = None) -> None:
         """Every rank's report of one step (``step``, when known), reduced by MAX (see `end_step`):
         a step takes as long as its slowest rank."""
-        compute, negative_link, dense, half, sparse, per_nnz, fixed, magnitude, encode, decode, preferred = (
-            agreed.tolist())
+        compute, link, dense, half, sparse, per_nnz, fixed, magnitude, encode, decode, preferred = agreed.tolist()
         self.reports_read += 1
         if compute > 0:
             self.compute_s.append(compute)
-        if math.isfinite(negative_link):
-            self.throughput.append(-negative_link)
+        if link > 0:
+            self.throughput.append(link)
         for window, whole in ((self.dense_cost_s, dense), (self.half_cost_s, half)):
             if whole > 0:
                 window.append(whole)
