@@ -478,6 +478,14 @@ def test_the_plan_follows_the_slowest_compute_and_step_and_the_link_as_the_last_
     assert plan.sparse_overhead_s[-1] == pytest.approx(0.002)  # the slowest sparse step beyond the slowest compute
 
 
+def test_a_report_from_an_older_checkpoint_adds_no_throughput():
+    # before 1c8a139 the slot held the throughput negated (MAX took the least), +inf unmeasured
+    plan = budget()
+    for old in (-20e6, math.inf):
+        plan.observe(torch.tensor([0.003, old, 0.5, 0, 0, 0, 0, 0, 0, 0, 0], dtype=torch.float64))
+    assert not plan.throughput and list(plan.compute_s) == [0.003, 0.003]
+
+
 def test_a_modes_cost_is_the_mean_of_its_middle_steps_blind_to_a_rare_slow_one():
     plan = measured(budget(probe=0), sparse=0.050, compute=0.002, throughput=1e9, per_nnz=2.0, magnitude=1e5)
     for cost in (0.0030, 0.0031, 0.0029, 0.0300, 0.0030, 0.0032, 0.0028, 0.0030):

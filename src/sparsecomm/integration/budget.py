@@ -472,7 +472,7 @@ class LinkBudget:
         self.reports_read += 1
         if compute > 0:
             self.compute_s.append(compute)
-        if link > 0:
+        if 0 < link < math.inf:  # a checkpoint's report from before 1c8a139 holds it negated, or +inf
             self.throughput.append(link)
         for window, whole in ((self.dense_cost_s, dense), (self.half_cost_s, half)):
             if whole > 0:
