@@ -36,17 +36,17 @@ contributions with the pipeline's transport, and averages over the ranks. Rules:
   and DGC's momentum follows the average there, as DDP's optimizer's would — on a CPU applied
   when the step is finished (`finish_step`), on the thread that waits for it, not on gloo's.
 
-Collectives run on a process group of their own (created here, on every rank, with the payload
-exchange's one-way twin where the transport exchanges payloads): asynchronous calls on the
-reducer's `TransportSession` thread, in submission order, so they never interleave with the
-caller's collectives; a step's last call on the caller's thread once the calls before it are done
-(nothing is left to overlap it with). Payload calls expected to send few entries (`FUSE_BELOW`,
-decided from numbers every rank shares), and sparse gradients' rows, wait for the step's last call
-and travel with it in one exchange: each would cost mostly an exchange's fixed cost, and an
-embedding's rows are ready only as the backward pass ends. The reducer owns all runtime state —
-per-parameter pipeline state, auto's measurements, the adaptive budget and its reports in flight,
-call counters, the calls waiting for the step's last, the worker thread — checkpoints it with
-``state_dict()`` and releases it with ``close()`` (or ``with``).
+Collectives run on a process group of their own (created here, on every rank, with what the
+transport's calls need, `Transport.prepare`): asynchronous calls on the reducer's `TransportSession`
+thread, in submission order, so they never interleave with the caller's collectives; a step's last
+call on the caller's thread once the calls before it are done (nothing is left to overlap it with).
+Payload calls expected to send few entries (`FUSE_BELOW`, decided from numbers every rank shares),
+and sparse gradients' rows, wait for the step's last call and travel with it in one exchange: each
+would cost mostly an exchange's fixed cost, and an embedding's rows are ready only as the backward
+pass ends. The reducer owns all runtime state — per-parameter pipeline state, auto's measurements,
+the adaptive budget and its reports in flight, call counters, the calls waiting for the step's last,
+the worker thread — checkpoints it with ``state_dict()`` and releases it with ``close()`` (or
+``with``).
 """
 
 from __future__ import annotations
@@ -77,7 +77,6 @@ from sparsecomm.sparsify.adaptive import Adaptive
 from sparsecomm.spec import PipelineSpec, format_spec
 from sparsecomm.transport.agreement import agree
 from sparsecomm.transport.allgather import AllgatherTransport, FusedCall, codecs_of
-from sparsecomm.transport.auto import AutoTransport
 from sparsecomm.transport.base import Transport
 from sparsecomm.transport.collectives import fingerprint, on_wire, wire_device
 from sparsecomm.transport.dense import DenseTransport
@@ -275,10 +274,8 @@ class GradientReducer:
         self._rank = dist.get_rank(self._process_group)
         self._reports = BudgetReports(self.async_group, self.wire_device)
         """the budget's reports on their way to every rank"""
-        if self.world_size > 1 and isinstance(self.spec.transport, (AllgatherTransport, AutoTransport)):
-            # made now, with the other groups, rather than by the first payload exchange: ~11 ms of
-            # a training step otherwise (the rendezvous of a new gloo group)
-            self.session.one_way_group(self.async_group)
+        if self.world_size > 1:  # groups its calls need, made now with the others rather than in a step
+            self.spec.transport.prepare(self.async_group, self.session)
         if self.budget is not None and module is not None:  # its size, before the first step measures it
             self.budget.total_numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
         if self.budget is not None and self.world_size > 1 and not self.budget.sparsifier.budget:

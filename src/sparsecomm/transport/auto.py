@@ -102,6 +102,10 @@ class AutoTransport(Transport):
         if self.explore < 0 or self.shortlist < 1.0:
             raise SparseCommError("auto needs explore >= 0 and shortlist >= 1")
 
+    def prepare(self, group: Group, session: TransportSession) -> None:
+        """What allgather needs, the transport most small calls run."""
+        AllgatherTransport().prepare(group, session)
+
     def reduce(self, grad: SparseGradient | torch.Tensor, group: Group = None, request: Request | None = None,
                out: torch.Tensor | None = None, session: TransportSession | None = None) -> Reduction:
         start = time.perf_counter()

@@ -37,6 +37,11 @@ class Transport(Component):
                out: torch.Tensor | None = None, session: TransportSession | None = None) -> Reduction:
         raise NotImplementedError
 
+    def prepare(self, group: Group, session: TransportSession) -> None:
+        """Make, before the first call, what this transport's calls on ``group`` will need and the
+        session keeps (every rank of ``group`` calls it, in the same order): a process group made
+        inside a training step costs that step its rendezvous. Nothing by default."""
+
     def allreduce(self, grad: SparseGradient | torch.Tensor, group: Group = None, request: Request | None = None,
                   out: torch.Tensor | None = None, session: TransportSession | None = None) -> torch.Tensor:
         """The sum over ranks alone (see `reduce`)."""
