@@ -83,6 +83,7 @@ from sparsecomm.transport.dense import DenseTransport
 from sparsecomm.transport.request import Reduction, Request
 from sparsecomm.transport.session import TransportSession
 from sparsecomm.transport.side_numbers import read_tail, tail_elements, write_tail
+from sparsecomm.transport.waiting import wait_polling
 
 DENSE_BELOW = 4096
 FUSE_BELOW = 1 << 14
@@ -327,7 +328,7 @@ class GradientReducer:
         unfinished, self._unfinished = self._unfinished, []
         for done, finish in unfinished:
             with contextlib.suppress(Exception):  # a failed collective: finish hands its error to the result
-                done.wait()
+                wait_polling(done)
             finish(done)
         in_flight, self._in_flight = self._in_flight, []
         errors = []

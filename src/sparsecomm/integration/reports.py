@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm.transport.collectives import on_wire
+from sparsecomm.transport.waiting import wait_for
 
 
 @dataclass
@@ -89,7 +90,7 @@ class BudgetReports:
     def _collect_alone(self) -> None:
         """Wait for the reports sent alone and put them among the agreed ones, in step order."""
         for sent_step, work, report in self.alone:
-            work.wait()
+            wait_for(work, self.wire_device)
             self.agreed.append((sent_step, report.cpu()))
         self.alone.clear()
         self.agreed = deque(sorted(self.agreed, key=lambda item: item[0]))

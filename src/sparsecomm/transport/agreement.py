@@ -18,6 +18,7 @@ from sparsecomm.errors import SparseCommError
 from sparsecomm.transport.collectives import Group, all_gather_single, on_wire, wire_device, world
 from sparsecomm.transport.request import Agreement, Request
 from sparsecomm.transport.side_numbers import SIDE_FIELDS, side_words, sides_of_table
+from sparsecomm.transport.waiting import wait_for
 
 _NUMEL, _CONFIG, _KEY, _CALL, _NNZ, _FLAG, _NBYTES = range(7)
 NONFINITE, REFUSED = 1, 2
@@ -38,7 +39,7 @@ def agree(group: Group, request: Request, numel: int, config: int, nnz: int = 0,
     device = wire_device(group)
     record = on_wire(agreement_record(request, numel, config, nnz, nbytes), device)
     table = torch.zeros(size, record.numel(), dtype=torch.int64, device=device)
-    all_gather_single(table.view(-1), record, group=group)
+    wait_for(all_gather_single(table.view(-1), record, group=group, async_op=True), device)
     return check_table(table.cpu(), request, numel, config)
 
 

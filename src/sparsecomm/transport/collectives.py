@@ -13,6 +13,8 @@ from contextlib import closing
 import torch
 import torch.distributed as dist
 
+from sparsecomm.transport.waiting import wait_for
+
 Group = dist.ProcessGroup | None
 Receiver = Callable[[int, int, torch.device], torch.Tensor]
 """(peer, nbytes, device) → the uint8 buffer that peer's message lands in (`fresh_buffer`, or a
@@ -75,7 +77,8 @@ def allgather_arrivals(buffer: torch.Tensor, group: Group, counts: list[int] | N
     device = wire_device(group)
     if size > 1 and counts is None:
         sizes = torch.zeros(size, dtype=torch.int64, device=device)
-        all_gather_single(sizes, torch.tensor([buffer.numel()], dtype=torch.int64, device=device), group=group)
+        wait_for(all_gather_single(sizes, torch.tensor([buffer.numel()], dtype=torch.int64, device=device), group=group,
+                                   async_op=True), device)
         counts = sizes.tolist()
     received = {r: receiver(r, n, device) for r, n in enumerate(counts or []) if r != rank}
     sent = on_wire(buffer, device)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from sparsecomm.transport.collectives import Group
 from sparsecomm.transport.cost_model import CostModel, load_cost_model
 from sparsecomm.transport.tuning import Tuning
+from sparsecomm.transport.waiting import WORKER_THREAD_PREFIX
 
 
 class TransportSession:
@@ -47,7 +48,7 @@ class TransportSession:
         """Run ``task`` on the session's worker thread, after every task submitted before it, with
         the submitting thread's current CUDA device (a new thread's is device 0, whatever rank)."""
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparsecomm-transport")
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=WORKER_THREAD_PREFIX)
         if torch.cuda.is_initialized():
             device = torch.cuda.current_device()
 
