@@ -11,9 +11,10 @@ they can run. Beyond `POLL_S` it sleeps: a long wait (a slow link, a rank held u
 longer than that.
 
 Only for what C++ threads complete: gloo's collectives (its worker threads run them) and their
-futures. Not for gloo's point-to-point works, which complete inside ``wait`` (polled, they never
-finish), nor for futures that Python callbacks complete (the poller would hold the interpreter
-lock they need), nor for a CUDA collective, whose ``wait`` makes the stream wait, not the processor.
+futures. Not for gloo's point-to-point works, which complete only inside ``wait`` (polled, they
+never report done: each took the whole `POLL_S`), nor for futures that Python callbacks complete
+(the poller would hold the interpreter lock they need), nor for a CUDA collective, whose ``wait``
+makes the stream wait, not the processor.
 Nor on the transport's worker thread (`WORKER_THREAD_PREFIX`), whose waits overlap the backward
 pass: there a poller would take processor and interpreter from the computation.
 """
