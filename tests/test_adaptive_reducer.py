@@ -11,9 +11,11 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm as sc
-from sparsecomm.integration.budget import DENSE, HALF, SPARSE
+from sparsecomm.adaptive.config import Mode, Plan
 from sparsecomm.launch import run_local
 from test_training import batches, digest, mlp
+
+FP32, FP16, SPARSE = Mode.FP32, Mode.FP16, Mode.SPARSE
 
 CORRECTED = "dgc_momentum(masking=false,nesterov=true)+rice+int8+allgather"
 MODEL_BYTES = 4 * sum(p.numel() for p in mlp(0).parameters())
@@ -30,7 +32,7 @@ def train(rank: int, world: int, spec: str, steps: int, bucket_cap_mb: float | N
         optimizer.zero_grad()
         F.cross_entropy(model(data), labels).backward()
         optimizer.step()
-        modes.append(reducer.budget.current.mode if reducer else DENSE)
+        modes.append(reducer.adaptive.planner.current.mode if reducer else FP32)
     parameters = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     if reducer:
         reducer.close()
@@ -40,23 +42,23 @@ def train(rank: int, world: int, spec: str, steps: int, bucket_cap_mb: float | N
 def test_dense_steps_are_nesterov_sgd_on_the_average_and_identical_on_every_rank():
     ours = run_local(2, train, f"adaptive(budget={MODEL_BYTES})+{CORRECTED}", 8)
     plain = run_local(2, train, None, 8)
-    assert ours[0]["modes"] == [DENSE] * 8 and ours[0]["digest"] == ours[1]["digest"]
+    assert ours[0]["modes"] == [FP32] * 8 and ours[0]["digest"] == ours[1]["digest"]
     assert torch.allclose(ours[0]["parameters"], plain[0]["parameters"], rtol=1e-5, atol=1e-6)
 
 
 def momentum_threads(rank: int, world: int, steps: int) -> set[str]:
     """The threads that applied DGC's momentum to a dense step's average, over ``steps`` DDP steps
     of several buckets."""
-    from sparsecomm.pipeline import Pipeline
+    from sparsecomm.reducer.paths import dense_step
 
     threads = set()
-    update_flushed = Pipeline.update_flushed
+    update_flushed = dense_step.update_flushed
 
-    def recorded(self, *args, **kwargs):
+    def recorded(*args, **kwargs):
         threads.add(threading.current_thread().name)
-        return update_flushed(self, *args, **kwargs)
+        return update_flushed(*args, **kwargs)
 
-    Pipeline.update_flushed = recorded  # this worker process's class only
+    dense_step.update_flushed = recorded  # this worker process's module only
     train(rank, world, f"adaptive(budget={MODEL_BYTES})+{CORRECTED}", steps, 0.1)
     return threads
 
@@ -70,7 +72,7 @@ def test_a_dense_steps_sum_is_finished_on_the_thread_that_waits_for_the_step():
 def test_fp16_steps_stay_within_fp16s_rounding_of_dense_and_identical_on_every_rank():
     half = run_local(2, train, f"adaptive(budget={MODEL_BYTES // 2})+{CORRECTED}", 8)
     dense = run_local(2, train, f"adaptive(budget={MODEL_BYTES})+{CORRECTED}", 8)
-    assert half[0]["modes"][1:] == [HALF] * 7  # the first step's magnitudes are not known yet
+    assert half[0]["modes"][1:] == [FP16] * 7  # the first step's magnitudes are not known yet
     assert half[0]["digest"] == half[1]["digest"]
     drift = (half[0]["parameters"] - dense[0]["parameters"]).abs().max()
     assert 0 < float(drift) < 1e-3
@@ -91,13 +93,11 @@ def test_switching_between_dense_fp16_and_sparse_loses_nothing():
 
 
 def switching(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from sparsecomm.integration.budget import Plan
-
     numel = 50_000
     fed, delivered = torch.zeros(numel), torch.zeros(numel)
     with sc.GradientReducer("adaptive+residual+rice+int8+allgather") as reducer:
-        for step, mode in enumerate([DENSE, SPARSE, SPARSE, HALF, SPARSE, DENSE, HALF, SPARSE]):
-            reducer.budget.plan = lambda mode=mode: Plan(mode, 0.01)  # this step's mode, forced
+        for step, mode in enumerate([FP32, SPARSE, SPARSE, FP16, SPARSE, FP32, FP16, SPARSE]):
+            reducer.adaptive.planner.plan = lambda mode=mode: Plan(mode, 0.01)  # this step's mode, forced
             grad = torch.randn(numel, generator=torch.Generator().manual_seed(step)) * (rank == 0)
             fed += grad
             tensor = grad.clone()
@@ -120,13 +120,11 @@ def test_sparse_rows_go_exactly_on_dense_steps_with_what_int8_steps_held_back():
 
 
 def switching_rows(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple]]:
-    from sparsecomm.integration.budget import Plan
-
     shape = (300, 8)
     fed, delivered, held_after_dense = torch.zeros(shape), torch.zeros(shape), []
     with sc.GradientReducer("adaptive+residual+rice+int8+allgather") as reducer:
-        for step, mode in enumerate([SPARSE, SPARSE, DENSE, SPARSE, HALF, SPARSE]):
-            reducer.budget.plan = lambda mode=mode: Plan(mode, 0.01)  # this step's mode, forced
+        for step, mode in enumerate([SPARSE, SPARSE, FP32, SPARSE, FP16, SPARSE]):
+            reducer.adaptive.planner.plan = lambda mode=mode: Plan(mode, 0.01)  # this step's mode, forced
             generator = torch.Generator().manual_seed(step)
             rows = torch.randint(300, (40,), generator=generator)
             values = torch.randn(40, 8, generator=generator) * (rank == 0)
@@ -135,19 +133,19 @@ def switching_rows(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor, t
             reducer.allreduce_([("embedding", grad)])
             delivered += grad.to_dense() * world  # the average over ranks, times their number: rank 0's share
             if mode != SPARSE:
-                held_after_dense.append((reducer._row_errors["embedding"].view(shape).clone(), rows))
-        held = reducer._row_errors["embedding"].view(shape).clone()
+                held_after_dense.append((reducer.state_dict()["row_errors"]["embedding"].view(shape).clone(), rows))
+        held = reducer.state_dict()["row_errors"]["embedding"].view(shape).clone()
     return fed, delivered, held, held_after_dense
 
 
 NUMEL = 20_000
-BUDGETS = {DENSE: 10 * 4 * NUMEL, HALF: 3 * NUMEL, SPARSE: 5000}
+BUDGETS = {FP32: 10 * 4 * NUMEL, FP16: 3 * NUMEL, SPARSE: 5000}
 """per mode, a user budget whose steps of one ``NUMEL``-element tensor at 2 ranks run in it (fp16
 once the largest magnitude sent is known: an fp32 all_reduce puts 4·NUMEL bytes on each link)"""
 
 
-@pytest.mark.parametrize("feedback, unchanged_in", [("residual", (DENSE,)),
-                                                    ("dgc_momentum(masking=false,nesterov=true)", (DENSE, HALF))])
+@pytest.mark.parametrize("feedback, unchanged_in", [("residual", (FP32,)),
+                                                    ("dgc_momentum(masking=false,nesterov=true)", (FP32, FP16))])
 def test_a_non_finite_gradient_fails_every_rank_in_every_mode(feedback, unchanged_in):
     """The rank with the NaN keeps its feedback as it was; on dense steps whose flush only reads the
     feedback's state (the NaN then goes unscreened and makes every rank's sum NaN), every rank does."""
@@ -172,9 +170,9 @@ def nonfinite_in_step_three(rank: int, world: int, spec: str) -> dict:
                 reducer.allreduce_([("w", grad)])
             except sc.SparseCommError as err:
                 after = reducer.pipeline.states["w"].feedback
-                return {"error": str(err), "mode": reducer.budget.current.mode,
+                return {"error": str(err), "mode": reducer.adaptive.planner.current.mode,
                         "unchanged": all(torch.equal(value, after[name]) for name, value in before.items())}
-    return {"error": "no error", "mode": reducer.budget.current.mode, "unchanged": False}
+    return {"error": "no error", "mode": reducer.adaptive.planner.current.mode, "unchanged": False}
 
 
 def test_a_measured_budget_plans_alike_on_every_rank_through_several_buckets():
@@ -191,7 +189,7 @@ def on_a_slow_link(rank: int, world: int, steps: int, device: str = "cpu") -> di
         torch.cuda.set_device(rank % torch.cuda.device_count())
     model = DDP(mlp(0).to(device), bucket_cap_mb=0.1)
     reducer = sc.register_ddp_hook(model, "adaptive")
-    for probed in (reducer.budget.throughput, reducer.budget.half_throughput):
+    for probed in (reducer.adaptive.planner.costs.throughput, reducer.adaptive.planner.costs.fp16_throughput):
         probed.clear()
         probed.append(1e6)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -200,8 +198,8 @@ def on_a_slow_link(rank: int, world: int, steps: int, device: str = "cpu") -> di
         optimizer.zero_grad()
         F.cross_entropy(model(data.to(device)), labels.to(device)).backward()
         optimizer.step()
-        plans.append(reducer.budget.current)
-    preferred = list(reducer.budget.preferred_density)
+        plans.append(reducer.adaptive.planner.current)
+    preferred = list(reducer.adaptive.planner.costs.preferred_density)
     reducer.close()
     return {"digest": digest(model.module.cpu()), "plans": plans, "preferred": preferred}
 
@@ -223,7 +221,7 @@ def agree_on_sparse_steps_at_the_preferred_density(runs: list[dict]) -> None:
 def probed_link(rank: int, world: int) -> tuple[list[float], list[float]]:
     model = DDP(mlp(0))
     reducer = sc.register_ddp_hook(model, "adaptive")
-    probe = list(reducer.budget.throughput), list(reducer.budget.half_throughput)
+    probe = list(reducer.adaptive.planner.costs.throughput), list(reducer.adaptive.planner.costs.fp16_throughput)
     reducer.close()
     return probe
 
@@ -277,7 +275,7 @@ def embedding_steps(rank: int, world: int, spec: str) -> dict:
             reducer.allreduce_((name, p.grad) for name, p in model.named_parameters())
             for p in model.parameters():
                 p.data.add_(p.grad.to_dense() if p.grad.is_sparse else p.grad, alpha=-0.1)
-            modes.append(reducer.budget.current.mode)
+            modes.append(reducer.adaptive.planner.current.mode)
     return {"weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "modes": modes}
 
 
@@ -285,7 +283,7 @@ def embedding_steps(rank: int, world: int, spec: str) -> dict:
 def test_sparse_embedding_rows_travel_in_dense_and_sparse_steps(budget):
     runs = run_local(2, embedding_steps, f"adaptive(budget={budget})+residual+rice+int8+allgather")
     assert torch.equal(runs[0]["weights"], runs[1]["weights"])
-    assert runs[0]["modes"][-1] == (DENSE if budget > 1000 else SPARSE)
+    assert runs[0]["modes"][-1] == (FP32 if budget > 1000 else SPARSE)
 
 
 def ddp_embedding_steps(rank: int, world: int, budget: int) -> dict:
@@ -300,12 +298,12 @@ def ddp_embedding_steps(rank: int, world: int, budget: int) -> dict:
         optimizer.zero_grad()
         model(tokens).square().mean().backward()
         optimizer.step()
-        modes.append(reducer.budget.current.mode)
+        modes.append(reducer.adaptive.planner.current.mode)
     reducer.close()
     return {"digest": digest(model), "modes": modes}
 
 
-@pytest.mark.parametrize(("budget", "mode"), [(10**8, DENSE), (30_000, HALF), (500, SPARSE)])
+@pytest.mark.parametrize(("budget", "mode"), [(10**8, FP32), (30_000, FP16), (500, SPARSE)])
 def test_ddp_buckets_of_sparse_embedding_rows_travel_in_every_mode(budget, mode):
     runs = run_local(2, ddp_embedding_steps, budget)
     assert runs[0]["digest"] == runs[1]["digest"]

@@ -8,10 +8,12 @@ import torch.distributed as dist
 import sparsecomm as sc
 from helpers import contribution
 from sparsecomm.launch import run_local
+from sparsecomm.transport.cost_model import CostModel
+from sparsecomm.transport.session import TransportSession
 
 
 def test_cost_model_switches_algorithms_where_the_formulas_say():
-    wire_only = sc.CostModel(alpha=50e-6, beta=1 / 125e6, codec_per_nnz=0, pass_per_byte=0, sort_per_entry=0,
+    wire_only = CostModel(alpha=50e-6, beta=1 / 125e6, codec_per_nnz=0, pass_per_byte=0, sort_per_entry=0,
                              hash_per_entry=0, quantize_per_value=0,
                              dequantize_per_value=0)  # 1 Gbit/s, compute free: SparCML's formulas alone
     numel = 16_000_000
@@ -20,7 +22,7 @@ def test_cost_model_switches_algorithms_where_the_formulas_say():
     assert wire_only.best_sparse_algorithm(8, numel, 1_000_000, qsgd_bits=4) == "dsar_sa"  # quantized dense phase
     assert wire_only.dense(4, numel) > 3 * wire_only.ssar_rd(4, numel, 160_000)  # 1% density: sparse wins big
     assert wire_only.expected_union(1000, 10, 2) == pytest.approx(1000 * (1 - 0.99**2))
-    slow_codec = sc.CostModel(alpha=50e-6, beta=1 / 125e6, quantize_per_value=100e-9, dequantize_per_value=100e-9)
+    slow_codec = CostModel(alpha=50e-6, beta=1 / 125e6, quantize_per_value=100e-9, dequantize_per_value=100e-9)
     assert slow_codec.best_sparse_algorithm(8, numel, 1_000_000, qsgd_bits=4) != "dsar_sa"  # QSGD costs more
 
 
@@ -28,7 +30,7 @@ def auto_choices(rank: int, world: int) -> list:
     grad = contribution(rank, world, "random", numel=50_000, nnz=500)
     transport = sc.parse_spec("auto(explore=2)").transport
     chosen = []
-    with sc.TransportSession() as session:
+    with TransportSession() as session:
         for _ in range(30):
             chosen.append(transport.reduce(grad, session=session).record.transport)
     (tuning,) = session.tunings.values()
@@ -135,7 +137,7 @@ def auto_collectives_per_call(rank: int, world: int) -> dict:
 
     collectives.all_gather_single = agreement.all_gather_single = counted(gather)
     dist.all_to_all_single, dist.batch_isend_irecv = counted(all_to_all), receiving_round
-    session = sc.TransportSession(sc.CostModel())
+    session = TransportSession(CostModel())
     grad = contribution(rank, world, "random")
     reference = grad.clone()
     dist.all_reduce(reference)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import sparsecomm as sc
 from helpers import FLOAT_DTYPES, random_sparse
+from sparsecomm.payload import as_tensor
 
 INDEX_CODECS = ["raw", "raw(bits=64)", "bitmap", "rle", "delta_binary", "huffman", "rice", "rice(parameter=0)"]
 LOSSLESS_VALUES = ["fp32", "deflate", "deflate(shuffle=false,level=1)", "zstd"]
@@ -136,7 +137,7 @@ def test_same_rng_seed_gives_same_bytes():
 def test_payload_as_uint8_tensor_decodes_too():
     grad = random_sparse(100, 10, seed=6)
     payload = sc.encode(grad, "huffman", "fp16")
-    tensor = sc.as_tensor(payload)
+    tensor = as_tensor(payload)
     assert tensor.dtype == torch.uint8 and tensor.numel() == len(payload)
     assert torch.equal(sc.decode(tensor).indices, sc.decode(payload).indices)
 

@@ -11,6 +11,7 @@ import sparsecomm as sc
 from sparsecomm.cli.main import main
 from sparsecomm.launch import run_local
 from sparsecomm.netns import ShapedNetwork
+from sparsecomm.transport.cost_model import load_cost_model
 from sparsecomm.transport.request import PHASES
 
 ROW_FIELDS = {"transport", "algorithm", "workers", "numel", "density", "ms", "dense_ms", "allgather_ms", "bound_ms",
@@ -77,7 +78,7 @@ def test_close_contenders_and_auto_get_extra_rounds_within_a_budget():
 def test_calibrate_saves_a_model_that_auto_then_loads(tmp_path, capsys):
     path = tmp_path / "model.json"
     assert main(["calibrate", "--workers", "2", "--output", str(path)]) == 0
-    model = sc.load_cost_model(path)
+    model = load_cost_model(path)
     assert model.alpha > 0 and model.beta > 0 and model.codec_per_nnz > 0 and model.source == str(path)
     assert "saved to" in capsys.readouterr().out
 

@@ -9,8 +9,10 @@ import torch.nn as nn
 
 import sparsecomm as sc
 from helpers import contribution
-from sparsecomm.integration.gradient_energy import energy_share
+from sparsecomm.adaptive.gradient_energy import energy_share
 from sparsecomm.launch import run_local
+from sparsecomm.transport.request import Request
+from sparsecomm.transport.session import TransportSession
 from test_adaptive_reducer import agree_on_sparse_steps_at_the_preferred_density, on_a_slow_link
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
@@ -28,14 +30,14 @@ def every_transport(rank: int, world: int, cpu_group_backend: str) -> dict:
     torch.cuda.set_device(rank % torch.cuda.device_count())
     cpu_group = dist.new_group(backend=cpu_group_backend)
     out = {}
-    with sc.TransportSession() as session, sc.TransportSession() as cpu_session:
+    with TransportSession() as session, TransportSession() as cpu_session:
         for overlap in OVERLAPS:
             grad = contribution(rank, world, overlap)
             exact = grad.clone()
             dist.all_reduce(exact, group=cpu_group)
             for text in EXACT + LOSSY:
                 transport = sc.parse_spec(text).transport
-                request = sc.Request(key=f"{overlap} {text}", seed=1, index_codec=sc.INDEX_CODECS.create("rice"))
+                request = Request(key=f"{overlap} {text}", seed=1, index_codec=sc.INDEX_CODECS.create("rice"))
                 on_gpu = transport.reduce_async(sc.SparseGradient.from_dense(grad.cuda()), request=request,
                                                 session=session).wait().total
                 on_cpu = transport.allreduce(sc.SparseGradient.from_dense(grad), cpu_group, request,

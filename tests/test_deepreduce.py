@@ -13,6 +13,7 @@ from helpers import random_sparse
 from sparsecomm.bench.sources import make_gradient
 from sparsecomm.encode.index.bloom_filter import BloomFilter, expected_fpr, filter_size
 from sparsecomm.encode.index.bloom_policies import choose
+from sparsecomm.presets import resolve
 from sparsecomm.sparsify.topk import TopK
 
 
@@ -228,7 +229,7 @@ def test_a_reordering_that_is_not_a_permutation_is_rejected():
 
 def test_deepreduce_presets_train_through_a_pipeline():
     for preset in ("deepreduce", "deepreduce-qsgd"):
-        pipe = sc.Pipeline(sc.resolve(preset), seed=1)
+        pipe = sc.Pipeline(resolve(preset), seed=1)
         grad = torch.randn(40_000, generator=torch.Generator().manual_seed(2))
         decoded = sc.decode(pipe.compress(grad, "w"))
         assert decoded.nnz > 0 and relative_error(decoded.to_dense(), grad) < 1.0

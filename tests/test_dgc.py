@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import sparsecomm as sc
+from sparsecomm.presets import resolve
 from sparsecomm.sparsify.base import warmup_ratio
 
 
@@ -84,7 +85,7 @@ def test_warmup_needs_a_ratio():
 
 
 def test_dgc_preset_is_the_papers_configuration():
-    spec = sc.resolve("dgc")
+    spec = resolve("dgc")
     assert spec.sparsifier.name == "dgc" and spec.sparsifier.ratio == 0.001
     assert spec.feedback.name == "dgc_momentum" and spec.feedback.momentum == 0.9 and spec.feedback.masking
     assert (spec.index_codec.name, spec.value_codec.name) == ("rle", "fp32")  # 16-bit runs + 32-bit values
@@ -95,9 +96,9 @@ def test_presets_whose_parts_are_missing_say_so():
     assert {"dense", "dgc", "s2", "sparcml"} <= set(available)
     for name in set(sc.PRESETS) - set(available):
         with pytest.raises(sc.SpecError, match=f"preset '{name}' needs"):
-            sc.resolve(name)
+            resolve(name)
     for name in available:
-        sc.resolve(name)
+        resolve(name)
 
 
 @pytest.mark.parametrize("nesterov", [False, True])

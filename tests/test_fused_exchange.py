@@ -14,6 +14,8 @@ from helpers import random_sparse
 from sparsecomm.errors import PayloadError
 from sparsecomm.launch import run_local
 from sparsecomm.transport.allgather import FusedCall, fused_message, split_message
+from sparsecomm.transport.request import Request
+from sparsecomm.transport.session import TransportSession
 
 STREAMS = {"a": (40_000, 300), "b": (5_000, 0), "c": (900, 900)}  # numel, nnz: a few, none, every entry
 CODECS = {"a": ("rice", "int8"), "b": ("rice", "fp32"), "c": ("raw", "fp16")}
@@ -24,7 +26,7 @@ def calls(rank: int, call: int) -> list[FusedCall]:
     for key, (numel, nnz) in STREAMS.items():
         index_codec, value_codec = sc.INDEX_CODECS.parse(CODECS[key][0]), sc.VALUE_CODECS.parse(CODECS[key][1])
         made.append(FusedCall(random_sparse(numel, nnz, seed=100 * call + 10 * rank + len(made)),
-                              sc.Request(key=key, call=call, index_codec=index_codec, value_codec=value_codec)))
+                              Request(key=key, call=call, index_codec=index_codec, value_codec=value_codec)))
     return made
 
 
@@ -32,7 +34,7 @@ def fused_and_alone(rank: int, world: int) -> list[bool]:
     """Per call and stream: whether the fused sum equals, bit for bit, the stream's own call's sum."""
     transport = sc.parse_spec("allgather").transport
     same = []
-    with sc.TransportSession() as fused_session, sc.TransportSession() as alone_session:
+    with TransportSession() as fused_session, TransportSession() as alone_session:
         for call in range(3):  # the first call has no capacity yet: its payloads go in a second round
             fused = transport.reduce_fused(calls(rank, call), session=fused_session)
             for part, reduction in zip(calls(rank, call), fused, strict=True):
@@ -48,7 +50,7 @@ def test_a_fused_exchange_sums_each_stream_exactly_as_its_own_call():
 
 def fusing_other_streams(rank: int, world: int, what: str) -> str:
     transport = sc.parse_spec("allgather").transport
-    with sc.TransportSession() as session:
+    with TransportSession() as session:
         for call in range(3):
             mine = calls(rank, call)
             if call == 2 and rank == 1:
@@ -132,7 +134,7 @@ class ThreeBucketTraining:
 def recording_fused_exchanges(fuse_below: int) -> list[list[str]]:
     """In this worker process only: ``FUSE_BELOW`` set to ``fuse_below``, and a list that gets the
     streams (sorted) of each exchange that carries several calls."""
-    import sparsecomm.integration.reducer as reducer_module
+    import sparsecomm.reducer.paths.base as reducer_module
     from sparsecomm.transport.allgather import AllgatherTransport
 
     reducer_module.FUSE_BELOW = fuse_below

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from sparsecomm.integration.gradient_energy import energy_share
+from sparsecomm.adaptive.gradient_energy import energy_share
 
 FRACTIONS = torch.tensor([0.0, 0.001, 0.01, 0.05, 0.2, 0.5, 1.0])
 

@@ -1,4 +1,4 @@
-"""`LinkBudget`, the adaptive pipeline's plan: each step's mode (dense fp32, fp16, sparse) and
+"""`Planner`, the adaptive pipeline's plan: each step's mode (dense fp32, fp16, sparse) and
 density come from agreed numbers alone, by the rules its module states. Reports are built here as
 every rank's MAX-reduced report would be, so these tests need no process group."""
 
@@ -10,45 +10,40 @@ import pytest
 import torch
 
 import sparsecomm as sc
+from sparsecomm.adaptive.config import AdaptiveConfig, Mode, Plan
+from sparsecomm.adaptive.measurement import StepMeasurement, typical
+from sparsecomm.adaptive.planner import Planner
+from sparsecomm.adaptive.report import Report
 from sparsecomm.components import Adaptive
-from sparsecomm.integration.budget import (
-    COST_WINDOW,
-    DENSE,
-    ENERGY_EVERY,
-    EXPLORE_SHARE,
-    HALF,
-    MAX_SPARSE_DENSITY,
-    MIN_REEXPLORE,
-    PAIR_WINDOW,
-    SPARSE,
-    TRIAL_PAIRS,
-    WARMUP_STEPS,
-    LinkBudget,
-    Plan,
-    StepMeasurement,
-    typical,
-)
+from sparsecomm.presets import resolve
+
+FP32, FP16, SPARSE = Mode.FP32, Mode.FP16, Mode.SPARSE
+CONFIG = AdaptiveConfig()
+COST_WINDOW, ENERGY_EVERY, EXPLORE_SHARE, MAX_SPARSE_DENSITY = (CONFIG.cost_window, CONFIG.energy_every,
+                                                                CONFIG.explore_share, CONFIG.max_sparse_density)
+MIN_REEXPLORE, PAIR_WINDOW, TRIAL_PAIRS, WARMUP_STEPS = (CONFIG.min_reexplore, CONFIG.pair_window, CONFIG.trial_pairs,
+                                                         CONFIG.warmup_steps)
 
 N = 1_000_000
 DENSE_BYTES = 4 * N  # an fp32 all_reduce at P = 2, in allgather bytes per rank
 
 
-def report(compute=0.0, throughput=0.0, dense=None, half=None, sparse=None, per_nnz=0.0, fixed=0.0,
-           magnitude=0.0, encode=0.0, decode=0.0, preferred=0.0) -> torch.Tensor:
-    """One step's agreed report (see `LinkBudget.end_step`): unmeasured throughput and costs 0.
+def report(compute=0.0, throughput=0.0, fp32=None, fp16=None, sparse=None, per_nnz=0.0, fixed=0.0,
+           magnitude=0.0, encode=0.0, decode=0.0, preferred=0.0) -> Report:
+    """One step's agreed report (see `Planner.end_step`): unmeasured throughput and costs 0.
     ``sparse``: a sparse step's whole time beyond its per-byte cost; ``preferred``: the density the
     ranks' gradients preferred."""
-    return torch.tensor([compute, throughput, dense or 0.0, half or 0.0,
-                         sparse or 0.0, per_nnz, fixed, magnitude, encode, decode, preferred], dtype=torch.float64)
+    return Report(compute, throughput, fp32 or 0.0, fp16 or 0.0, sparse or 0.0, per_nnz, fixed, magnitude, encode,
+                  decode, preferred)
 
 
-def budget(**settings) -> LinkBudget:
-    plan = LinkBudget(Adaptive(**settings), world_size=2)
-    plan.total_numel = plan.budget_numel = N
+def budget(**settings) -> Planner:
+    plan = Planner(Adaptive(**settings), world_size=2)
+    plan.costs.total_numel = plan.costs.budget_numel = N
     return plan
 
 
-def next_plan(plan: LinkBudget, agreed: torch.Tensor | None = None) -> Plan:
+def next_plan(plan: Planner, agreed: torch.Tensor | None = None) -> Plan:
     if agreed is not None:
         plan.observe(agreed)
     chosen = plan.begin_step(now=0.0)
@@ -57,7 +52,7 @@ def next_plan(plan: LinkBudget, agreed: torch.Tensor | None = None) -> Plan:
     return chosen
 
 
-def measured(plan: LinkBudget, sparse: float, **first) -> LinkBudget:
+def measured(plan: Planner, sparse: float, **first) -> Planner:
     """``plan`` after its first step, one report of ``first`` and `COST_WINDOW` sparse steps that
     cost ``sparse`` each beyond their wire time."""
     next_plan(plan)
@@ -69,34 +64,34 @@ def measured(plan: LinkBudget, sparse: float, **first) -> LinkBudget:
 
 def test_the_first_step_is_dense_and_so_is_every_probe_step():
     plan = budget(probe=10)
-    assert next_plan(plan) == Plan(DENSE)  # nothing measured yet
-    slow = report(compute=0.002, throughput=12.5e6, dense=0.3, per_nnz=2.0, magnitude=1.0)
+    assert next_plan(plan) == Plan(FP32)  # nothing measured yet
+    slow = report(compute=0.002, throughput=12.5e6, fp32=0.3, per_nnz=2.0, magnitude=1.0)
     modes = [next_plan(plan, slow).mode for _ in range(1, 25)]
-    assert modes[9] == DENSE and modes[19] == DENSE  # steps 10 and 20
+    assert modes[9] == FP32 and modes[19] == FP32  # steps 10 and 20
     assert modes.count(SPARSE) == 22
 
 
 def test_with_the_link_timed_at_start_up_the_first_step_is_sparse_at_the_floor():
     plan = budget(probe=10, floor=0.002)
-    plan.observe_link(12.5e6)
+    plan.costs.observe_link(12.5e6)
     assert next_plan(plan) == Plan(SPARSE, 0.002)  # the compute is not timed yet: the cheapest step
     slow = report(compute=0.002, throughput=12.5e6, per_nnz=2.0, magnitude=1.0)
     modes = [next_plan(plan, slow).mode for _ in range(1, 25)]
-    assert modes[9] == DENSE and modes[19] == DENSE and modes.count(SPARSE) == 22  # probes as before
+    assert modes[9] == FP32 and modes[19] == FP32 and modes.count(SPARSE) == 22  # probes as before
 
 
 def test_a_link_that_carries_the_whole_gradient_within_the_compute_time_gets_dense_steps():
     plan = budget()
     next_plan(plan)
-    fast = report(compute=0.010, throughput=10e9, dense=0.004, half=0.001, sparse=0.0001, per_nnz=2.0, magnitude=1.0)
-    assert {next_plan(plan, fast).mode for _ in range(30)} == {DENSE}
+    fast = report(compute=0.010, throughput=10e9, fp32=0.004, fp16=0.001, sparse=0.0001, per_nnz=2.0, magnitude=1.0)
+    assert {next_plan(plan, fast).mode for _ in range(30)} == {FP32}
 
 
 def test_a_slow_link_explores_sparse_at_the_floor_then_sends_what_it_carries_while_the_step_computes():
     plan = budget(floor=0.0005)
     next_plan(plan)
     # 10 MB/s and 2 ms of compute: 20 kB per step; 1 kB of it goes outside the budget
-    measured = dict(compute=0.002, throughput=10e6, dense=0.4, per_nnz=2.0, fixed=1000.0, magnitude=1.0)
+    measured = dict(compute=0.002, throughput=10e6, fp32=0.4, per_nnz=2.0, fixed=1000.0, magnitude=1.0)
     assert next_plan(plan, report(**measured)) == Plan(SPARSE, 0.0005)  # sparse cost unknown: cheap steps
     assert next_plan(plan, report(**measured)) == Plan(SPARSE, 0.0005)
     chosen = next_plan(plan, report(**measured, sparse=0.003))
@@ -104,37 +99,37 @@ def test_a_slow_link_explores_sparse_at_the_floor_then_sends_what_it_carries_whi
 
 
 def test_the_codecs_time_per_byte_shrinks_the_budget_to_what_link_and_codecs_carry_while_computing():
-    plan = LinkBudget(Adaptive(), world_size=3)
-    plan.total_numel = plan.budget_numel = N
+    plan = Planner(Adaptive(), world_size=3)
+    plan.costs.total_numel = plan.costs.budget_numel = N
     next_plan(plan)
     # 10 MB/s (100 ns a byte on the wire), 2 ms of compute; 40 ns a byte to encode, 20 to decode:
     # a rank encodes its bytes and receives and decodes the two others'
-    measured = dict(compute=0.002, throughput=10e6, dense=0.4, per_nnz=2.0, magnitude=1.0, sparse=0.001)
+    measured = dict(compute=0.002, throughput=10e6, fp32=0.4, per_nnz=2.0, magnitude=1.0, sparse=0.001)
     next_plan(plan, report(**measured, encode=40e-9, decode=20e-9))
     chosen = next_plan(plan, report(**measured, encode=40e-9, decode=20e-9))
-    assert plan.step_budget() == pytest.approx(0.002 / (40e-9 + 2 * (20e-9 + 100e-9)))
-    assert chosen.density == pytest.approx(plan.step_budget() / (2.0 * N))
+    assert plan.costs.step_budget() == pytest.approx(0.002 / (40e-9 + 2 * (20e-9 + 100e-9)))
+    assert chosen.density == pytest.approx(plan.costs.step_budget() / (2.0 * N))
 
 
 def test_the_sparse_paths_marginal_cost_is_a_slope_not_an_average():
-    from sparsecomm.integration.budget import marginal_sparse_cost
+    from sparsecomm.adaptive.calibration import marginal_sparse_cost
 
-    sending, receiving = marginal_sparse_cost(sc.resolve("adaptive"))
+    sending, receiving = marginal_sparse_cost(resolve("adaptive"))
     assert 0 < sending < 1e-6 and 0 < receiving < 1e-6  # nanoseconds a byte, not the milliseconds of a pass
 
 
 def test_sparse_density_stops_at_its_ceiling_and_dense_wins_where_it_costs_no_more():
     # a budget worth more than a quarter of the entries, sparse steps that cost a lot of CPU, and
     # magnitudes too large for fp16
-    plan = measured(budget(), sparse=0.020, compute=0.002, throughput=1e9, dense=0.006, per_nnz=2.0, magnitude=1e5)
-    assert next_plan(plan) == Plan(DENSE)
-    cheap = measured(budget(), sparse=0.0005, compute=0.002, throughput=1e9, dense=0.006, per_nnz=2.0, magnitude=1.0)
+    plan = measured(budget(), sparse=0.020, compute=0.002, throughput=1e9, fp32=0.006, per_nnz=2.0, magnitude=1e5)
+    assert next_plan(plan) == Plan(FP32)
+    cheap = measured(budget(), sparse=0.0005, compute=0.002, throughput=1e9, fp32=0.006, per_nnz=2.0, magnitude=1.0)
     assert next_plan(cheap) == Plan(SPARSE, MAX_SPARSE_DENSITY)
 
 
-def sampled(plan: LinkBudget, squares: torch.Tensor) -> float:
+def sampled(plan: Planner, squares: torch.Tensor) -> float:
     """The density ``plan`` prefers for a gradient whose sampled squares are ``squares``."""
-    return plan.energy_density([squares])
+    return plan.costs.energy_density([squares])
 
 
 def power_law(gamma: float, count: int = 100_000) -> torch.Tensor:
@@ -171,7 +166,7 @@ def test_a_gradient_held_by_few_entries_is_sent_at_the_floor_and_a_flat_one_up_t
 def test_a_gradient_not_measured_yet_or_without_energy_states_no_preference():
     assert sampled(budget(), power_law(0.5)) == 0.0  # no compute or link measured yet
     plan = measured(budget(), **COSTS)
-    assert sampled(plan, torch.zeros(1000)) == 0.0 and plan.energy_density([]) == 0.0
+    assert sampled(plan, torch.zeros(1000)) == 0.0 and plan.costs.energy_density([]) == 0.0
     assert sampled(plan, torch.tensor([1.0, math.nan])) == 0.0
 
 
@@ -181,7 +176,7 @@ def test_sparse_steps_run_at_the_density_the_ranks_gradients_preferred():
         plan.observe(report(preferred=preferred))
     assert next_plan(plan) == Plan(SPARSE, 0.005)  # their median
     plan.observe(report(preferred=0.0))  # a step that measured none leaves the window as it was
-    assert list(plan.preferred_density) == [0.004, 0.020, 0.005]
+    assert list(plan.costs.preferred_density) == [0.004, 0.020, 0.005]
 
 
 def test_each_rank_reports_the_density_its_own_sampled_gradient_prefers():
@@ -197,11 +192,11 @@ def test_each_rank_reports_the_density_its_own_sampled_gradient_prefers():
     plan.sample_energy(gradient, [(0, N)])
     assert sum(sample.numel() for sample in plan.measuring.energy_samples) == pytest.approx(N / 61, abs=1)
     reported = plan.end_step()
-    assert reported[-1].item() == pytest.approx(sampled(plan, power_law(0.5, N)), rel=0.25)  # from a 1/61 sample
+    assert reported.preferred_density == pytest.approx(sampled(plan, power_law(0.5, N)), rel=0.25)  # from a 1/61 sample
 
 
 def test_no_gradient_is_sampled_on_dense_steps_or_under_a_user_set_budget():
-    fast = report(compute=0.010, throughput=10e9, dense=0.004, per_nnz=2.0, magnitude=1.0)
+    fast = report(compute=0.010, throughput=10e9, fp32=0.004, per_nnz=2.0, magnitude=1.0)
     for plan, first in ((budget(), fast), (budget(budget=20_000), report(per_nnz=2.0))):
         next_plan(plan, first)
         plan.begin_step(now=0.0)
@@ -215,22 +210,22 @@ def test_the_horizon_is_the_feedbacks_momentum_memory_unless_the_sparsifier_sets
                            ("adaptive+dgc_momentum(momentum=0.8)+rice+int8+allgather", 1 / 5),
                            ("adaptive+residual+rice+int8+allgather", MAX_SPARSE_DENSITY),
                            ("adaptive(horizon=20)+dgc_momentum(momentum=0.9)+rice+int8+allgather", 1 / 20)):
-        resolved = sc.resolve(spec)
-        plan = LinkBudget(resolved.sparsifier, 2, resolved.feedback.delay_horizon())
-        plan.total_numel = plan.budget_numel = N
+        resolved = resolve(spec)
+        plan = Planner(resolved.sparsifier, 2, resolved.feedback.delay_horizon())
+        plan.costs.total_numel = plan.costs.budget_numel = N
         assert sampled(measured(plan, **COSTS), flat) == pytest.approx(expected, rel=0.1), spec
     with pytest.raises(sc.SparseCommError, match="horizon"):
         Adaptive(horizon=0.5)
 
 
 def test_fp16_steps_need_headroom_below_fp16s_range_and_must_beat_fp32():
-    for magnitude, half_cost, expected in [(1.0, 0.002, HALF), (1e4, 0.002, DENSE), (1.0, 0.008, DENSE)]:
-        plan = measured(budget(), sparse=0.050, compute=0.002, throughput=1e9, dense=0.006, half=half_cost,
+    for magnitude, half_cost, expected in [(1.0, 0.002, FP16), (1e4, 0.002, FP32), (1.0, 0.008, FP32)]:
+        plan = measured(budget(), sparse=0.050, compute=0.002, throughput=1e9, fp32=0.006, fp16=half_cost,
                         per_nnz=2.0, magnitude=magnitude)
         assert next_plan(plan).mode == expected, (magnitude, half_cost)
 
 
-def steps(plan: LinkBudget, count: int, cost_of) -> list[str]:
+def steps(plan: Planner, count: int, cost_of) -> list[str]:
     """``count`` steps as the reducer runs them: step s costs ``cost_of(mode, s)`` seconds in its
     mode, and its report is observed, with its step, when step s + 2 begins."""
     modes, pending = [], []
@@ -240,52 +235,52 @@ def steps(plan: LinkBudget, count: int, cost_of) -> list[str]:
             plan.observe(agreed, step)
         chosen = next_plan(plan)
         modes.append(chosen.mode)
-        pending.append((plan.step - 1, report(**{chosen.mode: cost_of(chosen.mode, plan.step - 1)})))
+        pending.append((plan.step - 1, report(**{chosen.mode.value: cost_of(chosen.mode, plan.step - 1)})))
     return modes
 
 
-def dense_incumbent(**costs) -> LinkBudget:
+def dense_incumbent(**costs) -> Planner:
     """fp32 chosen on a fast link while fp16 was not allowed (magnitudes too large), then allowed:
     fp16 (never run, predicted 6 - 2 ms) is tried at once."""
     plan = measured(budget(probe=0), sparse=0.050, compute=0.002, throughput=1e9, per_nnz=2.0, magnitude=1e5, **costs)
     while plan.step <= WARMUP_STEPS:  # no trials while steps are slow for reasons of their own
-        assert next_plan(plan) == Plan(DENSE)
+        assert next_plan(plan) == Plan(FP32)
     plan.observe(report(magnitude=1.0))
     return plan
 
 
 @pytest.mark.parametrize("half, wins", [(0.0035, True), (0.0068, False)])
 def test_a_challenger_runs_next_to_the_incumbent_and_replaces_it_only_if_clearly_cheaper_in_that_trial(half, wins):
-    plan = dense_incumbent(dense=0.006)
-    modes = steps(plan, 20, lambda mode, step: {DENSE: 0.006, HALF: half}[mode])
-    assert modes[:2 * TRIAL_PAIRS] == [HALF, DENSE] * TRIAL_PAIRS  # alternating, the challenger first
+    plan = dense_incumbent(fp32=0.006)
+    modes = steps(plan, 20, lambda mode, step: {FP32: 0.006, FP16: half}[mode])
+    assert modes[:2 * TRIAL_PAIRS] == [FP16, FP32] * TRIAL_PAIRS  # alternating, the challenger first
     # while the trial's last report travels, the incumbent; then the winner (fp16 by 2.5 ms, 0.58 of
     # fp32's step: below 1 / 1.1 / CLEAR_WIN = 0.61, or not at all), until the loser's next trial
-    assert modes[2 * TRIAL_PAIRS:] == [DENSE] + [HALF if wins else DENSE] * (20 - 2 * TRIAL_PAIRS - 1)
-    assert plan.incumbent == (HALF if wins else DENSE)
+    assert modes[2 * TRIAL_PAIRS:] == [FP32] + [FP16 if wins else FP32] * (20 - 2 * TRIAL_PAIRS - 1)
+    assert plan.trials.incumbent == (FP16 if wins else FP32)
 
 
 def test_a_win_within_a_steps_noise_needs_a_second_trial():
     # fp16 at 0.83 of fp32's step in every pair: past its margin (0.91) but not clearly (0.61) —
     # three pairs like that come by chance where steps vary by ±50%. A second trial at once, and
     # the typical pair of the six decides
-    plan = dense_incumbent(dense=0.006)
-    modes = steps(plan, 30, lambda mode, step: {DENSE: 0.006, HALF: 0.005}[mode])
-    trial = [HALF, DENSE] * TRIAL_PAIRS + [DENSE]  # the last step: while its last report travels
+    plan = dense_incumbent(fp32=0.006)
+    modes = steps(plan, 30, lambda mode, step: {FP32: 0.006, FP16: 0.005}[mode])
+    trial = [FP16, FP32] * TRIAL_PAIRS + [FP32]  # the last step: while its last report travels
     assert modes[:2 * len(trial)] == trial + trial
-    assert set(modes[2 * len(trial):]) == {HALF} and plan.incumbent == HALF
+    assert set(modes[2 * len(trial):]) == {FP16} and plan.trials.incumbent == FP16
 
 
 def test_a_win_within_a_steps_noise_does_not_overturn_what_earlier_trials_measured():
     # fp16 and fp32 compared side by side before, fp16 1.1x fp32's steps in twelve pairs; now one
     # trial's three pairs happen to favour fp16 (0.8 of fp32's step): not clear, and the typical pair
     # of the window still says fp32
-    plan = dense_incumbent(dense=0.006)
-    plan.pair_ratios[(DENSE, HALF)] = deque([1 / 1.1] * PAIR_WINDOW, maxlen=PAIR_WINDOW)  # fp32 over fp16
-    plan.last_trial = {HALF: plan.step - MIN_REEXPLORE, DENSE: plan.step - MIN_REEXPLORE}
-    modes = steps(plan, 2 * TRIAL_PAIRS + 3, lambda mode, step: {DENSE: 0.006, HALF: 0.0048}[mode])
-    assert modes[:2 * TRIAL_PAIRS] == [HALF, DENSE] * TRIAL_PAIRS
-    assert set(modes[2 * TRIAL_PAIRS:]) == {DENSE} and plan.incumbent == DENSE
+    plan = dense_incumbent(fp32=0.006)
+    plan.trials.pair_ratios[(FP32, FP16)] = deque([1 / 1.1] * PAIR_WINDOW, maxlen=PAIR_WINDOW)  # fp32 over fp16
+    plan.trials.last_trial = {FP16: plan.step - MIN_REEXPLORE, FP32: plan.step - MIN_REEXPLORE}
+    modes = steps(plan, 2 * TRIAL_PAIRS + 3, lambda mode, step: {FP32: 0.006, FP16: 0.0048}[mode])
+    assert modes[:2 * TRIAL_PAIRS] == [FP16, FP32] * TRIAL_PAIRS
+    assert set(modes[2 * TRIAL_PAIRS:]) == {FP32} and plan.trials.incumbent == FP32
 
 
 def test_a_close_call_is_decided_by_the_pairs_of_two_trials_not_one():
@@ -294,11 +289,11 @@ def test_a_close_call_is_decided_by_the_pairs_of_two_trials_not_one():
     # the six does
     ratios = itertools.chain((0.85, 0.95, 0.80, 0.85, 0.88, 0.93), itertools.repeat(0.88))
     halves = (0.006 * ratio for ratio in ratios)
-    plan = dense_incumbent(dense=0.006)
-    modes = steps(plan, 2 * (2 * TRIAL_PAIRS + 1) + 5, lambda mode, step: next(halves) if mode == HALF else 0.006)
-    trial = [HALF, DENSE] * TRIAL_PAIRS + [DENSE]  # the last step: while its last report travels
+    plan = dense_incumbent(fp32=0.006)
+    modes = steps(plan, 2 * (2 * TRIAL_PAIRS + 1) + 5, lambda mode, step: next(halves) if mode == FP16 else 0.006)
+    trial = [FP16, FP32] * TRIAL_PAIRS + [FP32]  # the last step: while its last report travels
     assert modes[:2 * len(trial)] == trial + trial
-    assert set(modes[2 * len(trial):]) == {HALF}
+    assert set(modes[2 * len(trial):]) == {FP16}
 
 
 def test_a_first_trial_split_by_one_stalled_step_runs_again_at_once_and_both_decide():
@@ -306,39 +301,39 @@ def test_a_first_trial_split_by_one_stalled_step_runs_again_at_once_and_both_dec
     # Rather than fp32 for MIN_REEXPLORE steps, a second trial follows, and the typical pair of the
     # six (0.6) makes fp16 the incumbent
     halves = itertools.chain((0.0036, 0.0072), itertools.repeat(0.0036))
-    plan = dense_incumbent(dense=0.006)
-    modes = steps(plan, 30, lambda mode, step: next(halves) if mode == HALF else 0.006)
-    first = [HALF, DENSE] * TRIAL_PAIRS
-    assert modes[:2 * len(first) + 2] == first + [DENSE] + first + [DENSE]
-    assert set(modes[2 * len(first) + 2:]) == {HALF} and plan.incumbent == HALF
+    plan = dense_incumbent(fp32=0.006)
+    modes = steps(plan, 30, lambda mode, step: next(halves) if mode == FP16 else 0.006)
+    first = [FP16, FP32] * TRIAL_PAIRS
+    assert modes[:2 * len(first) + 2] == first + [FP32] + first + [FP32]
+    assert set(modes[2 * len(first) + 2:]) == {FP16} and plan.trials.incumbent == FP16
 
 
 def test_a_challenger_that_lost_most_pairs_of_its_first_trial_waits_its_turn():
     halves = itertools.chain((0.0036, 0.0072, 0.0072), itertools.repeat(0.0036))
-    plan = dense_incumbent(dense=0.006)
-    modes = steps(plan, MIN_REEXPLORE, lambda mode, step: next(halves) if mode == HALF else 0.006)
-    assert modes[:2 * TRIAL_PAIRS] == [HALF, DENSE] * TRIAL_PAIRS
-    assert set(modes[2 * TRIAL_PAIRS:]) == {DENSE} and plan.rematch is None
+    plan = dense_incumbent(fp32=0.006)
+    modes = steps(plan, MIN_REEXPLORE, lambda mode, step: next(halves) if mode == FP16 else 0.006)
+    assert modes[:2 * TRIAL_PAIRS] == [FP16, FP32] * TRIAL_PAIRS
+    assert set(modes[2 * TRIAL_PAIRS:]) == {FP32} and plan.trials.rematch is None
 
 
 def test_a_slow_spell_hits_both_modes_of_a_trial_alike_and_a_stale_measurement_does_not_decide():
     # fp32 was measured during a slow spell (12 ms a step); the machine is fast again: fp32 6 ms,
     # fp16 6.3 ms (6.9 with its margin). fp16 is predicted from the stale fp32 at 10 ms: worth a
     # trial, and the trial, whose steps alternate, keeps fp32
-    plan = dense_incumbent(dense=0.012)
-    modes = steps(plan, MIN_REEXPLORE, lambda mode, step: {DENSE: 0.006, HALF: 0.0063}[mode])
-    assert modes[:2 * TRIAL_PAIRS] == [HALF, DENSE] * TRIAL_PAIRS
-    assert set(modes[2 * TRIAL_PAIRS:]) == {DENSE} and plan.incumbent == DENSE
+    plan = dense_incumbent(fp32=0.012)
+    modes = steps(plan, MIN_REEXPLORE, lambda mode, step: {FP32: 0.006, FP16: 0.0063}[mode])
+    assert modes[:2 * TRIAL_PAIRS] == [FP16, FP32] * TRIAL_PAIRS
+    assert set(modes[2 * TRIAL_PAIRS:]) == {FP32} and plan.trials.incumbent == FP32
 
 
 def test_a_challenger_is_tried_again_once_its_trial_costs_a_small_share_of_the_time_since():
-    plan = dense_incumbent(dense=0.006)
+    plan = dense_incumbent(fp32=0.006)
     # fp16 costs 0.93 ms more a step with its margin: a trial's three fp16 steps are due after
     # 3 * 0.93 / (2% of 6 ms) = 23 steps, so every MIN_REEXPLORE steps; sparse (57 ms with its
     # margin) after 3 * 51 / 0.12 = 1,280 steps
-    modes = steps(plan, 200, lambda mode, step: {DENSE: 0.006, HALF: 0.0063, SPARSE: 0.050}[mode])
-    assert modes[:2 * TRIAL_PAIRS] == [HALF, DENSE] * TRIAL_PAIRS  # fp16's first trial, at once
-    starts = [0] + [step for step in range(2, len(modes)) if modes[step - 2:step + 1] == [DENSE, DENSE, HALF]]
+    modes = steps(plan, 200, lambda mode, step: {FP32: 0.006, FP16: 0.0063, SPARSE: 0.050}[mode])
+    assert modes[:2 * TRIAL_PAIRS] == [FP16, FP32] * TRIAL_PAIRS  # fp16's first trial, at once
+    starts = [0] + [step for step in range(2, len(modes)) if modes[step - 2:step + 1] == [FP32, FP32, FP16]]
     gaps = {later - earlier for earlier, later in zip(starts, starts[1:], strict=False)}
     # a trial is 6 steps, decided 2 steps after its last: the next starts MIN_REEXPLORE steps later
     assert gaps == {2 * TRIAL_PAIRS + 1 + MIN_REEXPLORE}
@@ -349,40 +344,40 @@ def test_a_challenger_that_lost_side_by_side_waits_in_proportion_to_what_its_tri
     # fp16's steps alone look nearly as cheap as fp32's (6.3 ms against 6: its next trial due every
     # MIN_REEXPLORE steps by that), but side by side, in its trials, each took twice the fp32 step
     # after it: its next trial comes once 3 x (2 - 1) steps' worth is 2% of the steps since, 150
-    plan = dense_incumbent(dense=0.006)
-    plan.pair_ratios[(DENSE, HALF)] = deque([0.5] * 2 * TRIAL_PAIRS, maxlen=PAIR_WINDOW)  # fp32 over fp16
-    plan.last_trial = {HALF: plan.step, DENSE: plan.step}
-    modes = steps(plan, 200, lambda mode, step: {DENSE: 0.006, HALF: 0.0063}[mode])
-    assert 145 <= modes.index(HALF) <= 151
+    plan = dense_incumbent(fp32=0.006)
+    plan.trials.pair_ratios[(FP32, FP16)] = deque([0.5] * 2 * TRIAL_PAIRS, maxlen=PAIR_WINDOW)  # fp32 over fp16
+    plan.trials.last_trial = {FP16: plan.step, FP32: plan.step}
+    modes = steps(plan, 200, lambda mode, step: {FP32: 0.006, FP16: 0.0063}[mode])
+    assert 145 <= modes.index(FP16) <= 151
 
 
 def test_an_unlucky_first_measurement_is_tried_again_and_corrected():
     # no probe steps: trials alone; the first steps saw the link at a tenth of its speed: dense
     # predicted at 41 ms, sparse costs 2 ms (2.2 with its margin)
     plan = measured(budget(probe=0), sparse=0.002, compute=0.001, throughput=100e6, per_nnz=2.0, magnitude=1e5)
-    modes = steps(plan, 3000, lambda mode, step: {DENSE: 0.001, SPARSE: 0.003}[mode])
-    first = modes.index(DENSE)
+    modes = steps(plan, 3000, lambda mode, step: {FP32: 0.001, SPARSE: 0.003}[mode])
+    first = modes.index(FP32)
     assert first <= TRIAL_PAIRS * 0.039 / (EXPLORE_SHARE * 0.0022) + 1
     # the trial (1 ms against 3.3 ms) makes fp32 the incumbent once its last report is in
     decided = first + 2 * TRIAL_PAIRS + 1
-    assert modes[first:decided] == [DENSE, SPARSE] * TRIAL_PAIRS + [SPARSE]
-    assert set(modes[decided:decided + MIN_REEXPLORE]) == {DENSE}
+    assert modes[first:decided] == [FP32, SPARSE] * TRIAL_PAIRS + [SPARSE]
+    assert set(modes[decided:decided + MIN_REEXPLORE]) == {FP32}
 
 
 def test_a_dense_modes_cost_is_its_whole_step_so_compute_it_slowed_counts_against_it():
     plan = budget(probe=0)
     for _ in range(5):  # past the warm-up steps
         next_plan(plan)
-    plan.current = Plan(HALF)
+    plan.current = Plan(FP16)
     # an fp16 step whose collective waited 1 ms but slowed the backward to 6 ms (gloo's fp16 sums
     # share the processor with it): 7 ms
     plan.measuring = StepMeasurement(forward_start=0.0, last_submit=0.0065, last_done=0.0075, local_s=0.0005)
-    assert plan.end_step()[3].item() == pytest.approx(0.0075)
+    assert plan.end_step().fp16_step_s == pytest.approx(0.0075)
     # against it, an fp32 step not yet run: 3 ms of compute and 4 MB at 1 GB/s
-    plan.observe(report(compute=0.003, throughput=1e9, half=0.0075, per_nnz=2.0, magnitude=1.0))
+    plan.observe(report(compute=0.003, throughput=1e9, fp16=0.0075, per_nnz=2.0, magnitude=1.0))
     for _ in range(COST_WINDOW):
         plan.observe(report(sparse=0.050))
-    assert next_plan(plan).mode == DENSE
+    assert next_plan(plan).mode == FP32
 
 
 def test_on_a_fast_link_fp16_predicted_cheapest_runs_from_the_start_without_waiting_for_fp32():
@@ -391,12 +386,12 @@ def test_on_a_fast_link_fp16_predicted_cheapest_runs_from_the_start_without_wait
     # fp32's would take 6: fp32's trial waits in proportion (3 x 0.36 / 2% of the steps: 54), then
     # sparse's (3 x 0.39 / 2%: 58), and both lose
     plan = measured(budget(probe=0), sparse=0.00304, compute=0.002, throughput=1e9, per_nnz=2.0, magnitude=1.0)
-    costs = {DENSE: 0.006, HALF: 0.004, SPARSE: 0.0061}
+    costs = {FP32: 0.006, FP16: 0.004, SPARSE: 0.0061}
     modes = steps(plan, 90, lambda mode, step: costs[mode])
-    first_trial = modes.index(DENSE)
-    assert 50 <= first_trial <= 56 and set(modes[:first_trial]) == {HALF}
-    assert modes[first_trial:first_trial + 2 * TRIAL_PAIRS] == [DENSE, HALF] * TRIAL_PAIRS  # the likeliest first
-    assert first_trial < modes.index(SPARSE) and modes[-10:] == [HALF] * 10 and plan.incumbent == HALF
+    first_trial = modes.index(FP32)
+    assert 50 <= first_trial <= 56 and set(modes[:first_trial]) == {FP16}
+    assert modes[first_trial:first_trial + 2 * TRIAL_PAIRS] == [FP32, FP16] * TRIAL_PAIRS  # the likeliest first
+    assert first_trial < modes.index(SPARSE) and modes[-10:] == [FP16] * 10 and plan.trials.incumbent == FP16
 
 
 def test_an_fp16_all_reduce_probed_no_faster_than_fp32s_leaves_fp32_the_first_incumbent():
@@ -406,14 +401,14 @@ def test_an_fp16_all_reduce_probed_no_faster_than_fp32s_leaves_fp32_the_first_in
     # extra cost (3 x 0.1 / 2% of the steps: 15), and measured no cheaper it never takes over (nor
     # does sparse, tried in between)
     plan = budget(probe=0)
-    plan.observe_link(1e9, 0.5e9)
+    plan.costs.observe_link(1e9, 0.5e9)
     plan = measured(plan, sparse=0.00304, compute=0.002, throughput=1e9, per_nnz=2.0, magnitude=1.0)
-    modes = steps(plan, 90, lambda mode, step: {DENSE: 0.006, HALF: 0.006, SPARSE: 0.0061}[mode])
-    first_trial = modes.index(HALF)
-    assert modes[0] == DENSE and 12 <= first_trial <= 18
-    assert modes[first_trial:first_trial + 2 * TRIAL_PAIRS] == [HALF, DENSE] * TRIAL_PAIRS
-    assert HALF not in modes[:first_trial] and plan.incumbent == DENSE
-    assert modes.count(DENSE) > 0.8 * len(modes)  # trials aside, fp32 throughout
+    modes = steps(plan, 90, lambda mode, step: {FP32: 0.006, FP16: 0.006, SPARSE: 0.0061}[mode])
+    first_trial = modes.index(FP16)
+    assert modes[0] == FP32 and 12 <= first_trial <= 18
+    assert modes[first_trial:first_trial + 2 * TRIAL_PAIRS] == [FP16, FP32] * TRIAL_PAIRS
+    assert FP16 not in modes[:first_trial] and plan.trials.incumbent == FP32
+    assert modes.count(FP32) > 0.8 * len(modes)  # trials aside, fp32 throughout
 
 
 @pytest.mark.parametrize("sparse, wins", [(0.0034, False), (0.0030, True)])
@@ -422,8 +417,8 @@ def test_sparse_must_save_its_margin_over_fp16_as_over_fp32(sparse, wins):
     # (0.975 of fp16's) are not worth what they hold back in the feedback; 12.5% cheaper (0.875) are,
     # once two trials agree
     plan = measured(budget(probe=0), sparse=0.00304, compute=0.002, throughput=1e9, per_nnz=2.0, magnitude=1.0)
-    modes = steps(plan, 120, lambda mode, step: {DENSE: 0.006, HALF: 0.004, SPARSE: sparse}[mode])
-    assert modes[0] == HALF and plan.incumbent == (SPARSE if wins else HALF)
+    modes = steps(plan, 120, lambda mode, step: {FP32: 0.006, FP16: 0.004, SPARSE: sparse}[mode])
+    assert modes[0] == FP16 and plan.trials.incumbent == (SPARSE if wins else FP16)
 
 
 def test_fp16_run_first_but_slower_side_by_side_than_fp32_gives_way_after_fp32s_trial():
@@ -431,28 +426,28 @@ def test_fp16_run_first_but_slower_side_by_side_than_fp32_gives_way_after_fp32s_
     # but its steps take 6 ms (gloo sums fp16 on the processor that runs the backward), fp32's 3.5:
     # measured, fp16 is dearer than fp32 is predicted, fp32's trial comes at once, and it wins
     plan = measured(budget(probe=0), sparse=0.050, compute=0.0015, throughput=2e9, per_nnz=2.0, magnitude=1.0)
-    modes = steps(plan, 40, lambda mode, step: {HALF: 0.006, DENSE: 0.0035}[mode])
-    assert modes[0] == HALF
-    first_trial = modes.index(DENSE)
+    modes = steps(plan, 40, lambda mode, step: {FP16: 0.006, FP32: 0.0035}[mode])
+    assert modes[0] == FP16
+    first_trial = modes.index(FP32)
     assert first_trial <= WARMUP_STEPS + 4  # once fp16's first timed steps are reported
-    assert modes[first_trial:first_trial + 2 * TRIAL_PAIRS] == [DENSE, HALF] * TRIAL_PAIRS
+    assert modes[first_trial:first_trial + 2 * TRIAL_PAIRS] == [FP32, FP16] * TRIAL_PAIRS
     decided = first_trial + 2 * TRIAL_PAIRS + 1
-    assert set(modes[decided:]) == {DENSE} and plan.incumbent == DENSE
+    assert set(modes[decided:]) == {FP32} and plan.trials.incumbent == FP32
 
 
 def test_a_step_in_another_mode_than_the_step_before_is_flagged_so_that_its_cost_is_reported():
-    plan = measured(budget(), sparse=0.050, compute=0.002, throughput=1e9, dense=0.006, half=0.005, per_nnz=2.0,
+    plan = measured(budget(), sparse=0.050, compute=0.002, throughput=1e9, fp32=0.006, fp16=0.005, per_nnz=2.0,
                     magnitude=1.0)
     modes, switched = [], []
     for _ in range(3 * MIN_REEXPLORE):
         modes.append(next_plan(plan).mode)
         switched.append(plan.switched)
-    assert DENSE in modes and HALF in modes
+    assert FP32 in modes and FP16 in modes
     assert switched[1:] == [now != before for before, now in zip(modes, modes[1:], strict=False)]
 
 
 def test_a_user_set_budget_decides_by_bytes_alone_and_never_probes():
-    for bytes_, expected in [(DENSE_BYTES, DENSE), (DENSE_BYTES // 2, HALF), (20_000, SPARSE)]:
+    for bytes_, expected in [(DENSE_BYTES, FP32), (DENSE_BYTES // 2, FP16), (20_000, SPARSE)]:
         plan = budget(budget=bytes_)
         next_plan(plan)
         plan.observe(report(per_nnz=2.0, magnitude=1.0))
@@ -461,36 +456,38 @@ def test_a_user_set_budget_decides_by_bytes_alone_and_never_probes():
 
 
 def test_before_the_first_step_a_user_budget_below_fp16s_bytes_plans_sparse_and_a_larger_one_dense():
-    for bytes_, expected in [(20_000, Plan(SPARSE, 0.001)), (DENSE_BYTES // 2, Plan(DENSE)),
-                             (DENSE_BYTES, Plan(DENSE))]:
-        plan = LinkBudget(Adaptive(budget=bytes_), world_size=2)
-        plan.total_numel = N  # the model's size, as the reducer tells it; what the budget covers: not yet known
+    for bytes_, expected in [(20_000, Plan(SPARSE, 0.001)), (DENSE_BYTES // 2, Plan(FP32)),
+                             (DENSE_BYTES, Plan(FP32))]:
+        plan = Planner(Adaptive(budget=bytes_), world_size=2)
+        plan.costs.total_numel = N  # the model's size, as the reducer tells it; what the budget covers: not yet known
         assert plan.begin_step(now=0.0) == expected, bytes_
 
 
 def test_the_plan_follows_the_slowest_compute_and_step_and_the_link_as_the_last_rank_to_post_timed_it():
     # rank two posted its all_reduce first and waited for rank one's: its time holds that wait
-    one = report(compute=0.001, throughput=20e6, dense=0.2, sparse=0.004)
-    two = report(compute=0.003, throughput=10e6, dense=0.5, sparse=0.005)
+    one = report(compute=0.001, throughput=20e6, fp32=0.2, sparse=0.004)
+    two = report(compute=0.003, throughput=10e6, fp32=0.5, sparse=0.005)
     plan = budget()
-    plan.observe(torch.maximum(one, two))  # what every rank makes of every rank's report
-    assert plan.compute_s[-1] == 0.003 and plan.throughput[-1] == 20e6 and plan.dense_cost_s[-1] == 0.5
-    assert plan.sparse_overhead_s[-1] == pytest.approx(0.002)  # the slowest sparse step beyond the slowest compute
+    every_rank = torch.tensor([one.numbers(), two.numbers()], dtype=torch.float64)
+    plan.observe(Report.agreed(every_rank))  # what every rank makes of every rank's report
+    costs = plan.costs
+    assert costs.compute_s[-1] == 0.003 and costs.throughput[-1] == 20e6 and costs.fp32_step_s[-1] == 0.5
+    assert costs.sparse_overhead_s[-1] == pytest.approx(0.002)  # the slowest sparse step beyond the slowest compute
 
 
 def test_a_report_from_an_older_checkpoint_adds_no_throughput():
-    # before 1c8a139 the slot held the throughput negated (MAX took the least), +inf unmeasured
+    # an older checkpoint held the throughput negated (MAX took the least), +inf unmeasured
     plan = budget()
     for old in (-20e6, math.inf):
-        plan.observe(torch.tensor([0.003, old, 0.5, 0, 0, 0, 0, 0, 0, 0, 0], dtype=torch.float64))
-    assert not plan.throughput and list(plan.compute_s) == [0.003, 0.003]
+        plan.observe(Report.from_numbers([0.003, old, 0.5, 0, 0, 0, 0, 0, 0, 0, 0]))
+    assert not plan.costs.throughput and list(plan.costs.compute_s) == [0.003, 0.003]
 
 
 def test_a_modes_cost_is_the_mean_of_its_middle_steps_blind_to_a_rare_slow_one():
     plan = measured(budget(probe=0), sparse=0.050, compute=0.002, throughput=1e9, per_nnz=2.0, magnitude=1e5)
     for cost in (0.0030, 0.0031, 0.0029, 0.0300, 0.0030, 0.0032, 0.0028, 0.0030):
-        plan.observe(report(dense=cost))
-    assert typical(plan.dense_cost_s) == pytest.approx(0.0030, abs=5e-5)
+        plan.observe(report(fp32=cost))
+    assert typical(plan.costs.fp32_step_s) == pytest.approx(0.0030, abs=5e-5)
 
 
 def test_a_modes_first_few_steps_cost_their_median_so_one_hiccup_does_not_put_off_its_next_trial():
@@ -505,7 +502,7 @@ def test_the_budget_state_round_trips_through_a_checkpoint():
     plan = budget()
     next_plan(plan)
     for cost in (0.003, 0.004):
-        next_plan(plan, report(compute=0.002, throughput=10e6, dense=0.4, sparse=cost, per_nnz=2.0, magnitude=3.0,
+        next_plan(plan, report(compute=0.002, throughput=10e6, fp32=0.4, sparse=cost, per_nnz=2.0, magnitude=3.0,
                                preferred=0.01))
     restored = budget()
     restored.load_state_dict(plan.state_dict())
@@ -514,11 +511,11 @@ def test_the_budget_state_round_trips_through_a_checkpoint():
 
 
 def test_a_trial_under_way_and_the_pairs_compared_round_trip_through_a_checkpoint():
-    plan = dense_incumbent(dense=0.006)
-    steps(plan, 2 * TRIAL_PAIRS + 1 + MIN_REEXPLORE + 2, lambda mode, step: {DENSE: 0.006, HALF: 0.0058}[mode])
-    assert plan.trial is not None and plan.pair_ratios  # the second trial is under way
+    plan = dense_incumbent(fp32=0.006)
+    steps(plan, 2 * TRIAL_PAIRS + 1 + MIN_REEXPLORE + 2, lambda mode, step: {FP32: 0.006, FP16: 0.0058}[mode])
+    assert plan.trials.trial is not None and plan.trials.pair_ratios  # the second trial is under way
     restored = budget(probe=0)
     restored.load_state_dict(plan.state_dict())
     assert restored.state_dict() == plan.state_dict()
-    cost = lambda mode, step: {DENSE: 0.006, HALF: 0.0052}[mode]  # noqa: E731
+    cost = lambda mode, step: {FP32: 0.006, FP16: 0.0052}[mode]  # noqa: E731
     assert steps(restored, 20, cost) == steps(plan, 20, cost)

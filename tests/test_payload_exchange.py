@@ -9,6 +9,8 @@ import sparsecomm as sc
 from helpers import random_sparse
 from sparsecomm.launch import run_local
 from sparsecomm.transport.payload_exchange import ENVELOPE_BYTES, next_capacity
+from sparsecomm.transport.request import Request
+from sparsecomm.transport.session import TransportSession
 
 NUMEL = 40_000
 
@@ -18,13 +20,13 @@ def exchanges(rank: int, world: int, sizes: list[int]) -> dict:
     whether each sum equals the sum of the ranks' selections."""
     transport = sc.parse_spec("allgather").transport
     capacities, exact = [], []
-    with sc.TransportSession() as session:
+    with TransportSession() as session:
         for call, nnz in enumerate(sizes):
             mine = random_sparse(NUMEL, 50 if rank == 0 else nnz, seed=10 * call + rank)
             expected = sum(random_sparse(NUMEL, 50 if r == 0 else nnz, seed=10 * call + r).to_dense()
                            for r in range(world))
             capacities.append(session.payload_capacity)
-            total = transport.reduce(mine, request=sc.Request(key="w", call=call), session=session).total
+            total = transport.reduce(mine, request=Request(key="w", call=call), session=session).total
             exact.append(bool(torch.equal(total, expected)))
     return {"capacities": capacities, "exact": exact}
 
@@ -47,7 +49,7 @@ def test_capacity_leaves_room_for_twice_the_largest_payload_and_shrinks_slowly()
 
 def disagreeing(rank: int, world: int, what: str) -> str:
     transport = sc.parse_spec("allgather").transport
-    with sc.TransportSession() as session:
+    with TransportSession() as session:
         for call in range(3):  # a capacity first, so the last call's payloads travel in one round
             key, numel, nonfinite = "w", NUMEL, False
             if call == 2 and rank == 1:
@@ -55,7 +57,7 @@ def disagreeing(rank: int, world: int, what: str) -> str:
                 numel = NUMEL + 1 if what == "size" else numel
                 nonfinite = what == "nonfinite"
             try:
-                transport.reduce(random_sparse(numel, 30, seed=rank), request=sc.Request(key=key, call=call,
+                transport.reduce(random_sparse(numel, 30, seed=rank), request=Request(key=key, call=call,
                                                                                      nonfinite=nonfinite),
                                  session=session)
             except sc.SparseCommError as err:

@@ -5,12 +5,12 @@ import sparsecomm as sc
 from sparsecomm import components
 
 PUBLIC = [
-    "Agreement", "CallRecord", "CostModel", "FEEDBACKS", "GradientReducer", "INDEX_CODECS", "PRESETS", "PayloadError",
-    "PayloadInfo", "Pipeline", "PipelineSpec", "Reduction", "Request", "SPARSIFIERS", "SparseCommError",
-    "SparseGradient", "SpecError", "TRANSPORTS", "Transport", "TransportSession", "VALUE_CODECS", "agree",
-    "allreduce_gradients", "as_tensor", "available_presets", "check_optimizer", "components", "ddp_comm_hook",
-    "decode", "encode", "format_spec", "keep_freed_host_memory", "load_cost_model", "parse_spec", "read_info",
-    "register_ddp_hook", "resolve",
+    "GradientReducer", "register_ddp_hook", "ddp_comm_hook", "allreduce_gradients", "check_optimizer",  # training
+    "Pipeline", "PRESETS", "available_presets", "parse_spec",  # pipelines and presets
+    "SPARSIFIERS", "FEEDBACKS", "INDEX_CODECS", "VALUE_CODECS", "TRANSPORTS",  # their components, by name
+    "SparseGradient", "encode", "decode", "read_info",  # payloads
+    "SparseCommError", "SpecError", "PayloadError",  # errors
+    "keep_freed_host_memory",
 ]
 
 

@@ -10,6 +10,8 @@ import sparsecomm as sc
 from helpers import random_sparse
 from sparsecomm.launch import run_local
 from sparsecomm.transport.allgather import FusedCall
+from sparsecomm.transport.request import Request
+from sparsecomm.transport.session import TransportSession
 
 HANG_S = 60  # a rank left waiting fails the test here instead of hanging it
 
@@ -57,10 +59,10 @@ def direct_calls(rank: int, world: int, fused: bool) -> str:
     refused = random_sparse(5000, 50, seed=rank)
     if rank == 0:
         refused.values[3] = 1e6
-    parts = [FusedCall(random_sparse(5000, 50, seed=10 + rank), sc.Request(key="a", **codecs)),
-             FusedCall(refused, sc.Request(key="b", **codecs)),
-             FusedCall(random_sparse(900, 900, seed=20 + rank), sc.Request(key="c", **codecs))]
-    with sc.TransportSession() as session:
+    parts = [FusedCall(random_sparse(5000, 50, seed=10 + rank), Request(key="a", **codecs)),
+             FusedCall(refused, Request(key="b", **codecs)),
+             FusedCall(random_sparse(900, 900, seed=20 + rank), Request(key="c", **codecs))]
+    with TransportSession() as session:
         try:
             if fused:
                 transport.reduce_fused(parts, session=session)

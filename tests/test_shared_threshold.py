@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import sparsecomm as sc
+from sparsecomm.adaptive.density import share_density
+from sparsecomm.adaptive.planner import Planner
 from sparsecomm.components import Adaptive
-from sparsecomm.integration.budget import LinkBudget
 from sparsecomm.pipeline import Segment
 from sparsecomm.sparsify.shared_threshold import density_shares, magnitude_sample
 
@@ -58,7 +59,7 @@ def step_counts(pipe: sc.Pipeline, step: int) -> dict[str, int]:
     buffer = torch.cat([normal(BIG, 1.0, 2 * step), normal(SMALL, 3.0, 2 * step + 1)])
     pipe.step(buffer, "bucket", segments=SEGMENTS, density=DENSITY)
     counts = {segment.key: pipe.states[segment.key].last.selected for segment in SEGMENTS}
-    pipe.share_density()  # the reducer, as the step ends
+    share_density(pipe)  # the reducer, as the step ends
     return counts
 
 
@@ -76,10 +77,10 @@ def test_a_pipeline_selects_by_the_shares_from_the_step_after_and_a_checkpoint_k
 
 
 def test_the_budget_counts_bytes_per_entry_its_density_budgets_so_the_extra_entries_are_paid_for():
-    plan = LinkBudget(Adaptive(), world_size=2)
+    plan = Planner(Adaptive(), world_size=2)
     plan.begin_step(now=0.0)
     measuring = plan.measuring
     measuring.payload_bytes, measuring.payload_nnz, measuring.whole_nnz = 3000, 1100, 100
     measuring.planned_nnz = 500  # the tensors sent twice the entries the density budgeted
     per_nnz = 3000 / 1100
-    assert plan.end_step()[5].item() == pytest.approx(per_nnz * 1000 / 500)
+    assert plan.end_step().bytes_per_nnz == pytest.approx(per_nnz * 1000 / 500)

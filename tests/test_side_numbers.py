@@ -13,8 +13,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm as sc
 from helpers import random_sparse
-from sparsecomm.integration.reports import BudgetReports
+from sparsecomm.adaptive.report import Report
+from sparsecomm.adaptive.report_exchange import ReportExchange
 from sparsecomm.launch import run_local
+from sparsecomm.transport.request import Request
+from sparsecomm.transport.session import TransportSession
 from sparsecomm.transport.side_numbers import SIDE_FIELDS, read_tail, side_words, tail_elements, write_tail
 from test_adaptive_reducer import CORRECTED, MODEL_BYTES
 from test_training import batches, mlp
@@ -56,12 +59,12 @@ TRANSPORTS = ["dense", "allgather", "sparse_allreduce(algorithm=ssar_rd)", "spar
 
 def sides_through_transports(rank: int, world: int) -> dict:
     seen = {}
-    with sc.TransportSession() as session:
+    with TransportSession() as session:
         for call, name in enumerate(TRANSPORTS):
             transport = sc.parse_spec(name).transport
             grad = random_sparse(20_000, 100, seed=rank)
             contribution = grad.to_dense() if name == "dense" else grad
-            request = sc.Request(key=name, call=call, side=sides_of(rank))
+            request = Request(key=name, call=call, side=sides_of(rank))
             agreement = transport.reduce(contribution, request=request, session=session).record.agreement
             seen[name] = agreement.sides.clone()
     return seen
@@ -81,17 +84,17 @@ def test_every_transport_brings_every_ranks_side_numbers_back_from_its_agreement
 def reports_over_steps(rank: int, world: int) -> list[list[float]]:
     """Step 0's report goes alone; steps 1 and 2's ride on the next step's dense call; each is read
     two steps later as the maximum over the ranks."""
-    reports = BudgetReports(None, torch.device("cpu"))
+    reports = ReportExchange(None, torch.device("cpu"))
     observed = []
     for step in range(5):
-        observed += [report.tolist() for _, report in reports.ready(step, first=step == 1)]
+        observed += [list(report.numbers()[:3]) for _, report in reports.ready(step, first=step == 1)]
         side = reports.take()
         grad = torch.ones(5000)
-        request = sc.Request(key="g", call=step, side=side or ())
+        request = Request(key="g", call=step, side=side or ())
         reduction = sc.parse_spec("dense").transport.reduce(grad, request=request)
         if side is not None:
             reports.carried(reduction.record.agreement.sides)
-        report = torch.tensor([float(step), float(10 * rank + step), -float(rank)], dtype=torch.float64)
+        report = Report(float(step), float(10 * rank + step), -float(rank))
         reports.end_step(step, report, needed=False, first=step == 0)
     reports.close()
     return observed
@@ -108,13 +111,13 @@ def adaptive_reports(rank: int, world: int, spec: str, steps: int) -> dict:
     model = DDP(mlp(0), bucket_cap_mb=0.05)  # several buckets: the first carries
     reducer = sc.register_ddp_hook(model, spec)
     alone = []
-    send_alone = reducer._reports._send_alone
+    send_alone = reducer.adaptive.reports.send_alone
 
-    def counted(step: int, report: torch.Tensor) -> None:
+    def counted(step: int, report: Report) -> None:
         alone.append(step)
         send_alone(step, report)
 
-    reducer._reports._send_alone = counted  # type: ignore[method-assign]
+    reducer.adaptive.reports.send_alone = counted  # type: ignore[method-assign]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     for data, labels in batches(rank, world, steps):
         optimizer.zero_grad()
@@ -122,10 +125,11 @@ def adaptive_reports(rank: int, world: int, spec: str, steps: int) -> dict:
         optimizer.step()
     reducer.close()
     dist.barrier()
-    return {"alone": alone, "read": reducer.budget.reports_read, "modes": dict(reducer.budget.mode_steps)}
+    return {"alone": alone, "read": reducer.adaptive.planner.reports_read,
+            "modes": {str(mode): count for mode, count in reducer.adaptive.planner.mode_steps.items()}}
 
 
-@pytest.mark.parametrize(("budget", "mode"), [(MODEL_BYTES, "dense"), (MODEL_BYTES // 2, "half"), (20000, "sparse")])
+@pytest.mark.parametrize(("budget", "mode"), [(MODEL_BYTES, "fp32"), (MODEL_BYTES // 2, "fp16"), (20000, "sparse")])
 def test_after_the_first_every_steps_report_rides_on_the_next_steps_first_call(budget, mode):
     steps = 10
     results = run_local(2, adaptive_reports, f"adaptive(budget={budget})+{CORRECTED}", steps)

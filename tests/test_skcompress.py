@@ -11,6 +11,7 @@ import sparsecomm as sc
 from helpers import random_sparse
 from sparsecomm.bench.sources import make_gradient
 from sparsecomm.encode.joint.skcompress import group_bounds, negative_bin_count, quantile_splits
+from sparsecomm.presets import resolve
 from sparsecomm.sparsify.topk import TopK
 
 
@@ -108,7 +109,7 @@ def test_skcompress_codes_values_itself():
 
 
 def test_the_preset_runs_with_error_feedback():
-    pipe = sc.Pipeline(sc.resolve("skcompress"), seed=2)
+    pipe = sc.Pipeline(resolve("skcompress"), seed=2)
     grad = make_gradient("laplace", 50_000, 1)
     received = sc.decode(pipe.compress(grad, "w"))
     torch.testing.assert_close(pipe.states["w"].feedback["residual"] + received.to_dense(), grad)

@@ -113,7 +113,7 @@ def train_embedding(rank: int, world: int, use_ddp: bool, steps: int) -> dict:
         optimizer.step()
         losses.append(float(loss.detach()))
     assert reducer is not None
-    paths = {key: stats.path for key, stats in reducer.stats.tensors.items()}
+    paths = {key: stats.route for key, stats in reducer.stats.tensors.items()}
     return {"first": sum(losses[:5]) / 5, "last": sum(losses[-5:]) / 5, "digest": digest(model), "paths": paths}
 
 
@@ -121,7 +121,7 @@ def train_embedding(rank: int, world: int, use_ddp: bool, steps: int) -> dict:
 def test_sparse_embedding_gradients_train_through_the_sparse_path(use_ddp):
     results = run_local(2, train_embedding, use_ddp, 80)
     assert results[0]["digest"] == results[1]["digest"]
-    assert "sparse" in results[0]["paths"].values()
+    assert "rows" in results[0]["paths"].values()
     assert results[0]["last"] < 0.5 * results[0]["first"]
 
 
@@ -231,7 +231,7 @@ def stats_and_optimizer_check(rank: int, world: int) -> dict:
         optimizer.zero_grad()
         F.cross_entropy(model(data), labels).backward()
         optimizer.step()
-    per_tensor = {key: (s.steps, s.bytes_sent, s.dense_bytes, s.path) for key, s in reducer.stats.tensors.items()}
+    per_tensor = {key: (s.steps, s.bytes_sent, s.dense_bytes, s.route) for key, s in reducer.stats.tensors.items()}
     return {"warnings": [str(w.message) for w in caught], "summary": reducer.stats.summary(), "tensors": per_tensor}
 
 
@@ -292,7 +292,7 @@ def reduce_embedding_rows(rank: int, world: int, spec: str) -> tuple[list[torch.
         reducer = sc.allreduce_gradients([("embedding", sparse), ("weight", weight)], spec, reducer)
         averages.append(sparse.to_dense())
     assert reducer is not None
-    modes = dict(reducer.budget.mode_steps) if reducer.budget is not None else {"sparse": 3}
+    modes = dict(reducer.adaptive.planner.mode_steps) if reducer.adaptive is not None else {"sparse": 3}
     reducer.close()
     return averages, modes
 
@@ -319,9 +319,9 @@ def reduce_rows_in_8_bits(rank: int, world: int) -> tuple[list[torch.Tensor], to
         reducer = sc.allreduce_gradients([("embedding", sparse), ("weight", weight)],
                                          "adaptive(budget=2000)+residual+rice+int8+allgather", reducer)
         averages.append(sparse.to_dense())
-    assert reducer is not None and reducer.budget is not None
+    assert reducer is not None and reducer.adaptive is not None
     held = reducer.state_dict()["row_errors"]["embedding"].view(400, 32)
-    modes = dict(reducer.budget.mode_steps)
+    modes = dict(reducer.adaptive.planner.mode_steps)
     with sc.GradientReducer("adaptive(budget=2000)+residual+rice+int8+allgather") as resumed:
         resumed.load_state_dict(reducer.state_dict())  # the held errors are state: a resume keeps them
         assert torch.equal(resumed.state_dict()["row_errors"]["embedding"].view(400, 32), held)
@@ -362,7 +362,7 @@ def test_a_rank_skipping_its_non_finite_rows_leaves_the_others_rounded_rows_to_a
 
 @pytest.mark.parametrize("shape, sparse_dim", [((7, 3), 1), ((4, 5, 2), 2), ((6,), 1), ((5, 3), 2)])
 def test_reduced_sparse_gradients_are_the_nonzero_rows_torch_would_give(shape, sparse_dim):
-    from sparsecomm.integration.reducer import nonzero_rows
+    from sparsecomm.sparse_gradient import nonzero_rows
 
     dense = torch.zeros(shape)
     dense.view(-1)[torch.tensor([0, 2, dense.numel() - 1])] = torch.tensor([1.0, -2.0, 4.0])
@@ -377,7 +377,7 @@ def test_reduced_sparse_gradients_are_the_nonzero_rows_torch_would_give(shape, s
 
 
 def test_nonzero_rows_of_rows_without_columns_are_none():
-    from sparsecomm.integration.reducer import nonzero_rows
+    from sparsecomm.sparse_gradient import nonzero_rows
 
     empty = nonzero_rows(torch.zeros(4, 0), 1)
     assert empty.shape == (4, 0) and empty.indices().shape == (1, 0)

@@ -10,6 +10,8 @@ import torch.distributed as dist
 import sparsecomm as sc
 from helpers import contribution
 from sparsecomm.launch import run_local
+from sparsecomm.transport.request import Request
+from sparsecomm.transport.session import TransportSession
 
 EXACT = ["allgather", "dense", "auto", "auto(explore=0)", "sparse_allreduce(algorithm=ssar_rd)",
          "sparse_allreduce(algorithm=ssar_sa)", "sparse_allreduce(algorithm=dsar_sa)", "sparse_allreduce"]
@@ -18,14 +20,14 @@ OVERLAPS = ["random", "none", "full", "rank0_empty", "all_empty", "dense_result"
 
 def exact_scenarios(rank: int, world: int) -> dict:
     errors, digests = {}, {}
-    session = sc.TransportSession()
+    session = TransportSession()
     for overlap in OVERLAPS:
         grad = contribution(rank, world, overlap)
         reference = grad.clone()
         dist.all_reduce(reference)
         for text in EXACT:
             transport = sc.parse_spec(text).transport
-            request = sc.Request(index_codec=sc.INDEX_CODECS.create("rice"))
+            request = Request(index_codec=sc.INDEX_CODECS.create("rice"))
             result = transport.allreduce(sc.SparseGradient.from_dense(grad), request=request, session=session)
             asynchronous = transport.reduce_async(sc.SparseGradient.from_dense(grad), session=session).wait().total
             errors[(overlap, text)] = float((result - reference).abs().max())
@@ -59,7 +61,7 @@ def lossy_scenarios(rank: int, world: int) -> dict:
     out = {}
     for bits in (8, 4):
         transport = sc.parse_spec(f"sparse_allreduce(algorithm=dsar_sa,qsgd_bits={bits},bucket=1024)").transport
-        result = transport.allreduce(grad, request=sc.Request(seed=1))
+        result = transport.allreduce(grad, request=Request(seed=1))
         out[bits] = float((result - reference).norm() / reference.norm())
     return out
 
@@ -93,7 +95,7 @@ def sketch_trials(rank: int, world: int, ratio: float, rows: int, trials: int) -
     reference = grad.clone()
     dist.all_reduce(reference)
     transport = sc.parse_spec(f"sketch_allreduce(ratio={ratio},rows={rows})").transport
-    outputs = torch.stack([transport.allreduce(grad, request=sc.Request(step=t)) for t in range(trials)])
+    outputs = torch.stack([transport.allreduce(grad, request=Request(step=t)) for t in range(trials)])
     return {"outputs": outputs, "reference": reference}
 
 
@@ -153,7 +155,7 @@ def run_local_single_out_mismatch():
 def allgather_with_codecs(rank: int, world: int, dtype: torch.dtype, value_codec: str) -> dict:
     grad = sc.SparseGradient(torch.tensor([rank, 7, 100 + rank]),
                              torch.tensor([1 / 3, 2 / 3 + rank, -1 / 7], dtype=dtype), torch.Size([200]))
-    request = sc.Request(value_codec=sc.VALUE_CODECS.create(value_codec))
+    request = Request(value_codec=sc.VALUE_CODECS.create(value_codec))
     result = sc.parse_spec("allgather").transport.allreduce(grad, request=request)
     # what every rank must get: each rank's values as the codec sends them, summed in rank order
     expected = torch.zeros(200, dtype=dtype)
@@ -182,7 +184,7 @@ def skewed_split_allgather(rank: int, world: int, tamper: bool) -> dict:
     reference = grad.clone()
     dist.all_reduce(reference)
     transport = sc.parse_spec("sparse_allreduce(algorithm=ssar_sa)").transport
-    session = sc.TransportSession()
+    session = TransportSession()
     errors, results = [], []
     for call in range(3):
         if tamper and call == 2 and rank == 1:  # this rank's session splits elsewhere
@@ -190,7 +192,7 @@ def skewed_split_allgather(rank: int, world: int, tamper: bool) -> dict:
             bounds[1] += 1
             session.split_points[("w", numel, world)] = tuple(bounds)
         try:
-            result = transport.allreduce(sc.SparseGradient.from_dense(grad), request=sc.Request(key="w", call=call),
+            result = transport.allreduce(sc.SparseGradient.from_dense(grad), request=Request(key="w", call=call),
                                          session=session)
         except sc.SparseCommError as err:
             errors.append(str(err))
@@ -251,7 +253,7 @@ def test_the_rank_order_sum_gives_the_same_bits_in_any_arrival_order(dtype, worl
 def receive_buffers_across_calls(rank: int, world: int) -> dict:
     from sparsecomm.transport.payload_exchange import ENVELOPE_BYTES
 
-    session, peer, cpu = sc.TransportSession(), 1 - rank, torch.device("cpu")
+    session, peer, cpu = TransportSession(), 1 - rank, torch.device("cpu")
     addresses, errors, landed = {}, [], []
     for call in range(4):  # other values each call: a stale buffer must not leak into the sum
         grad = contribution(rank, world, "random") * (call + 1)
@@ -280,7 +282,7 @@ def test_a_session_receives_into_the_same_buffers_call_after_call():
 
 
 def test_a_session_buffer_grows_when_a_larger_message_comes():
-    session, cpu = sc.TransportSession(), torch.device("cpu")
+    session, cpu = TransportSession(), torch.device("cpu")
     small = session.receive_buffer("payloads", 1, 100, cpu)
     assert small.numel() == 100 and session.receive_buffer("payloads", 1, 60, cpu).data_ptr() == small.data_ptr()
     large = session.receive_buffer("payloads", 1, 1000, cpu)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import sparsecomm as sc
+from sparsecomm.adaptive.flush import flush
 from sparsecomm.pipeline import Segment, StepOutput
 
 BIG, SMALL = 5000, 300
@@ -77,7 +78,7 @@ def test_a_dense_step_sends_what_was_held_and_holds_nothing_after():
         held = pipe.states["b"].codec_error.clone()
         grad = bucket(1)
         wire = torch.empty(BIG + SMALL, dtype=dtype)
-        pipe.flush(grad, "bucket", SEGMENTS, out=wire, scale=scale)
+        flush(pipe, grad, "bucket", SEGMENTS, out=wire, scale=scale)
         assert torch.equal(wire[BIG:], ((grad[BIG:] + held) * scale).to(dtype))
         assert pipe.states["b"].codec_error is None
 

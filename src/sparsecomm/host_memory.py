@@ -5,7 +5,7 @@ in afresh on every call (`keep_freed_host_memory`), and clear large buffers at m
 glibc serves blocks above its mmap threshold with fresh mappings and returns the top of its heap
 to the kernel once a little of it is free; every new page then costs a fault and a kernel clear on
 first touch. A codec call builds a few arrays of 8 bytes per nonzero, so at 160k nonzeros each call
-touched megabytes of new pages. With blocks below ``mmap_threshold`` served from the heap, and up to
+would touch megabytes of new pages. With blocks below ``mmap_threshold`` served from the heap, and up to
 ``trim_threshold`` of freed heap kept, the next call reuses what the last one freed.
 """
 

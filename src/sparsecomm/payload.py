@@ -1,6 +1,6 @@
 """The self-describing payload: one sparse gradient, encoded, in bytes that need nothing else to decode.
 
-Wire format, version 2 (all integers little-endian; version 1 laid out Rice low parts in one stream)::
+Wire format, version 2 (all integers little-endian; a payload of any other version is refused)::
 
     offset  size  field
     0       4     magic b"SPCM"

@@ -33,7 +33,7 @@ from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.sparsify.adaptive import Adaptive
 from sparsecomm.sparsify.base import Sparsifier
 from sparsecomm.sparsify.nonzero import Nonzero
-from sparsecomm.sparsify.shared_threshold import density_shares, magnitude_sample
+from sparsecomm.sparsify.shared_threshold import magnitude_sample
 from sparsecomm.spec import PipelineSpec, format_spec, parse_spec
 
 NONFINITE_POLICIES = ("raise", "skip", "zero")
@@ -163,26 +163,8 @@ class Pipeline:
                                    torch.zeros(0, dtype=grad.dtype, device=grad.device), grad.shape)
             return StepOutput(empty, None, nonfinite=must_raise)
         spec = self.spec
-        chosen = spec.sparsifier if density is None else self.at_density(density)
         states = [self.states.setdefault(segment.key, TensorState()) for segment in segments]
-        accumulated, parts, targets = [], [], []
-        for segment, state, shape in zip(segments, states, shapes, strict=True):
-            state.feedback["world_size"] = self.world_size
-            piece = screened[segment.start:segment.start + segment.numel].view(shape)
-            accumulated.append(with_codec_error(piece, state) if segment.whole
-                               else spec.feedback.accumulate(piece, state.feedback))
-            sparsifier: Sparsifier
-            if segment.whole:
-                sparsifier = Nonzero()
-            elif density is None:
-                sparsifier = chosen.at_step(state.step)
-            else:  # the step's density, shared out by one threshold over the tensors (`share_density`)
-                sparsifier = self.at_density(density * state.density_share).at_step(state.step)
-                state.magnitudes = density, magnitude_sample(accumulated[-1], state.step)
-            generator = None if segment.whole else seeded_generator(grad.device, self.seed, key_hash(segment.key),
-                                                                    state.step)
-            parts.append(sparsifier.sparsify(accumulated[-1], generator))
-            targets.append(sparsifier.target_count(segment.numel))
+        accumulated, parts, targets = self._select(screened, segments, shapes, states, density)
         selection = join(parts, segments, grad.shape)
         payload, encoding = None, time.perf_counter()
         if make_payload:
@@ -210,18 +192,31 @@ class Pipeline:
                                     len(payload) if payload is not None else 0)
         return StepOutput(selection, payload, encode_s=encode_s)
 
-    def share_density(self) -> None:
-        """At the end of a step with a planned density: each tensor sampled in it gets its share of
-        the next step's density (`sparsecomm.sparsify.shared_threshold`)."""
-        sampled = {key: (state.last.numel if state.last is not None else 0, state.magnitudes)
-                   for key, state in self.states.items() if state.magnitudes is not None}
-        if not sampled:
-            return
-        density = min(density for _, (density, _) in sampled.values())
-        shares = density_shares({key: (numel, sample) for key, (numel, (_, sample)) in sampled.items()}, density)
-        for key, share in shares.items():
-            self.states[key].density_share = share
-            self.states[key].magnitudes = None
+    def _select(self, flat: torch.Tensor, segments: Sequence[Segment], shapes: list[torch.Size],
+                states: list[TensorState],
+                density: float | None) -> tuple[list[torch.Tensor], list[SparseGradient], list[int | None]]:
+        """Per segment: its gradient with what its feedback holds, the entries selected from it, and
+        the sparsifier's target count. A segment sent whole takes every nonzero."""
+        chosen = self.spec.sparsifier if density is None else self.at_density(density)
+        accumulated, parts, targets = [], [], []
+        for segment, state, shape in zip(segments, states, shapes, strict=True):
+            state.feedback["world_size"] = self.world_size
+            piece = flat[segment.start:segment.start + segment.numel].view(shape)
+            accumulated.append(with_codec_error(piece, state) if segment.whole
+                               else self.spec.feedback.accumulate(piece, state.feedback))
+            sparsifier: Sparsifier
+            if segment.whole:
+                sparsifier = Nonzero()
+            elif density is None:
+                sparsifier = chosen.at_step(state.step)
+            else:  # the step's density, shared out by one threshold over the tensors (`share_density`)
+                sparsifier = self.at_density(density * state.density_share).at_step(state.step)
+                state.magnitudes = density, magnitude_sample(accumulated[-1], state.step)
+            generator = None if segment.whole else seeded_generator(flat.device, self.seed, key_hash(segment.key),
+                                                                    state.step)
+            parts.append(sparsifier.sparsify(accumulated[-1], generator))
+            targets.append(sparsifier.target_count(segment.numel))
+        return accumulated, parts, targets
 
     def at_density(self, density: float) -> Adaptive:
         """The ``adaptive`` sparsifier at ``density`` (other sparsifiers have no density to set)."""
@@ -229,75 +224,6 @@ class Pipeline:
             raise SparseCommError(f"only the adaptive sparsifier takes a density per step, not "
                                   f"{self.spec.sparsifier.name}")
         return self.spec.sparsifier.at_density(density)
-
-    def flush(self, grad: torch.Tensor, key: str = "", segments: Sequence[Segment] | None = None,
-              out: torch.Tensor | None = None, scale: float = 1.0,
-              sum_checked: bool = False) -> tuple[torch.Tensor, bool]:
-        """A dense step: each tensor's gradient plus what its feedback sends with it (`Feedback.flush`),
-        to be sent whole, times ``scale``, in ``out``'s dtype (a new tensor of ``grad``'s without
-        ``out``, which may be ``grad`` itself); after the all_reduce, `update_flushed`. A narrower
-        ``out`` (fp16) rounds what is sent; error feedback keeps what the rounding lost (tensors
-        sent whole send what a lossy codec took from them before, and keep no rounding, as DDP's
-        fp16 hook keeps none). Returns (the flat wire tensor, whether
-        every rank must raise). Non-finite input under ``"raise"`` leaves the state untouched; under
-        ``"skip"`` the feedback flushes as with a zero gradient (DGC's momentum must move to the
-        average on every rank alike). ``sum_checked``: the caller raises on every rank when the sum
-        is non-finite; under ``"raise"``, where no tensor's flush changes its state
-        (`Feedback.flush_reads_only`), the gradient then goes unscreened — a NaN sent makes every
-        rank's sum NaN — saving a pass over it (and on a GPU a wait for it) before the all_reduce;
-        the feedback is then untouched and each tensor's step counted on every rank alike."""
-        flat = grad.detach().reshape(-1)
-        segments = segments or (Segment(key, 0, flat.numel()),)
-        wire = out.view(-1) if out is not None else torch.empty_like(flat)
-        screened: torch.Tensor | None = flat
-        must_raise = False
-        left_to_sum = sum_checked and self.nonfinite == "raise"
-        if not (left_to_sum and self._flush_reads_only(flat, segments, wire.dtype, scale)):
-            screened, must_raise = screen_nonfinite(flat, self.nonfinite)
-        if must_raise:
-            for segment in segments:
-                self.states.setdefault(segment.key, TensorState()).last = StepReport(0, None, segment.numel, 0, True)
-            return wire.zero_(), True
-        skipped = screened is None
-        screened = torch.zeros_like(flat) if screened is None else screened
-        for segment in segments:
-            state = self.states.setdefault(segment.key, TensorState())
-            state.feedback["world_size"] = self.world_size
-            piece = screened[segment.start:segment.start + segment.numel]
-            part = wire[segment.start:segment.start + segment.numel]
-            if not segment.whole:
-                self.spec.feedback.flush(piece, state.feedback, part, scale)
-            elif state.codec_error is not None or scale != 1.0 or part.dtype != piece.dtype:
-                torch.mul(with_codec_error(piece, state), scale, out=part)  # fp16 rounds it, as DDP's hook
-                state.codec_error = None
-            elif part.data_ptr() != piece.data_ptr():
-                part.copy_(piece)
-            state.step += 1
-            state.last = StepReport(0 if skipped else segment.numel, None if skipped else segment.numel,
-                                    segment.numel, 0, skipped)
-        return wire, False
-
-    def _flush_reads_only(self, flat: torch.Tensor, segments: Sequence[Segment], wire_dtype: torch.dtype,
-                          scale: float) -> bool:
-        """Whether `flush` changes no tensor's state: each feedback's flush only reads it, and no
-        tensor sent whole has a codec's error to send along."""
-        for segment in segments:
-            state = self.states.get(segment.key) or TensorState()
-            if segment.whole:
-                if state.codec_error is not None:
-                    return False
-            elif not self.spec.feedback.flush_reads_only(flat[segment.start:segment.start + segment.numel],
-                                                         state.feedback, wire_dtype, scale):
-                return False
-        return True
-
-    def update_flushed(self, averaged: torch.Tensor, key: str = "", segments: Sequence[Segment] | None = None) -> None:
-        """After a dense step's all_reduce: each flushed tensor's `Feedback.update_flushed` on its
-        slice of ``averaged`` (flat, in place; every rank passes the same)."""
-        flat = averaged.view(-1)
-        flushed = [segment for segment in segments or (Segment(key, 0, flat.numel()),) if not segment.whole]
-        self.spec.feedback.update_flushed_([flat[s.start:s.start + s.numel] for s in flushed],
-                                           [self.states[s.key].feedback for s in flushed])
 
     def state_dict(self) -> dict[str, Any]:
         return {

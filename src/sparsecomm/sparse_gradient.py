@@ -170,3 +170,20 @@ def _strictly_increasing(indices: torch.Tensor) -> bool:
         ordered = indices.numpy()
         return bool((ordered[1:] > ordered[:-1]).all())
     return bool((indices[1:] > indices[:-1]).all())
+
+
+def nonzero_rows(dense: torch.Tensor, sparse_dim: int) -> torch.Tensor:
+    """A coalesced sparse COO tensor of ``dense``'s nonzero slices over its first ``sparse_dim``
+    dimensions — what ``dense.to_sparse(sparse_dim)`` returns, built from one reduction and one
+    row gather (torch's conversion costs tens of µs per row on CPU). A row is nonzero where its
+    largest magnitude is (NaN included, −0.0 not, as ``!= 0`` decides): on the host that reduction
+    is ten times faster than ``(rows != 0).any(1)``."""
+    leading = dense.shape[:sparse_dim]
+    flat = dense.reshape(math.prod(leading), -1)
+    if flat.shape[1] == 0:
+        rows = torch.zeros(0, dtype=torch.int64, device=dense.device)
+    else:
+        rows = (flat.abs().amax(1) != 0).nonzero().squeeze(1)
+    indices = torch.stack(torch.unravel_index(rows, leading)) if sparse_dim > 1 else rows[None]
+    values = flat.index_select(0, rows).reshape((len(rows), *dense.shape[sparse_dim:]))
+    return torch.sparse_coo_tensor(indices, values, dense.shape, is_coalesced=True, check_invariants=False)

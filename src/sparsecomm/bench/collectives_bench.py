@@ -69,8 +69,8 @@ def split_floor(model: CostModel, workers: int, nnz: int, output_pass_s: float, 
 
 OUTPUT_PASS = "output pass"
 """the floor's memory part, timed as one more contender in every round: the pass and the calls
-then see the same spells of a shared machine's memory traffic (timed once before the rounds, it
-moved between 1.35 and 2.6 ms from run to run here while the calls did not)"""
+then see the same spells of a shared machine's memory traffic (timed once apart from the rounds,
+the pass varies from run to run where the calls do not)"""
 
 
 def timed_output_pass(out: torch.Tensor) -> float:
@@ -126,7 +126,7 @@ MAX_ROUNDS_FACTOR = 20
 def close_contenders(medians: dict[str, float], built: dict[str, Transport]) -> list[str]:
     """The transports within `CONTENDER_FACTOR` of the fastest, and ``auto`` always: where a
     ranking is close, and auto's choice matters, they get more rounds (below). Single calls of
-    5–15 ms on a shaped link here varied by ±50%: 15 samples cannot order transports 10% apart."""
+    5–15 ms on a shaped link vary by ±50%: 15 samples cannot order transports 10% apart."""
     fastest = min(medians.values())
     return [text for text, ms in medians.items() if ms <= CONTENDER_FACTOR * fastest or built[text].name == "auto"]
 

@@ -273,7 +273,7 @@ def _save(args: argparse.Namespace, result: dict[str, Any], plot: Callable[[dict
 
 def _bench_ddp_step(args: argparse.Namespace) -> int:
     from sparsecomm.bench import ddp_step_bench
-    from sparsecomm.integration.presets import available_presets
+    from sparsecomm.presets import available_presets
 
     presets = [p.strip() for p in args.presets.split(",")] if args.presets else available_presets()
     result = ddp_step_bench.run(presets, args.numel, args.device, args.repeat, args.workers)
@@ -343,7 +343,7 @@ def _baselines(text: str) -> list[str]:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from sparsecomm.integration.presets import available_presets
+    from sparsecomm.presets import available_presets
     from sparsecomm.train import runner
 
     presets = [p.strip() for p in re.split(r",(?![^()]*\))", args.presets)] if args.presets else available_presets()

@@ -161,8 +161,8 @@ class DGCMomentum(Feedback):
 def momentum_buffer(state: dict[str, Any], like: torch.Tensor, momentum: float, nesterov: bool,
                     accumulator: bool = True) -> torch.Tensor:
     """The state's momentum buffer b (and, with ``accumulator``, its v), zeros of ``like``'s shape
-    and dtype when missing or of another shape. A state saved before the buffer form holds u as
-    ``"momentum"``: plain momentum's u is b, Nesterov's is m·b."""
+    and dtype when missing or of another shape. A state that holds u as ``"momentum"`` instead is
+    converted: plain momentum's u is b, Nesterov's is m·b."""
     saved = state.pop("momentum", None)
     if saved is not None and "momentum_buffer" not in state:
         state["momentum_buffer"] = saved / momentum if nesterov and momentum > 0 else saved

@@ -1,7 +1,7 @@
 """``adaptive``: the largest entries, as many as this step's plan asks for.
 
-Inside a `GradientReducer` the density is set every step by the reducer's `LinkBudget` (see
-`sparsecomm.integration.budget`) from the measured link, compute and gradient, as every tensor's
+Inside a `GradientReducer` the density is set every step by the reducer's adaptive controller (see
+`sparsecomm.adaptive`) from the measured link, compute and gradient, as every tensor's
 floor (`sparsecomm.sparsify.shared_threshold` adds the entries that stand above the rest of the
 model); ``budget``, ``floor``, ``probe`` and ``horizon`` are that controller's settings. Used alone,
 it keeps ``density``.

@@ -5,7 +5,7 @@ torch's abs → ge → nonzero writes |x| as an N-sized float temporary and read
 kernel reads x once and writes one byte per entry, so the pass moves 5 bytes per float32 entry
 instead of 13. The threshold may be a device tensor, so no host round trip is needed to compute it;
 the one left is nonzero's, which must learn how many passed. (Compacting in Triton instead —
-count each block's hits, then write them after a cumulative sum of the counts — was slower.)
+count each block's hits, then write them after a cumulative sum of the counts — is slower.)
 
 Imported through `sparsecomm.sparsify.base.gpu_kernels`, for CUDA tensors where Triton is installed
 (PyTorch's CUDA builds ship it).

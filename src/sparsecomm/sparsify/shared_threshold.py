@@ -5,8 +5,8 @@ tensor the same share of its entries, whatever its gradient: a small hidden matr
 sums over the whole output layer gets as few as the output layer's own, where one threshold over
 both layers would take several times that many. So d is every tensor's floor, and a tensor also
 sends the entries that stand above the threshold at which d·N entries of the whole model would be
-taken — the selection the energy curve that set d assumes (`sparsecomm.integration.budget`,
-`LinkBudget.energy_density`). A floor, not a redistribution: a pure common threshold would take
+taken — the selection the energy curve that set d assumes (`sparsecomm.adaptive.costs`,
+`Costs.energy_density`). A floor, not a redistribution: a pure common threshold would take
 the large layer's entries to pay for the small one's, and those entries are worth more to the
 loss than their magnitude says.
 

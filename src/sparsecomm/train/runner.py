@@ -18,10 +18,10 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from sparsecomm.errors import SparseCommError
-from sparsecomm.integration.ddp_hook import register_ddp_hook
-from sparsecomm.integration.presets import resolve
 from sparsecomm.launch import run_local
 from sparsecomm.netns import bits_per_second
+from sparsecomm.presets import resolve
+from sparsecomm.reducer.ddp_hook import register_ddp_hook
 from sparsecomm.train.baselines import BASELINES, has_sparse_gradients
 from sparsecomm.train.workloads import Workload
 from sparsecomm.train.workloads import workload as load_workload
@@ -180,19 +180,20 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
         elapsed.append(time.perf_counter() - start)
     wall_s = time.perf_counter() - start
     evaluation = task.evaluate(model.module)
-    budget: dict[str, Any] = {}
+    adaptive: dict[str, Any] = {}
     if reducer is None:
         summary = {"select_s": 0.0, "transport_s": 0.0, "decode_s": 0.0, "bytes_per_step": cumulative_bytes[-1] / steps}
     else:
         summary = reducer.stats.summary()
-        if reducer.budget is not None:
-            budget["mode_steps"] = dict(reducer.budget.mode_steps)
-        if reducer.budget is not None and reducer.budget.sparse_overhead_s:
-            # what a sparse step cost beyond its wire time, and its bytes per nonzero (for projections)
-            budget |= {"sparse_overhead_s": min(reducer.budget.sparse_overhead_s),
-                      "bytes_per_nnz": reducer.budget.bytes_per_nnz, "fixed_bytes": reducer.budget.fixed_bytes}
-        if reducer.budget is not None and reducer.budget.preferred_density:
-            budget["sparse_density"] = statistics.median(reducer.budget.preferred_density)
+        if reducer.adaptive is not None:
+            planner, costs = reducer.adaptive.planner, reducer.adaptive.planner.costs
+            adaptive["mode_steps"] = {str(mode): count for mode, count in planner.mode_steps.items()}
+            if costs.sparse_overhead_s:
+                # what a sparse step cost beyond its wire time, and its bytes per nonzero (for projections)
+                adaptive |= {"sparse_overhead_s": min(costs.sparse_overhead_s), "bytes_per_nnz": costs.bytes_per_nnz,
+                           "fixed_bytes": costs.fixed_bytes}
+            if costs.preferred_density:
+                adaptive["sparse_density"] = statistics.median(costs.preferred_density)
         reducer.close()
     numel = sum(p.numel() for p in model.parameters())
     return {
@@ -203,7 +204,7 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
         # measured without communication: forward + backward + step of the bare model, times the steps
         "compute_s": compute_per_step * steps,
         "bytes_per_step": summary["bytes_per_step"], "metric": evaluation.metric,
-        "test_loss": evaluation.loss, "parameters": numel, "budget": budget,
+        "test_loss": evaluation.loss, "parameters": numel, "adaptive": adaptive,
         "digest": hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest(),
     }
 
@@ -258,7 +259,7 @@ def run(workload_name: str, presets: list[str], workers: int, steps: int, batch:
             "communicate_s": first["communicate_wait_s"],
             "decode_s": first["decode_s"], "modeled_comm_s": modeled_comm_s,
             "modeled_s": first["compute_s"] + first["select_s"] + modeled_comm_s,
-            "workers": workers, "steps": steps, "ranks_identical": identical, **first["budget"],
+            "workers": workers, "steps": steps, "ranks_identical": identical, **first["adaptive"],
         })
         curves[preset] = {"losses": first["losses"], "cumulative_bytes": first["cumulative_bytes"],
                           "elapsed_s": [max(times) for times in zip(*(r["elapsed_s"] for r in results), strict=True)]}

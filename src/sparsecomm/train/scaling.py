@@ -31,14 +31,16 @@ link rate or worker count — and gives the error.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any
 
-from sparsecomm.integration.presets import resolve
 from sparsecomm.netns import bits_per_second
+from sparsecomm.presets import resolve
 from sparsecomm.train.baselines import BASELINES
 
-LINKS = {"1gbit": (1e9, 50e-6), "10gbit": (10e9, 20e-6), "100gbit": (100e9, 5e-6)}
+LINKS = MappingProxyType({"1gbit": (1e9, 50e-6), "10gbit": (10e9, 20e-6), "100gbit": (100e9, 5e-6)})
 """link rate (bits/s) and a typical per-message latency α (s): TCP over Ethernet at 1 and 10 Gbit/s,
 RDMA at 100 Gbit/s"""
 WORKERS = tuple(2**i for i in range(9))
@@ -150,7 +152,7 @@ def _travel(row: str) -> tuple[str, int]:
             "sparse_allreduce": "sparse_allreduce"}.get(transport, "allgather"), 1
 
 
-def project(result: dict[str, Any], links: dict[str, tuple[float, float]] | None = None,
+def project(result: dict[str, Any], links: Mapping[str, tuple[float, float]] | None = None,
             workers: tuple[int, ...] = WORKERS, others: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Per row, link and worker count: projected ms per step and speed-up over one worker; with
     ``others`` (runs of the same workload elsewhere), the projection checked against them."""

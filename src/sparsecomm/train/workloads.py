@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -163,7 +164,7 @@ class _NextWord(nn.Module):
 
 
 Workload = Digits | StdlibLanguageModel
-WORKLOADS: dict[str, type[Workload]] = {"digits": Digits, "lm": StdlibLanguageModel}
+WORKLOADS: Mapping[str, type[Workload]] = MappingProxyType({"digits": Digits, "lm": StdlibLanguageModel})
 
 
 def workload(name: str) -> Workload:

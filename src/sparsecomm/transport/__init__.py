@@ -7,4 +7,4 @@ linear sketch summed by a dense all_reduce, ``dense`` carries the tensor.
 
 from sparsecomm.transport import allgather, auto, dense, sketch_allreduce, sparse_allreduce
 
-__all__ = ["allgather", "auto", "dense", "sketch_allreduce", "sparse_allreduce"]
+__all__ = ("allgather", "auto", "dense", "sketch_allreduce", "sparse_allreduce")

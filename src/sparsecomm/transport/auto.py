@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,7 @@ from sparsecomm.transport.session import TransportSession
 from sparsecomm.transport.sparse_allreduce import SparseAllreduce, split_points_of
 from sparsecomm.transport.tuning import TIE_BREAK_TRIALS, Tuning
 
-VALUE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0}
+VALUE_BYTES = MappingProxyType({"fp32": 4.0, "fp16": 2.0, "bf16": 2.0})
 MAX_SHORTLIST = 3
 
 

@@ -4,6 +4,7 @@ backend's device (in place in ``out`` when that is where the wire is)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,7 @@ from sparsecomm.transport.collectives import Group, fingerprint, wire_device
 from sparsecomm.transport.request import CallRecord, Reduction, Request
 from sparsecomm.transport.session import TransportSession
 
-WIRE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+WIRE_DTYPES = MappingProxyType({"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16})
 
 
 @TRANSPORTS.register("dense")

@@ -1,7 +1,7 @@
 """The payload allgather in one round: each rank's agreement record travels in front of its payload.
 
 gloo's point-to-point receives need a buffer of the right size before anything arrives, so a
-variable-length allgather used to cost two rounds: the agreement step's all_gather (which carries
+variable-length allgather would take two rounds: the agreement step's all_gather (which carries
 the sizes) and then the payloads. Here every rank posts, for each peer, a receive of the session's
 ``capacity`` bytes — a number every rank holds alike, because it is derived only from sizes every
 rank has seen — and sends one message: its agreement record (the *envelope*, `ENVELOPE_BYTES`)

@@ -1,20 +1,18 @@
 """`wait_polling`: wait for a collective on the processor by polling it, handing the processor to
 any other runnable thread each time round, for up to `POLL_S`; then sleep on it as ``wait`` does.
 
-A thread that sleeps on a collective is woken by the thread that completes it, and the wake-up can
-take longer than a fast link's collective itself: on the 2-core machine where this was measured, a
-0.67 MB gloo all_reduce after a step's backward took 0.45 ms at its fastest and 2.1 ms at the
-median when the caller slept on it, 0.48 ms at the median when the caller polled (the step's mean
-3.2 → 1.4 ms with 2 workers; 9.1 → 5.4 ms with 4 workers on the 2 cores). A waiter that polls with
-``sched_yield`` keeps its processor awake but gives it to the collective's own threads whenever
-they can run. Beyond `POLL_S` it sleeps: a long wait (a slow link, a rank held up) holds a core no
-longer than that.
+A thread that sleeps on a collective is woken by the thread that completes it, and on a host whose
+cores the ranks keep busy the wake-up can take longer than a fast link's collective itself: a small
+model's gloo all_reduce after the backward, slept on, takes several times as long at the median as
+polled. A waiter that polls with ``sched_yield`` keeps its processor awake but gives it to the
+collective's own threads whenever they can run. Beyond `POLL_S` it sleeps: a long wait (a slow
+link, a rank held up) holds a core no longer than that.
 
 Only for what C++ threads complete: gloo's collectives (its worker threads run them) and their
 futures. Not for gloo's point-to-point works, which complete only inside ``wait`` (polled, they
-never report done: each took the whole `POLL_S`), nor for futures that Python callbacks complete
-(the poller would hold the interpreter lock they need), nor for a CUDA collective, whose ``wait``
-makes the stream wait, not the processor.
+never report done, so every poll would run the whole `POLL_S`), nor for futures that Python
+callbacks complete (the poller would hold the interpreter lock they need), nor for a CUDA
+collective, whose ``wait`` makes the stream wait, not the processor.
 Nor on the transport's worker thread (`WORKER_THREAD_PREFIX`), whose waits overlap the backward
 pass: there a poller would take processor and interpreter from the computation.
 """

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from sparsecomm.integration.reducer import DENSE_BELOW, GradientReducer
+from sparsecomm.reducer.config import DENSE_BELOW
+from sparsecomm.reducer.reducer import GradientReducer
 from sparsecomm.spec import PipelineSpec
 
 

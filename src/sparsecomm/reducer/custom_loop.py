@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm.errors import SparseCommError
-from sparsecomm.integration.reducer import DENSE_BELOW, GradientReducer
+from sparsecomm.reducer.config import DENSE_BELOW
+from sparsecomm.reducer.reducer import GradientReducer
 from sparsecomm.spec import PipelineSpec
 
 

@@ -1,4 +1,4 @@
-"""The link's throughput, timed once at start-up: the adaptive pipeline can then plan its first
+"""The link's throughput, timed once at start-up: the adaptive controller can then plan its first
 steps without a dense step to measure the link (on a slow link that one step can cost as much as
 tens of sparse ones)."""
 

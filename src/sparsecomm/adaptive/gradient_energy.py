@@ -1,5 +1,5 @@
 """How much of a gradient's energy (sum of squares) its largest entries hold: the curve the adaptive
-budget picks its density from (`sparsecomm.integration.budget`, `LinkBudget.energy_density`).
+controller picks its density from (`Costs.energy_density`).
 
 Sending the k largest entries of a gradient g decreases the loss, to first order, in proportion to
 the energy they hold, E(k) = sum of their squares; a step that sends them costs T0 + c·k seconds.

@@ -1,0 +1,99 @@
+"""`AdaptiveController`: the ``adaptive`` pipeline's loop inside a reducer — at a step's first call
+it reads the agreed reports that are due and plans the step (`Planner`); the reducer's paths fill
+the step's `StepMeasurement`; when the step ends, this rank's report goes on its way to every rank
+(`ReportExchange`). A forward pre-hook on the model starts each step's compute clock."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sparsecomm.adaptive.config import AdaptiveConfig, Plan
+from sparsecomm.adaptive.link_probe import link_throughput, probe_numel
+from sparsecomm.adaptive.measurement import StepMeasurement
+from sparsecomm.adaptive.planner import Planner
+from sparsecomm.adaptive.report_exchange import ReportExchange
+from sparsecomm.sparsify.adaptive import Adaptive
+
+
+class AdaptiveController:
+    """The planner, its reports and its clock for one reducer (which owns and checkpoints it)."""
+
+    def __init__(self, sparsifier: Adaptive, world_size: int, feedback_horizon: float,
+                 group: dist.ProcessGroup | None, wire_device: torch.device, module: nn.Module | None,
+                 config: AdaptiveConfig | None = None) -> None:
+        self.config = config or AdaptiveConfig()
+        self.planner = Planner(sparsifier, world_size, feedback_horizon, self.config)
+        self.reports = ReportExchange(group, wire_device)
+        self.plan: Plan | None = None
+        """this step's plan while a step is open, else None"""
+        self._forward_start: float | None = None
+        """when the model's first forward pass since the last step began"""
+        self._hook = module.register_forward_pre_hook(self._forward_started) if module is not None else None
+        if module is not None:  # its size, before the first step measures it
+            self.planner.costs.total_numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+    def measure_startup(self, spec: Any, group: dist.ProcessGroup | None, wire_device: torch.device,
+                        model_numel: int | None) -> None:
+        """Time the sparse path's per-byte cost and the link before the first step, so that step can
+        be planned (every rank calls it, with a measured budget and more than one rank)."""
+        self.planner.calibrate(spec)
+        self.planner.costs.observe_link(*link_throughput(group, probe_numel(model_numel), wire_device,
+                                                         (torch.float32, torch.float16)))
+
+    @property
+    def measuring(self) -> StepMeasurement:
+        return self.planner.measuring
+
+    def plan_call(self, now: float) -> Plan:
+        """The open step's plan; a step's first call learns the reports due (the very first at once,
+        so that the second step already has numbers) and plans it."""
+        if self.plan is None:
+            planner = self.planner
+            for step, agreed in self.reports.ready(planner.step, first=planner.reports_read == 0):
+                planner.observe(agreed, step)
+            self.plan = planner.begin_step(now, self._forward_start)
+            self._forward_start = None
+        return self.plan
+
+    def report_needed(self, steps: int) -> bool:
+        """Whether the report of the reducer's step ``steps`` must be heard even at the cost of an
+        all_reduce of its own: every step at first, then every few — and every step whose mode
+        differs from the step before's or that belongs to a trial, or a trial's samples would be
+        lost. Also when this step measures the largest magnitude sent."""
+        config, planner = self.config, self.planner
+        return (steps < config.every_step_reports or steps % config.report_every == 0
+                or planner.switched or planner.trials.trial is not None)
+
+    def end_step(self, steps: int) -> None:
+        """The open step ended (the reducer's step ``steps``): its report on its way."""
+        if self.plan is None:
+            return
+        planner = self.planner
+        step = planner.step
+        report = planner.end_step()
+        self.reports.end_step(step, report, self.report_needed(steps), first=planner.reports_read == 0)
+        self.plan = None
+
+    def _forward_started(self, module: nn.Module, inputs: Any) -> None:
+        """The model's forward pre-hook: the first forward pass since the last step starts the clock."""
+        if self._forward_start is None and self.plan is None:
+            self._forward_start = time.perf_counter()
+
+    def close(self) -> None:
+        """Unhook the model and wait for the reports sent alone."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self.reports.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"planner": self.planner.state_dict(), "reports": self.reports.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.planner.load_state_dict(state["planner"])
+        self.reports.load_state_dict(state["reports"])

@@ -1,0 +1,202 @@
+"""`Costs`: what the agreed reports say a step costs in each mode, and the density worth sending.
+
+- the compute time C (forward and backward) and the link's throughput β: medians of the latest;
+- a dense mode's step: the `typical` whole time of its latest steps — its collectives' own work
+  may slow the compute it overlaps (gloo sums fp16 on the processor that runs the backward) — and
+  until fp32 has run, C plus its wire time at β; fp16 until timed: fp32's step with fp16's wire at
+  the throughput of the fp16 all_reduce probed at start-up;
+- a sparse step: C + O_s + κ·bytes(d), O_s the sparse path's fixed overhead (passes over the
+  gradient, the codecs' per-call costs, agreement, handoffs), κ = κ_e + (P−1)(κ_d + 1/β) seconds per
+  payload byte (a rank encodes its payload, receives the P−1 others and decodes them; κ_e and κ_d
+  calibrated at start-up), bytes(d) = fixed bytes + d·N·(bytes per budgeted entry);
+- the density d: the median of the last densities the ranks preferred, each the d whose entries
+  carry the most of the gradient's energy per second of step, E(min(1, H·d)) / (C + O_s + κ·bytes(d))
+  (`energy_density`; H the horizon within which error feedback delivers what a step leaves out);
+  before any preference is known, what the link and codecs carry while the step computes,
+  B = C / κ bytes less the fixed bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sparsecomm.adaptive.config import FP16_MAX, AdaptiveConfig, Mode, Plan
+from sparsecomm.adaptive.gradient_energy import energy_share
+from sparsecomm.adaptive.measurement import typical
+from sparsecomm.adaptive.report import Report
+from sparsecomm.sparsify.adaptive import Adaptive
+
+WINDOWS = ("compute_s", "throughput", "fp16_throughput", "fp32_step_s", "fp16_step_s", "sparse_overhead_s",
+           "preferred_density")
+SCALARS = ("total_numel", "budget_numel", "bytes_per_nnz", "fixed_bytes", "encode_per_byte", "decode_per_byte",
+           "max_magnitude")
+
+
+@dataclass
+class Costs:
+    """The agreed numbers one `Planner` plans from (it owns and checkpoints them)."""
+
+    config: AdaptiveConfig
+    sparsifier: Adaptive
+    world_size: int
+    feedback_horizon: float = 1.0
+    """the pipeline's `Feedback.delay_horizon`: the horizon H unless the sparsifier sets one"""
+    total_numel: int = 0
+    """elements reduced per step (all tensors; before the first step, the model's where known)"""
+    budget_numel: int = 0
+    """elements under the density per step"""
+    compute_s: deque[float] = field(default_factory=deque)
+    throughput: deque[float] = field(default_factory=deque)
+    """β: wire bytes per second of the start-up probe's fp32 all_reduce and of the steps' dense ones"""
+    fp16_throughput: deque[float] = field(default_factory=deque)
+    """the same of an fp16 all_reduce, probed at start-up: fp16's wire until its steps are timed"""
+    fp32_step_s: deque[float] = field(default_factory=deque)
+    fp16_step_s: deque[float] = field(default_factory=deque)
+    sparse_overhead_s: deque[float] = field(default_factory=deque)
+    """O_s: what a sparse step cost beyond the compute, its payloads' wire time and per-byte cost"""
+    preferred_density: deque[float] = field(default_factory=deque)
+    """the densities the steps' gradients preferred (of each step, the ranks' largest)"""
+    bytes_per_nnz: float = 0.0
+    """payload bytes per entry the density budgets"""
+    fixed_bytes: float = 0.0
+    encode_per_byte: float = 0.0
+    decode_per_byte: float = 0.0
+    """κ_e, κ_d: the slowest rank's calibrated marginal seconds per payload byte"""
+    max_magnitude: float = math.inf
+    """the largest |value| any rank sent lately (unknown: fp16 not allowed)"""
+
+    def __post_init__(self) -> None:
+        self.bytes_per_nnz = self.bytes_per_nnz or self.config.first_bytes_per_nnz
+        for name in WINDOWS:
+            setattr(self, name, deque(getattr(self, name), maxlen=self._window(name)))
+
+    def _window(self, name: str) -> int:
+        config = self.config
+        if name in ("compute_s", "preferred_density"):
+            return config.compute_window
+        return config.throughput_window if name.endswith("throughput") else config.cost_window
+
+    # -- what comes in ----------------------------------------------------------------------------
+    def observe_link(self, throughput: float, fp16_throughput: float | None = None) -> None:
+        """The link's throughput in fp32 (and fp16), probed at start-up (the same on every rank)."""
+        self.throughput.append(throughput)
+        if fp16_throughput is not None:
+            self.fp16_throughput.append(fp16_throughput)
+
+    def observe(self, agreed: Report) -> None:
+        """Every rank's report of one step, agreed (each field's largest: a step takes as long as
+        its slowest rank)."""
+        if agreed.compute_s > 0:
+            self.compute_s.append(agreed.compute_s)
+        if agreed.throughput > 0:
+            self.throughput.append(agreed.throughput)
+        for window, whole in ((self.fp32_step_s, agreed.fp32_step_s), (self.fp16_step_s, agreed.fp16_step_s)):
+            if whole > 0:
+                window.append(whole)
+        if agreed.sparse_step_s > 0:  # O_s: the slowest rank's sparse step beyond the slowest compute
+            self.sparse_overhead_s.append(max(1e-6, agreed.sparse_step_s - agreed.compute_s))
+        if agreed.bytes_per_nnz > 0:
+            self.bytes_per_nnz, self.fixed_bytes = agreed.bytes_per_nnz, agreed.fixed_bytes
+        if agreed.max_magnitude > 0:
+            self.max_magnitude = agreed.max_magnitude
+        if agreed.encode_per_byte > 0 or agreed.decode_per_byte > 0:
+            self.encode_per_byte, self.decode_per_byte = agreed.encode_per_byte, agreed.decode_per_byte
+        if agreed.preferred_density > 0:
+            self.preferred_density.append(agreed.preferred_density)
+
+    # -- what a step costs ------------------------------------------------------------------------
+    def fp16_allowed(self) -> bool:
+        """Whether the largest magnitude sent leaves fp16 its headroom."""
+        return self.max_magnitude * self.config.fp16_headroom < FP16_MAX
+
+    def dense_bytes(self) -> float:
+        """An fp32 all_reduce of the whole gradient, in allgather bytes per rank."""
+        return 2 / self.world_size * 4 * self.total_numel
+
+    def step_budget(self) -> float | None:
+        """Bytes the link and the codecs carry while the step computes (None: not measured yet), or
+        the user-set budget."""
+        if self.sparsifier.budget:
+            return float(self.sparsifier.budget)
+        if not self.compute_s or not self.throughput:
+            return None
+        return statistics.median(self.compute_s) / self.per_byte_s(statistics.median(self.throughput))
+
+    def per_byte_s(self, throughput: float) -> float:
+        """Seconds a step spends per byte a rank sends: encoding it, and receiving and decoding the
+        P−1 others' bytes."""
+        peers = max(1, self.world_size - 1)
+        return self.encode_per_byte + peers * (self.decode_per_byte + 1 / throughput)
+
+    def step_bytes(self, density: Any) -> Any:
+        """Bytes one rank sends on a sparse step at ``density`` (one, or a tensor of candidates)."""
+        return self.fixed_bytes + density * self.budget_numel * self.bytes_per_nnz
+
+    def sparse_at(self, budget: float) -> Plan:
+        """A sparse step that sends ``budget`` bytes."""
+        density = (budget - self.fixed_bytes) / (self.bytes_per_nnz * self.budget_numel)
+        return Plan(Mode.SPARSE, self.sparsifier.at_density(min(density, self.config.max_sparse_density)).density)
+
+    def predicted(self, budget: float) -> dict[Mode, tuple[float, Plan]]:
+        """Each allowed mode's predicted whole step time times one plus its margin, and the plan
+        that runs it."""
+        config, dense_bytes = self.config, self.dense_bytes()
+        throughput, compute = statistics.median(self.throughput), statistics.median(self.compute_s)
+        fp32_cost = typical(self.fp32_step_s) if self.fp32_step_s else compute + dense_bytes / throughput
+        costs = {Mode.FP32: (fp32_cost, Plan(Mode.FP32))}
+        if self.fp16_allowed():
+            fp16_throughput = statistics.median(self.fp16_throughput) if self.fp16_throughput else throughput
+            fp16_cost = (typical(self.fp16_step_s) if self.fp16_step_s
+                         else fp32_cost - dense_bytes / throughput + dense_bytes / 2 / fp16_throughput)
+            costs[Mode.FP16] = (fp16_cost * (1 + config.fp16_margin), Plan(Mode.FP16))
+        exploring = not self.sparse_overhead_s
+        if exploring:
+            sparse = Plan(Mode.SPARSE, self.sparsifier.floor)
+        elif self.preferred_density:
+            sparse = Plan(Mode.SPARSE, self.sparsifier.at_density(statistics.median(self.preferred_density)).density)
+        else:
+            sparse = self.sparse_at(budget)
+        carrying = self.per_byte_s(throughput) * self.step_bytes(sparse.density)
+        overhead = typical(self.sparse_overhead_s) if not exploring else 0.0
+        costs[Mode.SPARSE] = ((compute + carrying + overhead) * (1 + config.sparse_margin) + 1e-9, sparse)
+        return costs
+
+    def energy_density(self, samples: list[torch.Tensor]) -> float:
+        """The density at which the sampled gradient (``samples``, squared entries) sends the most
+        of its energy per second of step: the argmax over the candidate densities d of
+        E(min(1, H·d)) / (compute + O_s + per-byte cost · bytes(d)), from the agreed costs (so every
+        rank weighs alike) and this rank's own gradient (0: not measurable yet). With error
+        feedback an entry left out is sent some steps later, and one sent within H steps moves the
+        weights about as it would have on time, so a step's k entries carry about what the H·k
+        largest of one step's gradient hold."""
+        if not samples or not self.compute_s or not self.throughput or self.budget_numel == 0:
+            return 0.0
+        squares = torch.cat(samples)
+        low = self.sparsifier.floor
+        densities = torch.logspace(math.log10(low), math.log10(max(low, self.config.max_sparse_density)),
+                                   self.config.density_candidates, dtype=torch.float64)
+        horizon = self.sparsifier.horizon or self.feedback_horizon
+        energy = energy_share(squares, (densities * horizon).clamp(max=1.0))
+        if not bool(energy[-1] > 0):
+            return 0.0
+        overhead = typical(self.sparse_overhead_s) if self.sparse_overhead_s else 0.0
+        seconds = (statistics.median(self.compute_s) + overhead
+                   + self.per_byte_s(statistics.median(self.throughput)) * self.step_bytes(densities))
+        return float(densities[int((energy / seconds).argmax())])
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {**{name: list(getattr(self, name)) for name in WINDOWS},
+                **{name: getattr(self, name) for name in SCALARS}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name in WINDOWS:
+            setattr(self, name, deque(state[name], maxlen=self._window(name)))
+        for name in SCALARS:
+            setattr(self, name, state[name])

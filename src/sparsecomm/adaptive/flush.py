@@ -1,0 +1,84 @@
+"""A dense step's local stage: each tensor's gradient plus what its feedback holds, sent whole
+(`flush`), and after the all_reduce what the feedback owns moved to the average (`update_flushed`).
+The state is the pipeline's (`Pipeline.states`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sparsecomm.pipeline import Pipeline, Segment, StepReport, TensorState, screen_nonfinite, with_codec_error
+
+
+def flush(pipeline: Pipeline, grad: torch.Tensor, key: str = "", segments: Sequence[Segment] | None = None,
+          out: torch.Tensor | None = None, scale: float = 1.0,
+          sum_checked: bool = False) -> tuple[torch.Tensor, bool]:
+    """A dense step: each tensor's gradient plus what its feedback sends with it (`Feedback.flush`),
+    to be sent whole, times ``scale``, in ``out``'s dtype (a new tensor of ``grad``'s without
+    ``out``, which may be ``grad`` itself); after the all_reduce, `update_flushed`. A narrower
+    ``out`` (fp16) rounds what is sent; error feedback keeps what the rounding lost (tensors
+    sent whole send what a lossy codec took from them before, and keep no rounding, as DDP's
+    fp16 hook keeps none). Returns (the flat wire tensor, whether
+    every rank must raise). Non-finite input under ``"raise"`` leaves the state untouched; under
+    ``"skip"`` the feedback flushes as with a zero gradient (DGC's momentum must move to the
+    average on every rank alike). ``sum_checked``: the caller raises on every rank when the sum
+    is non-finite; under ``"raise"``, where no tensor's flush changes its state
+    (`Feedback.flush_reads_only`), the gradient then goes unscreened — a NaN sent makes every
+    rank's sum NaN — saving a pass over it (and on a GPU a wait for it) before the all_reduce;
+    the feedback is then untouched and each tensor's step counted on every rank alike."""
+    flat = grad.detach().reshape(-1)
+    segments = segments or (Segment(key, 0, flat.numel()),)
+    wire = out.view(-1) if out is not None else torch.empty_like(flat)
+    screened: torch.Tensor | None = flat
+    must_raise = False
+    left_to_sum = sum_checked and pipeline.nonfinite == "raise"
+    if not (left_to_sum and _reads_only(pipeline, flat, segments, wire.dtype, scale)):
+        screened, must_raise = screen_nonfinite(flat, pipeline.nonfinite)
+    if must_raise:
+        for segment in segments:
+            pipeline.states.setdefault(segment.key, TensorState()).last = StepReport(0, None, segment.numel, 0, True)
+        return wire.zero_(), True
+    skipped = screened is None
+    screened = torch.zeros_like(flat) if screened is None else screened
+    for segment in segments:
+        state = pipeline.states.setdefault(segment.key, TensorState())
+        state.feedback["world_size"] = pipeline.world_size
+        piece = screened[segment.start:segment.start + segment.numel]
+        part = wire[segment.start:segment.start + segment.numel]
+        if not segment.whole:
+            pipeline.spec.feedback.flush(piece, state.feedback, part, scale)
+        elif state.codec_error is not None or scale != 1.0 or part.dtype != piece.dtype:
+            torch.mul(with_codec_error(piece, state), scale, out=part)  # fp16 rounds it, as DDP's hook
+            state.codec_error = None
+        elif part.data_ptr() != piece.data_ptr():
+            part.copy_(piece)
+        state.step += 1
+        state.last = StepReport(0 if skipped else segment.numel, None if skipped else segment.numel,
+                                segment.numel, 0, skipped)
+    return wire, False
+
+
+def _reads_only(pipeline: Pipeline, flat: torch.Tensor, segments: Sequence[Segment], wire_dtype: torch.dtype,
+                      scale: float) -> bool:
+    """Whether `flush` changes no tensor's state: each feedback's flush only reads it, and no
+    tensor sent whole has a codec's error to send along."""
+    for segment in segments:
+        state = pipeline.states.get(segment.key) or TensorState()
+        if segment.whole:
+            if state.codec_error is not None:
+                return False
+        elif not pipeline.spec.feedback.flush_reads_only(flat[segment.start:segment.start + segment.numel],
+                                                     state.feedback, wire_dtype, scale):
+            return False
+    return True
+
+
+def update_flushed(pipeline: Pipeline, averaged: torch.Tensor, key: str = "",
+                   segments: Sequence[Segment] | None = None) -> None:
+    """After a dense step's all_reduce: each flushed tensor's `Feedback.update_flushed` on its
+    slice of ``averaged`` (flat, in place; every rank passes the same)."""
+    flat = averaged.view(-1)
+    flushed = [segment for segment in segments or (Segment(key, 0, flat.numel()),) if not segment.whole]
+    pipeline.spec.feedback.update_flushed_([flat[s.start:s.start + s.numel] for s in flushed],
+                                       [pipeline.states[s.key].feedback for s in flushed])

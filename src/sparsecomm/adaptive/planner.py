@@ -1,0 +1,191 @@
+"""`Planner`: what each step of an ``adaptive`` pipeline sends — the whole gradient where the link
+carries it while the step computes, otherwise its largest entries at the density that moves the
+most gradient energy per second of step — and in which `Mode`: fp32 or fp16 (dense steps) or
+sparse.
+
+Every rank measures its step (`StepMeasurement`) and reports it (`Report`); every rank plans from
+the agreed reports alone (`Costs`, `Trials`), so every rank's plan is the same. The first step runs
+sparse at the ``floor`` density when the link was timed at start-up (`link_probe`), fp32
+otherwise (to measure it). A step is fp32 on every ``probe``-th step (to measure again), and
+whenever the link carries the whole fp32 gradient within the compute time. fp16 is allowed while
+the largest magnitude sent leaves `AdaptiveConfig.fp16_headroom` of fp16's range. Until sparse
+steps have been measured their fixed overhead counts as 0, so a link slower than the compute gets
+sparse steps at the ``floor`` density — the first warms the sparse path up and is not counted —
+until their cost is known, cheaply where sparse does not pay.
+
+A user-set ``budget`` (bytes per step) replaces the measured one and the preferred density, and
+turns the probes off: bytes alone decide the mode (fp32, fp16 or sparse, whichever the budget
+holds) and a run repeats bit for bit.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sparsecomm.adaptive.calibration import marginal_sparse_cost
+from sparsecomm.adaptive.config import AdaptiveConfig, Mode, Plan
+from sparsecomm.adaptive.costs import Costs
+from sparsecomm.adaptive.measurement import StepMeasurement
+from sparsecomm.adaptive.report import Report
+from sparsecomm.adaptive.trials import Trials
+from sparsecomm.sparsify.adaptive import Adaptive
+
+
+@dataclass
+class Planner:
+    """The ``adaptive`` sparsifier's plan for one reducer: measurements in, a `Plan` per step out."""
+
+    sparsifier: Adaptive
+    world_size: int
+    feedback_horizon: float = 1.0
+    config: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    step: int = 0
+    codec_cost: tuple[float, float] = (0.0, 0.0)
+    """this rank's own calibrated (κ_e, κ_d) (`calibrate`), carried by every report"""
+    current: Plan = Plan(Mode.FP32)
+    switched: bool = False
+    """whether this step's mode differs from the step before's: its cost must reach a report"""
+    measuring: StepMeasurement = field(default_factory=StepMeasurement)
+    finished: StepMeasurement | None = None
+    last_compute_s: float = 0.0
+    """the finished step's compute time, known once the next step starts (without a forward hook)"""
+    sparse_steps: int = 0
+    reports_read: int = 0
+    mode_steps: dict[Mode, int] = field(default_factory=dict)
+    """how many steps ran in each mode"""
+    costs: Costs = field(init=False)
+    trials: Trials = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.costs = Costs(self.config, self.sparsifier, self.world_size, self.feedback_horizon)
+        self.trials = Trials(self.config)
+
+    # -- the reducer's calls, in step order ------------------------------------------------------
+    def calibrate(self, spec: Any) -> None:
+        """Time this rank's sparse path once (`marginal_sparse_cost`); every report carries the result."""
+        self.codec_cost = marginal_sparse_cost(spec, self.config.calibration_numel, self.config.calibration_nnz)
+
+    def sample_energy(self, gradient: torch.Tensor, spans: list[tuple[int, int]]) -> None:
+        """Keep the squares of every stride-th entry of the ``(start, numel)`` spans of a flat
+        gradient that the budget covers, this step's sample for `Costs.energy_density` (about
+        `AdaptiveConfig.energy_samples` of the model's entries; the offset turns with the step)."""
+        if not self.measuring.wants_energy:
+            return
+        stride = max(1, (self.costs.total_numel or gradient.numel()) // self.config.energy_samples)
+        offset = self.step % stride
+        for start, numel in spans:
+            if numel > offset:
+                self.measuring.energy_samples.append(
+                    gradient[start + offset:start + numel:stride].detach().to(torch.float32).square())
+
+    def begin_step(self, now: float, forward_start: float | None = None) -> Plan:
+        """The first call of a step (whose forward pass began at ``forward_start``, when known):
+        time the last step's compute if no forward hook did, and plan this step."""
+        if self.finished is not None and self.finished.first_submit is not None:
+            self.last_compute_s = self.finished.compute_s(now)
+        self.finished = None
+        self.measuring = StepMeasurement(first_submit=now, forward_start=forward_start, codec_cost=self.codec_cost)
+        previous, self.current = self.current.mode, self.plan()
+        self.switched = self.current.mode != previous
+        # a preferred density matters only to sparse steps, and not to a user-set budget
+        self.measuring.wants_energy = (self.current.mode == Mode.SPARSE
+                                       and self.sparse_steps % self.config.energy_every == 0
+                                       and not self.sparsifier.budget)
+        self.mode_steps[self.current.mode] = self.mode_steps.get(self.current.mode, 0) + 1
+        return self.current
+
+    def end_step(self) -> Report:
+        """The step ended: this rank's report (see `Report`'s fields)."""
+        config, costs, done = self.config, self.costs, self.measuring
+        self.finished = done
+        costs.total_numel, costs.budget_numel = done.total_numel, done.budget_numel
+        self.step += 1
+        per_nnz = done.payload_bytes / done.payload_nnz if done.payload_nnz else 0.0
+        fixed = done.fixed_bytes + done.whole_nnz * per_nnz
+        selected = done.payload_nnz - done.whole_nnz
+        per_budgeted = per_nnz * selected / done.planned_nnz if done.planned_nnz and selected > 0 else per_nnz
+        cost = done.local_s + max(0.0, done.last_done - done.last_submit)
+        compute = done.forward_backward_s() if done.forward_start is not None else self.last_compute_s
+        whole = {Mode.FP32: 0.0, Mode.FP16: 0.0, Mode.SPARSE: 0.0}
+        if self.current.mode != Mode.SPARSE:
+            if self.step > config.warmup_steps:
+                # the whole step: where a collective's own work competes with the backward for the
+                # processor (gloo's fp16 sums on a CPU), the compute it slowed counts against it
+                whole[self.current.mode] = compute + cost
+        else:
+            self.sparse_steps += 1
+            if self.sparse_steps >= config.exploration_steps and costs.throughput:
+                sent = done.payload_bytes + done.fixed_bytes
+                wire = (self.world_size - 1) * sent / statistics.median(costs.throughput)
+                encode_per_byte, decode_per_byte = done.codec_cost
+                codecs = (encode_per_byte + (self.world_size - 1) * decode_per_byte) * done.payload_bytes
+                whole[Mode.SPARSE] = max(1e-6, compute + cost - wire - codecs)
+        throughput = done.wire_bytes / done.wire_s if done.wire_s > 0 else 0.0
+        return Report(compute, throughput, whole[Mode.FP32], whole[Mode.FP16], whole[Mode.SPARSE], per_budgeted,
+                      fixed, done.max_magnitude, *done.codec_cost, costs.energy_density(done.energy_samples))
+
+    def observe(self, agreed: Report, step: int | None = None) -> None:
+        """Every rank's report of one step (``step``, when known), agreed."""
+        costs = self.costs
+        self.reports_read += 1
+        costs.observe(agreed)
+        running = self.trials.running(step) if step is not None else None
+        if running is not None:
+            mode, density = running
+            whole = {Mode.FP32: agreed.fp32_step_s, Mode.FP16: agreed.fp16_step_s,
+                     Mode.SPARSE: agreed.sparse_step_s}[mode]
+            if whole > 0 and mode == Mode.SPARSE and costs.throughput:  # its payloads' wire and codec time back in
+                whole += costs.per_byte_s(statistics.median(costs.throughput)) * costs.step_bytes(density)
+            self.trials.reported(step, whole)  # type: ignore[arg-type]
+
+    # -- the plan -------------------------------------------------------------------------------
+    def plan(self) -> Plan:
+        """This step's plan, from agreed numbers only (so every rank's is the same)."""
+        sparsifier, costs = self.sparsifier, self.costs
+        if self.world_size == 1:
+            return Plan(Mode.FP32)
+        if self.step == 0 and costs.throughput and not sparsifier.budget:
+            # the link probed at start-up, the compute not timed yet: sparse at the floor density,
+            # cheap on any link, and a first sparse step warms the sparse path up
+            return Plan(Mode.SPARSE, sparsifier.floor)
+        dense_bytes = costs.dense_bytes()
+        if costs.budget_numel == 0:
+            if self.step == 0 and 0 < sparsifier.budget < dense_bytes / 2:
+                # a user budget below fp16's bytes (the model's size told before the first step, what
+                # the budget covers not yet measured): sparse from the start, at the floor density
+                return Plan(Mode.SPARSE, sparsifier.floor)
+            return Plan(Mode.FP32)
+        if sparsifier.budget:  # user-set: bytes alone decide, no timing
+            fixed = sparsifier.budget
+            if fixed >= dense_bytes:
+                return Plan(Mode.FP32)
+            return Plan(Mode.FP16) if costs.fp16_allowed() and fixed >= dense_bytes / 2 else costs.sparse_at(fixed)
+        budget = costs.step_budget()
+        probing = sparsifier.probe and self.step > 0 and self.step % sparsifier.probe == 0
+        if budget is None or budget >= dense_bytes or probing:
+            return Plan(Mode.FP32)
+        predicted = costs.predicted(budget)
+        if not costs.sparse_overhead_s:  # the sparse path's cost unknown: learn it (cheap steps) before choosing
+            return predicted[Mode.SPARSE][1]
+        return self.trials.choose(predicted, self.step, self.sparse_steps)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "costs": self.costs.state_dict(), "trials": self.trials.state_dict(),
+                "last_compute_s": self.last_compute_s, "sparse_steps": self.sparse_steps,
+                "reports_read": self.reports_read, "mode": self.current.mode.value,
+                "mode_steps": {mode.value: count for mode, count in self.mode_steps.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self.costs.load_state_dict(state["costs"])
+        self.trials.load_state_dict(state["trials"])
+        self.last_compute_s, self.sparse_steps = state["last_compute_s"], state["sparse_steps"]
+        self.reports_read = state["reports_read"]
+        self.current = Plan(Mode(state["mode"]))  # the last step's mode: whether the next one switches
+        self.mode_steps = {Mode(mode): count for mode, count in state["mode_steps"].items()}
+        self.finished = None

@@ -1,0 +1,95 @@
+"""One call of a reducer — a named gradient or a DDP bucket — and the `Route` it takes.
+
+Routes, chosen once per call (`route_of`), each with its path object:
+
+- ``plain``: an fp32 all_reduce of the tensor as it is, no pipeline — tensors smaller than
+  ``dense_below`` and every tensor of a pipeline whose transport is ``dense`` (`PlainPath`);
+- ``compressed``: the pipeline's feedback, sparsifier and codecs, the spec's transport
+  (`CompressedPath`);
+- ``rows``: a sparse COO gradient's rows, all of them (`RowsPath`);
+- ``dense step``: a step the ``adaptive`` controller planned as fp32 or fp16 — every entry, each
+  tensor's feedback flushed into it, one all_reduce as DDP's own hook posts it (`DenseStepPath`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from sparsecomm.adaptive.config import Plan
+from sparsecomm.pipeline import Segment
+from sparsecomm.reducer.config import ReducerConfig
+
+
+class Route(str, enum.Enum):
+    PLAIN = "plain"
+    COMPRESSED = "compressed"
+    ROWS = "rows"
+    DENSE_STEP = "dense step"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __hash__(self) -> int:  # as its value's, so that a route and its name are one key
+        return str.__hash__(self)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call: ``tensor``, the stream ``key`` (a tensor's name, or a bucket's), and for a flat
+    buffer of several parameters their ``segments``. ``number`` counts the stream's calls (every
+    rank must be at the same one); ``last``: the step's last call, run on the caller's thread;
+    ``in_step``: the caller finishes the step (`GradientReducer.finish_step`)."""
+
+    key: str
+    tensor: torch.Tensor
+    segments: tuple[Segment, ...] | None = None
+    stats_key: str = ""
+    number: int = 0
+    last: bool = False
+    in_step: bool = True
+
+    @property
+    def parameter(self) -> str:
+        """The parameter the gradient belongs to: the bucket's only segment, or the call's key."""
+        return self.segments[0].key if self.segments else self.key
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """The gradient as the pipeline takes it: a bucket flat, one tensor in its own shape."""
+        return self.tensor.reshape(-1) if self.segments else self.tensor
+
+    def budgeted(self) -> list[tuple[int, int]]:
+        """(start, numel) of what a density covers: every segment not sent whole, or the tensor."""
+        if self.segments:
+            return [(s.start, s.numel) for s in self.segments if not s.whole]
+        return [(0, self.tensor.numel())]
+
+
+def route_of(tensor: torch.Tensor, config: ReducerConfig, plan: Plan | None) -> Route:
+    """The route a gradient takes this step."""
+    if tensor.is_sparse:
+        return Route.ROWS
+    if plan is not None and plan.dense:
+        return Route.DENSE_STEP
+    if tensor.numel() < config.dense_below or config.spec.transport.name == "dense":
+        return Route.PLAIN
+    return Route.COMPRESSED
+
+
+@dataclass
+class Summed:
+    """A path's sum over ranks, back on the gradient's device: ``total`` (flat or in the gradient's
+    shape; ``owned``: a buffer the completion may change in place; ``averaged``: already divided by
+    the world size), what the call sent and spent decoding, and every rank's report numbers where
+    the call carried this rank's (``sides``)."""
+
+    total: torch.Tensor
+    bytes_sent: int
+    decode_s: float = 0.0
+    owned: bool = False
+    averaged: bool = False
+    carried_report: bool = False
+    sides: torch.Tensor | None = None

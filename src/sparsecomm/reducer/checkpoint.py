@@ -1,0 +1,78 @@
+"""A reducer's checkpoint format: `FORMAT` names the layout `GradientReducer.state_dict` writes, and
+`migrate` turns any earlier layout into it, so loading reads one layout only.
+
+Format 0 (no ``"format"`` key) named the adaptive modes ``dense``/``half``/``sparse``, held the
+planner's numbers flat and its reports as positional tensors, and left out keys added later (their
+defaults below)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sparsecomm.adaptive.report import Report
+from sparsecomm.errors import SparseCommError
+
+FORMAT = 1
+MODES_0 = {"dense": "fp32", "half": "fp16", "sparse": "sparse"}
+COSTS_0 = {"compute_s": "compute_s", "throughput": "throughput", "half_throughput": "fp16_throughput",
+           "dense_cost_s": "fp32_step_s", "half_cost_s": "fp16_step_s", "sparse_overhead_s": "sparse_overhead_s",
+           "preferred_density": "preferred_density", "total_numel": "total_numel", "budget_numel": "budget_numel",
+           "bytes_per_nnz": "bytes_per_nnz", "fixed_bytes": "fixed_bytes", "encode_per_byte": "encode_per_byte",
+           "decode_per_byte": "decode_per_byte", "max_magnitude": "max_magnitude"}
+
+
+def migrate(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` in the current `FORMAT` (a new dict; the tensors are shared)."""
+    version = state.get("format", 0)
+    if version == FORMAT:
+        return state
+    if version != 0:
+        raise SparseCommError(f"this checkpoint has format {version}; this sparsecomm reads formats 0 to {FORMAT}")
+    pipeline = dict(state["pipeline"])
+    pipeline["tensors"] = {key: {"density_share": 1.0, **saved} for key, saved in pipeline["tensors"].items()}
+    session = {"split_points": [], "payload_capacity": 0, **state["session"]}
+    budget = state.get("budget")
+    return {"format": FORMAT, "pipeline": pipeline, "calls": state["calls"], "steps": state["steps"],
+            "uncompressed": state["uncompressed"], "session": session,
+            "bucket_orders": state.get("layouts", {}), "row_errors": state.get("row_errors", {}),
+            "adaptive": None if budget is None else {"planner": _planner_0(budget),
+                                                     "reports": _reports_0(state["reports"])}}
+
+
+def _planner_0(budget: dict[str, Any]) -> dict[str, Any]:
+    defaults: dict[str, list[float]] = {"half_throughput": [], "preferred_density": []}
+    costs = {new: budget.get(old, defaults.get(old)) for old, new in COSTS_0.items()}
+    trial = budget.get("trial")
+    if trial is not None:
+        trial = {"challenger": MODES_0[trial["challenger"]], "incumbent": MODES_0[trial["incumbent"]],
+                 "to_run": [MODES_0[mode] for mode in trial["to_run"]],
+                 "running": {step: [MODES_0[run[0]], run[1]] for step, run in trial["running"].items()},
+                 "costs": {step: [MODES_0[cost[0]], cost[1]] for step, cost in trial["costs"].items()},
+                 "last_step": trial["last_step"]}
+    incumbent, rematch = budget.get("incumbent"), budget.get("rematch")
+    # pairs were kept in name order, which is the modes' order of exactness: the ratios keep their sense
+    trials = {"incumbent": None if incumbent is None else MODES_0[incumbent], "trial": trial,
+              "last_trial": {MODES_0[mode]: step for mode, step in budget.get("last_trial", {}).items()},
+              "rematch": None if rematch is None else MODES_0[rematch],
+              "pair_ratios": [[MODES_0[first], MODES_0[second], ratios]
+                              for first, second, ratios in budget.get("pair_ratios", [])]}
+    return {"step": budget["step"], "costs": costs, "trials": trials, "last_compute_s": budget["last_compute_s"],
+            "sparse_steps": budget["sparse_steps"], "reports_read": budget["reports_read"],
+            "mode": MODES_0[budget.get("mode", "dense")],
+            "mode_steps": {MODES_0[mode]: count for mode, count in budget.get("mode_steps", {}).items()}}
+
+
+def _reports_0(reports: Any) -> dict[str, Any]:
+    """Reports held as tensors of numbers in `Report`'s field order; an agreed throughput that is
+    not a positive finite number held no measurement (it was kept negated, +inf unmeasured)."""
+    if isinstance(reports, list):  # the agreed ones alone
+        reports = {"held": None, "agreed": reports}
+
+    def named(numbers: torch.Tensor) -> dict[str, float]:
+        return Report.from_numbers(numbers).to_dict()  # a Report keeps a throughput only where it is one
+
+    held = reports.get("held")
+    return {"held": None if held is None else {"step": held[0], "report": named(held[1]), "needed": held[2]},
+            "agreed": [{"step": step, "report": named(numbers)} for step, numbers in reports.get("agreed", [])]}

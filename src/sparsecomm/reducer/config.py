@@ -1,0 +1,50 @@
+"""`ReducerConfig`: what every rank's reducer must agree on — the pipeline, its seed, the non-finite
+policy, the plain route's size bound, averaging and the world size — checked across ranks once,
+when the reducer is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from sparsecomm.errors import SparseCommError
+from sparsecomm.pipeline import NONFINITE_POLICIES
+from sparsecomm.spec import PipelineSpec, format_spec
+from sparsecomm.transport.agreement import agree
+from sparsecomm.transport.collectives import fingerprint
+from sparsecomm.transport.request import Request
+
+DENSE_BELOW = 4096
+"""tensors (and DDP buckets) with fewer elements take the plain route: compressing them saves nothing"""
+
+
+@dataclass(frozen=True)
+class ReducerConfig:
+    """A reducer's settings (see `GradientReducer`)."""
+
+    spec: PipelineSpec
+    seed: int = 0
+    nonfinite: str = "raise"
+    dense_below: int = DENSE_BELOW
+    average: bool = True
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise SparseCommError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}")
+        if self.dense_below < 0:
+            raise SparseCommError("dense_below must be >= 0 elements")
+
+    def agree(self, group: dist.ProcessGroup | None) -> None:
+        """Raise on every rank unless every rank of ``group`` has this configuration."""
+        agree(group, Request(key="GradientReducer configuration"), self.world_size,
+              fingerprint(format_spec(self.spec), self.seed, self.nonfinite, self.dense_below, self.average))
+
+    def check_matches(self, other: ReducerConfig) -> None:
+        """Raise unless ``other`` asks for this reducer's spec, seed, policy and size bound."""
+        asked = (format_spec(other.spec), other.seed, other.nonfinite, other.dense_below)
+        mine = (format_spec(self.spec), self.seed, self.nonfinite, self.dense_below)
+        if asked != mine:
+            raise SparseCommError(f"the state passed is a reducer for (spec, seed, nonfinite, dense_below) = {mine}, "
+                                  f"but the call asks for {asked}; build a new reducer to change them")

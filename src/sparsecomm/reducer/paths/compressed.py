@@ -1,0 +1,76 @@
+"""``compressed``: the pipeline's local stages — feedback, sparsifier, codecs, each parameter of a
+bucket with its own state — and the spec's transport. A rank whose codec cannot carry its values
+(beyond fp16's range) sends nothing and every rank raises with its reason."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import torch
+
+from sparsecomm.adaptive.config import Plan
+from sparsecomm.errors import SparseCommError
+from sparsecomm.reducer.call import Call, Route, Summed
+from sparsecomm.reducer.paths.base import Pending, TransportPath, refused
+from sparsecomm.sparse_gradient import SparseGradient
+from sparsecomm.sparsify.base import Sparsifier
+from sparsecomm.transport.base import Transport
+from sparsecomm.transport.request import Request
+
+
+class CompressedPath(TransportPath):
+    route = Route.COMPRESSED
+
+    def contribution(self, call: Call, request: Request,
+                     plan: Plan | None) -> tuple[Transport, SparseGradient, Request]:
+        pipeline, adaptive = self.parts.pipeline, self.parts.adaptive
+        transport = self.parts.config.spec.transport
+        if adaptive is not None and adaptive.measuring.wants_energy:  # this step's sample of the gradient
+            adaptive.planner.sample_energy(call.tensor.reshape(-1), call.budgeted())
+        flat = call.flat
+        try:
+            output = pipeline.step(flat, call.key, segments=call.segments,
+                                   density=plan.density if plan is not None else None)
+        except SparseCommError as error:  # a codec that cannot carry these values (fp16's range): all raise
+            nothing = SparseGradient(torch.zeros(0, dtype=torch.int64, device=flat.device),
+                                     torch.zeros(0, dtype=flat.dtype, device=flat.device), flat.shape)
+            return transport, nothing, refused(request, error)
+        return transport, output.selection, replace(request, nonfinite=output.nonfinite, payload=output.payload,
+                                                    payload_is_contribution=True)
+
+    def _sparsifier(self, plan: Plan | None) -> Sparsifier:
+        pipeline = self.parts.pipeline
+        return pipeline.spec.sparsifier if plan is None else pipeline.at_density(plan.density)
+
+    def budgeted(self, call: Call, plan: Plan | None) -> tuple[int, int, int]:
+        pipeline = self.parts.pipeline
+        spans = call.budgeted()
+        planned = 0
+        if plan is not None:
+            at_density = pipeline.at_density(plan.density)
+            planned = sum(at_density.target_count(numel) for _, numel in spans)
+        whole = [s for s in call.segments or () if s.whole]
+        whole_nnz = sum(last.selected for s in whole if (last := pipeline.states[s.key].last) is not None)
+        return sum(numel for _, numel in spans), planned, whole_nnz
+
+    def expected_entries(self, call: Call, plan: Plan | None) -> int | None:
+        """From sizes, the sparsifier's target and the agreed density: a parameter sent whole or a
+        sparsifier with no target counts every entry."""
+        sparsifier = self._sparsifier(plan)
+        sizes = [(s.numel, s.whole) for s in call.segments] if call.segments else [(call.tensor.numel(), False)]
+        targets = [None if whole else sparsifier.target_count(numel) for numel, whole in sizes]
+        return sum(numel if target is None else target for (numel, _), target in zip(sizes, targets, strict=True))
+
+    def measured(self, call: Call, pending: Pending, summed: Summed) -> None:
+        adaptive = self.parts.adaptive
+        assert adaptive is not None
+        contribution, _ = pending.detail
+        measuring = adaptive.measuring
+        measuring.finished(time.perf_counter(), summed.bytes_sent, payload_nnz=contribution.nnz)
+        if contribution.nnz and adaptive.report_needed(self.parts.stats.steps):
+            low, high = torch.aminmax(contribution.values)
+            measuring.saw_magnitude(max(-float(low), float(high)))
+
+    def after_average(self, call: Call, pending: Pending, total: torch.Tensor) -> torch.Tensor:
+        return self.parts.uncompressed.apply(total, call.key, call.segments, whole_only=True)

@@ -1,0 +1,249 @@
+"""`GradientReducer`: averages gradients over a process group with one pipeline — the engine behind
+the DDP hook (`ddp_comm_hook`) and custom loops (`GradientReducer.allreduce_`).
+
+Each call — a named tensor, or a DDP bucket cut into its parameters (`BucketLayouts`) — takes one
+`Route` (`route_of`): its path runs the local stages and posts the collective (`paths/`), and one
+completion averages the sum, applies what the feedback owns and hands it back (`complete`). The
+calls of a step go where `StepCalls` puts them; with the ``adaptive`` sparsifier an
+`AdaptiveController` plans every step. Rules every rank relies on:
+
+- at construction all ranks check they have the same spec, seed, options and world size;
+- every call's agreement step carries the stream's key and call number: ranks that pass different
+  tensors, orders or counts get `SparseCommError` naming the key, never a sum of the wrong tensors;
+- non-finite input follows ``nonfinite``; under ``"raise"`` every rank raises together, none is left
+  waiting. So does every rank when one rank's codec refuses its values (beyond fp16's range).
+
+The reducer owns all runtime state — per-parameter pipeline state, the plain and rows paths' state,
+auto's measurements, the adaptive controller, call counters, the worker thread — checkpoints it with
+``state_dict()`` (format `FORMAT`) and releases it with ``close()`` (or ``with``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sparsecomm.adaptive.controller import AdaptiveController
+from sparsecomm.adaptive.density import share_density
+from sparsecomm.errors import SparseCommError
+from sparsecomm.pipeline import Pipeline
+from sparsecomm.presets import resolve
+from sparsecomm.reducer.buckets import BucketLayouts
+from sparsecomm.reducer.call import Call, Route, route_of
+from sparsecomm.reducer.checkpoint import FORMAT, migrate
+from sparsecomm.reducer.completion import attach, result_future
+from sparsecomm.reducer.config import DENSE_BELOW, ReducerConfig
+from sparsecomm.reducer.paths.base import Parts, Path
+from sparsecomm.reducer.paths.compressed import CompressedPath
+from sparsecomm.reducer.paths.dense_step import DenseStepPath
+from sparsecomm.reducer.paths.plain import PlainPath
+from sparsecomm.reducer.paths.rows import RowsPath
+from sparsecomm.reducer.stats import ReducerStats, TensorStats
+from sparsecomm.reducer.step_calls import StepCalls
+from sparsecomm.reducer.uncompressed import UncompressedFeedback
+from sparsecomm.sparsify.adaptive import Adaptive
+from sparsecomm.spec import PipelineSpec, format_spec
+from sparsecomm.transport.agreement import agree
+from sparsecomm.transport.collectives import wire_device
+from sparsecomm.transport.request import Request
+from sparsecomm.transport.session import TransportSession
+
+
+class GradientReducer:
+    """Averages gradients over ``group`` with the pipeline named by ``spec`` (a spec or a preset).
+
+    Args:
+        spec: a preset name (``"dgc"``), a pipeline spec string, or a parsed `PipelineSpec`.
+        group: the process group (default: ``model``'s if it is a DDP model, else the world).
+        seed: seeds every random choice; all ranks must pass the same.
+        nonfinite: ``"raise"`` (every rank raises, no state changes), ``"skip"`` (this rank sends
+            nothing for that tensor this step) or ``"zero"`` (NaN/Inf entries become 0).
+        dense_below: tensors (and DDP buckets) with fewer elements take the plain route; inside a
+            compressed bucket, parameters that small are sent whole.
+        average: divide the sum by the world size.
+        model: the model (DDP or its module) whose parameter names key the per-parameter state;
+            needed as a DDP hook state.
+
+    Raises:
+        SparseCommError: torch.distributed is not initialised, or the ranks' arguments differ.
+
+    Example::
+
+        reducer = sc.GradientReducer("dgc", model=ddp_model)
+        ddp_model.register_comm_hook(reducer, sc.ddp_comm_hook)
+    """
+
+    def __init__(self, spec: str | PipelineSpec, group: dist.ProcessGroup | None = None, seed: int = 0,
+                 nonfinite: str = "raise", dense_below: int = DENSE_BELOW, average: bool = True,
+                 model: nn.Module | None = None) -> None:
+        if not dist.is_initialized():
+            raise SparseCommError("torch.distributed is not initialised: call init_process_group first")
+        if group is None and model is not None:
+            group = getattr(model, "process_group", None)
+        self.group = group
+        world_size = dist.get_world_size(group)
+        config = self.config = ReducerConfig(resolve(spec), seed, nonfinite, dense_below, average, world_size)
+        self.pipeline = Pipeline(config.spec, seed=seed, nonfinite=nonfinite, world_size=world_size)
+        self.stats = ReducerStats()
+        self.session = TransportSession()
+        self.buckets = BucketLayouts(model, dense_below)
+        self._counts: dict[str, int] = {}
+        """per stream key: calls so far (the agreement step checks every rank is at the same call)"""
+        config.agree(group)
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world_size))
+        self.async_group = dist.new_group(ranks=ranks)
+        """the reducer's own group: its collectives never interleave with the caller's"""
+        process_group = self.async_group if self.async_group is not None else _default_group()
+        device = wire_device(process_group)
+        module = getattr(model, "module", model)
+        sparsifier = config.spec.sparsifier
+        self.adaptive = (AdaptiveController(sparsifier, world_size, config.spec.feedback.delay_horizon(),
+                                            self.async_group, device, module)
+                         if isinstance(sparsifier, Adaptive) else None)
+        """the adaptive sparsifier's controller (None for other pipelines)"""
+        if world_size > 1:  # groups its calls need, made now with the others rather than in a step
+            config.spec.transport.prepare(self.async_group, self.session)
+        if self.adaptive is not None and world_size > 1 and not self.adaptive.planner.sparsifier.budget:
+            model_numel = sum(p.numel() for p in module.parameters()) if module is not None else None
+            self.adaptive.measure_startup(config.spec, self.async_group, device, model_numel)
+        self._parts = Parts(config, self.pipeline, StepCalls(self.async_group, self.session),
+                            UncompressedFeedback(config.spec.feedback), self.stats, process_group, device,
+                            dist.get_rank(process_group), self.adaptive)
+        paths: list[Path] = [PlainPath(self._parts), CompressedPath(self._parts), RowsPath(self._parts),
+                             DenseStepPath(self._parts)]
+        self._paths = {path.route: path for path in paths}
+
+    @property
+    def spec(self) -> PipelineSpec:
+        return self.config.spec
+
+    def __repr__(self) -> str:
+        return (f"GradientReducer({format_spec(self.spec)!r}, world_size={self.config.world_size}, "
+                f"seed={self.config.seed})")
+
+    def check_matches(self, spec: str | PipelineSpec, seed: int, nonfinite: str, dense_below: int) -> None:
+        """Raise `SparseCommError` unless this reducer was built with these arguments."""
+        self.config.check_matches(replace(self.config, spec=resolve(spec), seed=seed, nonfinite=nonfinite,
+                                          dense_below=dense_below))
+
+    # -- one step ---------------------------------------------------------------------------------
+    def allreduce_(self, named_gradients: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """One step of a custom loop: replace each gradient by its average over ranks (dense in
+        place; sparse COO by ``copy_``). Tensors are matched across ranks by name — every rank must
+        pass the same names, in any order, or every rank raises `SparseCommError`."""
+        named = sorted(named_gradients, key=lambda item: item[0])
+        names = [name for name, _ in named]
+        if len(set(names)) != len(names):
+            raise SparseCommError(f"gradient names repeat: {sorted({n for n in names if names.count(n) > 1})}")
+        agree(self.group, Request(key="gradients " + ", ".join(names), call=self.stats.steps), len(names), 0)
+        pending = [(tensor, self._submit(Call(name, tensor, last=i == len(named) - 1)))
+                   for i, (name, tensor) in enumerate(named)]
+        self.finish_step()
+        for tensor, future in pending:
+            averaged = future.wait()
+            if averaged is not tensor:
+                tensor.copy_(averaged)
+
+    def reduce_bucket_async(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """A DDP bucket, its parameters' state found by name (see `ddp_comm_hook`)."""
+        layout = self.buckets.layout(bucket)
+        call = Call(layout.key, layout.gathered(bucket), layout.segments, layout.stats_key,
+                    last=bucket.is_last() and layout.ddp_offsets is None)
+        reduced = self._submit(call)
+        if layout.ddp_offsets is None:
+            return reduced
+        buffer = bucket.buffer()  # reduced in the checkpoint's layout: returned in DDP's
+        result = result_future(buffer)
+
+        def to_ddp_layout(done: torch.futures.Future[torch.Tensor]) -> None:
+            try:
+                result.set_result(layout.to_ddp(done.wait(), buffer))
+            except BaseException as err:  # noqa: BLE001 - handed to the waiter
+                result.set_exception(err)
+
+        reduced.add_done_callback(to_ddp_layout)
+        self._parts.calls.in_flight[-1] = result  # the step waits for the copy back too
+        return result
+
+    def finish_step(self) -> None:
+        """Wait for this step's calls, count the step, and raise the first error any call met."""
+        errors = self._parts.calls.finish()
+        if self.adaptive is not None and self.adaptive.plan is not None:
+            share_density(self.pipeline)
+            self.adaptive.end_step(self.stats.steps)
+        self.stats.steps += 1
+        if errors:
+            raise errors[0]
+
+    def reduce(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The average over ranks of ``tensor`` (same shape and kind), outside any step."""
+        future = self.reduce_async(key, tensor)
+        self._parts.calls.in_flight.remove(future)
+        return future.wait()
+
+    def reduce_async(self, key: str, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """Local stages now; the collective on the worker thread; a future of the average."""
+        return self._submit(Call(key, tensor, in_step=False))
+
+    def _submit(self, call: Call) -> torch.futures.Future[torch.Tensor]:
+        """The call's route, its path's local stages and collective; a future of its average."""
+        stats = self.stats.tensors.setdefault(call.stats_key or call.key, TensorStats())
+        stats.steps += 1
+        stats.dense_bytes += call.tensor.numel() * 4
+        start = time.perf_counter()
+        plan = self.adaptive.plan_call(start) if self.adaptive is not None else None
+        route = route_of(call.tensor, self.config, plan)
+        number = self._counts.get(call.key, 0)
+        self._counts[call.key] = number + 1
+        call = replace(call, number=number)
+        path = self._paths[route]
+        pending = path.post(call, plan, start)
+        stats.route = route.value
+        stats.select_s += pending.submitted - start
+        return attach(self._parts, call, path, pending, stats)
+
+    # -- lifetime and checkpoints -----------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for calls in flight, stop the worker thread and unhook the model."""
+        if self.adaptive is not None:
+            self.adaptive.close()
+        self.session.close()
+
+    def __enter__(self) -> GradientReducer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue bit for bit, by name (format `FORMAT`)."""
+        return {"format": FORMAT, "pipeline": self.pipeline.state_dict(), "calls": dict(self._counts),
+                "steps": self.stats.steps, "uncompressed": self._parts.uncompressed.state_dict(),
+                "session": self.session.state_dict(), "bucket_orders": self.buckets.state_dict(),
+                "row_errors": self._paths[Route.ROWS].state_dict(),
+                "adaptive": self.adaptive.state_dict() if self.adaptive is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint of any format this version reads (`migrate`)."""
+        state = migrate(state)
+        self.pipeline.load_state_dict(state["pipeline"])
+        self._counts = dict(state["calls"])
+        self.stats.steps = state["steps"]
+        self._parts.uncompressed.load_state_dict(state["uncompressed"])
+        self.session.load_state_dict(state["session"])
+        self._paths[Route.ROWS].load_state_dict(state["row_errors"])
+        self.buckets.load_state_dict(state["bucket_orders"])
+        if self.adaptive is not None and state["adaptive"] is not None:
+            self.adaptive.load_state_dict(state["adaptive"])
+
+
+def _default_group() -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    return _get_default_group()

@@ -1,0 +1,106 @@
+"""`StepCalls`: where the open step's calls go and how the step waits for them.
+
+Collectives run on the reducer's own process group: asynchronous calls on the `TransportSession`'s
+worker thread, in submission order, so they never interleave with the caller's collectives; a
+step's last call on the caller's thread once the calls before it are done (nothing is left to
+overlap it with). Payload calls expected to send few entries, and sparse gradients' rows, wait for
+the step's last call and travel with it in one exchange (`AllgatherTransport.reduce_fused`): each
+would cost mostly an exchange's fixed cost. A dense step's all_reduce on a CPU is finished when the
+step is (`finish`), on the thread that waits for it, not in a callback on gloo's threads, where
+Python would hold the interpreter while later buckets' collectives are still in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from sparsecomm.sparse_gradient import SparseGradient
+from sparsecomm.transport.allgather import AllgatherTransport, FusedCall
+from sparsecomm.transport.base import Transport
+from sparsecomm.transport.request import Reduction, Request
+from sparsecomm.transport.session import TransportSession
+from sparsecomm.transport.waiting import wait_polling
+
+Finish = Callable[[torch.futures.Future], None]
+
+
+class StepCalls:
+    """The open step's calls in flight, waiting to be fused, or waiting to be finished."""
+
+    def __init__(self, group: dist.ProcessGroup | None, session: TransportSession) -> None:
+        self.group, self.session = group, session
+        self.in_flight: list[torch.futures.Future] = []
+        """the results the step waits for"""
+        self._deferred: list[tuple[FusedCall, torch.futures.Future]] = []
+        """small calls waiting to travel with the step's last"""
+        self._unfinished: list[tuple[torch.futures.Future, Finish]] = []
+        """dense all_reduces (the collective's future, what completes the call) finished with the step"""
+
+    def post(self, transport: Transport, contribution: SparseGradient | torch.Tensor, request: Request,
+             out: torch.Tensor | None, last: bool, fuses: bool, waits: bool) -> torch.futures.Future[Reduction]:
+        """A transport call: on this thread after the worker's calls (``last``; with those that
+        waited when it ``fuses``), waiting for the step's last call (``waits``), or on the worker."""
+        this_call = FusedCall(contribution, request, out)
+        if last:  # collectives stay in order: the worker thread's calls first
+            self.session.drain()
+            if fuses:
+                return self._exchange_deferred(this_call)
+            self._exchange_deferred()
+            future: torch.futures.Future = torch.futures.Future()
+            try:
+                future.set_result(transport.reduce(contribution, self.group, request, out, self.session))
+            except BaseException as err:  # noqa: BLE001 - handed to the waiter, as an asynchronous call's
+                future.set_exception(err)
+            return future
+        if waits:
+            future = torch.futures.Future()
+            self._deferred.append((this_call, future))
+            return future
+        return transport.reduce_async(contribution, self.group, request, out, self.session)
+
+    def finish_with_step(self, done: torch.futures.Future, finish: Finish) -> None:
+        """Run ``finish(done)`` when the step finishes, on the thread that finishes it."""
+        self._unfinished.append((done, finish))
+
+    def finish(self) -> list[BaseException]:
+        """Wait for every call of the step: the calls still waiting to be fused go now, the dense
+        all_reduces are finished in the order they were posted. Returns the errors the calls met."""
+        if self._deferred:  # no last call took them (a dense step's last bucket, a resumed run's reordered one)
+            self.session.drain()
+            self._exchange_deferred()
+        unfinished, self._unfinished = self._unfinished, []
+        for done, finish in unfinished:
+            with contextlib.suppress(Exception):  # a failed collective: finish hands its error to the result
+                wait_polling(done)
+            finish(done)
+        in_flight, self.in_flight = self.in_flight, []
+        errors = []
+        for future in in_flight:
+            try:
+                future.wait()
+            except BaseException as err:  # noqa: BLE001 - raised by the caller, after every call ended
+                errors.append(err)
+        return errors
+
+    def _exchange_deferred(self, last: FusedCall | None = None) -> torch.futures.Future:
+        """On this thread (the worker thread drained): the deferred calls, and ``last``, in one
+        exchange, each call's future set; ``last``'s future (without ``last``, an unused one)."""
+        deferred, self._deferred = self._deferred, []
+        last_future: torch.futures.Future = torch.futures.Future()
+        if last is not None:
+            deferred.append((last, last_future))
+        if deferred:
+            try:
+                reductions = AllgatherTransport().reduce_fused([call for call, _ in deferred], self.group,
+                                                               self.session)
+            except BaseException as err:  # noqa: BLE001 - handed to every waiter
+                for _, future in deferred:
+                    future.set_exception(err)
+            else:
+                for (_, future), reduction in zip(deferred, reductions, strict=True):
+                    future.set_result(reduction)
+        return last_future
