@@ -85,6 +85,21 @@ def test_bench_ddp_step_times_each_preset_next_to_ddps_allreduce(tmp_path, capsy
     assert all(row["ms"] > 0 for row in result["rows"])
 
 
+def test_bench_ddp_step_counts_each_rows_ops_and_host_syncs_per_step(tmp_path, capsys):
+    out = tmp_path / "count.json"
+    assert main(["bench", "ddp-step", "--numel", "99840", "--width", "64", "--presets", "dgc",
+                 "--baselines", "fp16", "--workers", "2", "--repeat", "3", "--count", "--json", str(out)]) == 0
+    assert "syncs_per_step" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["tensors"] == 2 * 24  # 24 layers of width 64: their weights and biases
+    rows = {row["preset"]: row for row in result["rows"]}
+    assert list(rows) == ["ddp-allreduce", "torch-fp16", "dgc"]
+    assert rows["ddp-allreduce"]["syncs_per_step"] == 0  # DDP alone reads nothing back
+    assert rows["dgc"]["syncs_per_step"] > 0
+    assert all(row["ops_per_step"] > 0 for row in rows.values())
+    assert rows["dgc"]["ops_per_step"] > rows["ddp-allreduce"]["ops_per_step"]
+
+
 def test_benches_say_which_device_they_ran_on(tmp_path):
     out = tmp_path / "s.json"
     assert main(["bench", "sparsify", "--numel", "50000", "--density", "0.01", "--repeat", "1", "--device", "cpu",

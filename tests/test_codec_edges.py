@@ -17,38 +17,52 @@ from sparsecomm.fuzz import codec_pairs
 
 PAIRS = codec_pairs()  # the fuzzer's seed pairs: every registered codec, every Bloom policy
 SELECTIONS = {"empty": (1000, 0), "one": (1000, 1), "few": (1000, 3), "all": (1000, 1000), "numel 1": (1, 1),
-              "numel 1, empty": (1, 0), "large, all": (200_000, 200_000), "tiny of a million": (1 << 20, 2)}
+              "numel 1, empty": (1, 0), "tiny of a million": (1 << 20, 2)}
+LARGE = {"large, all": (200_000, 200_000)}
+"""a large tensor sent whole: a second or more per pair for the curve fits and Bloom filters (``slow``)"""
 
 
 @pytest.mark.parametrize(("index_codec", "value_codec"), PAIRS)
 def test_every_pair_round_trips_at_the_edges(index_codec, value_codec):
+    for case, (numel, nnz) in SELECTIONS.items():
+        round_trips(index_codec, value_codec, case, numel, nnz)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("index_codec", "value_codec"), PAIRS)
+def test_every_pair_round_trips_a_large_tensor_sent_whole(index_codec, value_codec):
+    for case, (numel, nnz) in LARGE.items():
+        round_trips(index_codec, value_codec, case, numel, nnz)
+
+
+def round_trips(index_codec: str, value_codec: str, case: str, numel: int, nnz: int) -> None:
+    """The pair's payload of a random selection of ``nnz`` of ``numel`` decodes as the codecs promise."""
     index, value = sc.INDEX_CODECS.parse(index_codec), sc.VALUE_CODECS.parse(value_codec)
     misaligned = index_codec == "bloom(policy=naive)"  # the paper's warning: values land on other indices
-    for case, (numel, nnz) in SELECTIONS.items():
-        grad = random_sparse(numel, nnz, seed=numel + nnz)
-        dense = grad.to_dense()
-        payload = sc.encode(grad, index, value, rng=np.random.default_rng(3), dense=dense)
-        decoded = sc.decode(payload, expect=numel)
-        where = f"{index_codec}+{value_codec}, {case}"
-        truth = grad.sorted()
+    grad = random_sparse(numel, nnz, seed=numel + nnz)
+    dense = grad.to_dense()
+    payload = sc.encode(grad, index, value, rng=np.random.default_rng(3), dense=dense)
+    decoded = sc.decode(payload, expect=numel)
+    where = f"{index_codec}+{value_codec}, {case}"
+    truth = grad.sorted()
+    if index.lossless:
+        assert torch.equal(decoded.indices, truth.indices), where
+    elif index.name == "bloom" and index.policy == "p0":  # every true index, plus false positives
+        assert bool(torch.isin(truth.indices, decoded.indices).all()), where
+    else:  # as many indices as were selected, each inside the tensor
+        assert decoded.nnz == nnz and bool(((decoded.indices >= 0) & (decoded.indices < numel)).all()), where
+    assert decoded.values.dtype == grad.dtype and bool(torch.isfinite(decoded.values).all()), where
+    expected = dense.reshape(-1)[decoded.indices]  # what a receiver should see at the decoded indices
+    if index.codes_values:
+        assert bool((decoded.values * expected >= 0).all()), where
+    elif value.lossless and not misaligned:
+        assert torch.equal(decoded.values, expected), where
+    elif value.name in ("fp16", "bf16"):
+        wire = torch.float16 if value.name == "fp16" else torch.bfloat16
         if index.lossless:
-            assert torch.equal(decoded.indices, truth.indices), where
-        elif index.name == "bloom" and index.policy == "p0":  # every true index, plus false positives
-            assert bool(torch.isin(truth.indices, decoded.indices).all()), where
-        else:  # as many indices as were selected, each inside the tensor
-            assert decoded.nnz == nnz and bool(((decoded.indices >= 0) & (decoded.indices < numel)).all()), where
-        assert decoded.values.dtype == grad.dtype and bool(torch.isfinite(decoded.values).all()), where
-        expected = dense.reshape(-1)[decoded.indices]  # what a receiver should see at the decoded indices
-        if index.codes_values:
-            assert bool((decoded.values * expected >= 0).all()), where
-        elif value.lossless and not misaligned:
-            assert torch.equal(decoded.values, expected), where
-        elif value.name in ("fp16", "bf16"):
-            wire = torch.float16 if value.name == "fp16" else torch.bfloat16
-            if index.lossless:
-                assert torch.equal(decoded.values, expected.to(wire).to(grad.dtype)), where
-        elif index.lossless:  # qsgd and the curve fits never flip a sign
-            assert bool((decoded.values * expected >= 0).all()), where
+            assert torch.equal(decoded.values, expected.to(wire).to(grad.dtype)), where
+    elif index.lossless:  # qsgd and the curve fits never flip a sign
+        assert bool((decoded.values * expected >= 0).all()), where
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])

@@ -247,7 +247,7 @@ class Pipeline:
             key: TensorState(step=saved["step"], feedback={k: (v.clone() if isinstance(v, torch.Tensor) else v)
                                                            for k, v in saved["feedback"].items()},
                              codec_error=saved["codec_error"].clone() if "codec_error" in saved else None,
-                             density_share=saved.get("density_share", 1.0))
+                             density_share=saved["density_share"])
             for key, saved in state["tensors"].items()
         }
 

@@ -3,30 +3,24 @@ frozen `AdaptiveConfig` every rule of the controller reads its constants from.""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 import torch
 
 from sparsecomm.errors import SparseCommError
+from sparsecomm.names import Name
 
 FP16_MAX = float(torch.finfo(torch.float16).max)
 """fp16's largest finite value"""
 
 
-class Mode(str, enum.Enum):
+class Mode(Name):
     """How a step sends its gradient: every entry in fp32 or in fp16 (a *dense* step), or its
     largest entries (``sparse``)."""
 
     FP32 = "fp32"
     FP16 = "fp16"
     SPARSE = "sparse"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __hash__(self) -> int:  # as its value's, so that a mode and its name are one key
-        return str.__hash__(self)
 
     @property
     def dense(self) -> bool:

@@ -71,8 +71,7 @@ class AdaptiveController:
 
     def end_step(self, steps: int) -> None:
         """The open step ended (the reducer's step ``steps``): its report on its way."""
-        if self.plan is None:
-            return
+        assert self.plan is not None, "no step is open"
         planner = self.planner
         step = planner.step
         report = planner.end_step()

@@ -62,8 +62,9 @@ class Costs:
     """O_s: what a sparse step cost beyond the compute, its payloads' wire time and per-byte cost"""
     preferred_density: deque[float] = field(default_factory=deque)
     """the densities the steps' gradients preferred (of each step, the ranks' largest)"""
-    bytes_per_nnz: float = 0.0
-    """payload bytes per entry the density budgets"""
+    bytes_per_nnz: float = 3.0
+    """payload bytes per entry the density budgets (the planner starts it at its config's
+    `AdaptiveConfig.first_bytes_per_nnz`)"""
     fixed_bytes: float = 0.0
     encode_per_byte: float = 0.0
     decode_per_byte: float = 0.0
@@ -72,7 +73,6 @@ class Costs:
     """the largest |value| any rank sent lately (unknown: fp16 not allowed)"""
 
     def __post_init__(self) -> None:
-        self.bytes_per_nnz = self.bytes_per_nnz or self.config.first_bytes_per_nnz
         for name in WINDOWS:
             setattr(self, name, deque(getattr(self, name), maxlen=self._window(name)))
 

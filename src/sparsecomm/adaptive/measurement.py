@@ -24,8 +24,9 @@ class StepMeasurement:
     first_issue: float | None = None
     """when the step's first dense all_reduce started"""
     wire_bytes: float = 0.0
+    """what the step's large dense all_reduces put on each rank's link"""
     wire_s: float = 0.0
-    """from the first large dense all_reduce's start to the last one's end"""
+    """from the first dense all_reduce's start to the last large one's end"""
     payload_bytes: int = 0
     payload_nnz: int = 0
     whole_nnz: int = 0
@@ -46,14 +47,15 @@ class StepMeasurement:
     energy_samples: list[torch.Tensor] = field(default_factory=list)
     """squares of a strided sample of the gradient's entries under the budget"""
 
-    def submitted(self, numel: int, budgeted: int, planned: int, whole_nnz: int, local_s: float, now: float) -> None:
-        """A call of ``numel`` entries, ``budgeted`` of them under the density (``planned`` of those
+    def submitted(self, numel: int, budget_numel: int, planned: int, whole_nnz: int, local_s: float,
+                  now: float) -> None:
+        """A call of ``numel`` entries, ``budget_numel`` of them under the density (``planned`` of those
         to be sent, ``whole_nnz`` nonzeros of parameters sent whole besides), whose local stages
         took ``local_s``."""
         self.local_s += local_s
         self.last_submit = now
         self.total_numel += numel
-        self.budget_numel += budgeted
+        self.budget_numel += budget_numel
         self.planned_nnz += planned
         self.whole_nnz += whole_nnz
 
@@ -62,7 +64,7 @@ class StepMeasurement:
         if self.first_issue is None:
             self.first_issue = now
 
-    def finished(self, now: float, nbytes: int, *, payload_nnz: int | None = None, budgeted: bool = False,
+    def finished(self, now: float, nbytes: int, *, payload_nnz: int | None = None, in_budget: bool = False,
                  dense_wire: bool = False, world_size: int = 1, min_wire_bytes: int = 0) -> None:
         """A call finished having sent ``nbytes``: a payload of ``payload_nnz`` entries, else bytes
         under the budget (a dense step's flushed gradient) or outside it. A ``dense_wire`` call of at
@@ -72,7 +74,7 @@ class StepMeasurement:
         if payload_nnz is not None:
             self.payload_bytes += nbytes
             self.payload_nnz += payload_nnz
-        elif not budgeted:
+        elif not in_budget:
             self.fixed_bytes += nbytes
         if dense_wire and nbytes >= min_wire_bytes and self.first_issue is not None:
             self.wire_bytes += 2 * (world_size - 1) / world_size * nbytes

@@ -61,7 +61,8 @@ class Planner:
     trials: Trials = field(init=False)
 
     def __post_init__(self) -> None:
-        self.costs = Costs(self.config, self.sparsifier, self.world_size, self.feedback_horizon)
+        self.costs = Costs(self.config, self.sparsifier, self.world_size, self.feedback_horizon,
+                           bytes_per_nnz=self.config.first_bytes_per_nnz)
         self.trials = Trials(self.config)
 
     # -- the reducer's calls, in step order ------------------------------------------------------

@@ -3,8 +3,10 @@ hook, optimizer) with each preset as the hook, next to DDP's own allreduce, on o
 
 On a GPU this runs NCCL (one rank per GPU; with one GPU, one rank: the link is then free and what
 remains is each hook's own cost — sparsify, feedback, the device-to-host copy, the codecs); on the
-CPU, gloo. The model is a stack of square linear layers holding about ``numel`` parameters
-(25.6M by default, ResNet-50's size), batch 64."""
+CPU, gloo. The model is a stack of square linear layers of ``width`` holding about ``numel``
+parameters (25.6M of width 2048 by default, ResNet-50's size), batch 64. PyTorch's own hooks
+(``baselines``: fp16, PowerSGD) run as rows too. With ``count``, each row's steps are also counted
+(`sparsecomm.bench.op_counts`): aten ops and host syncs per step, after the timed steps."""
 
 from __future__ import annotations
 
@@ -15,32 +17,37 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from sparsecomm.bench.op_counts import count_ops
 from sparsecomm.bench.timing import time_ms
 from sparsecomm.launch import run_local
+from sparsecomm.train.baselines import BASELINES
 
 WIDTH, BATCH, MAX_LAYERS = 2048, 64, 64
 BASELINE = "ddp-allreduce"
 
 
-def model_of(numel: int, device: str) -> nn.Module:
-    """Square linear layers of `WIDTH` (ReLU between them) holding about ``numel`` parameters, the
+def model_of(numel: int, device: str, width: int = WIDTH) -> nn.Module:
+    """Square linear layers of ``width`` (ReLU between them) holding about ``numel`` parameters, the
     same weights for every row (from a seeded generator of their own)."""
-    layers = max(1, min(MAX_LAYERS, math.ceil(numel / (WIDTH * WIDTH + WIDTH))))
+    layers = max(1, min(MAX_LAYERS, math.ceil(numel / (width * width + width))))
     stack: list[nn.Module] = []
     for index in range(layers):
-        stack += [nn.Linear(WIDTH, WIDTH)] + ([nn.ReLU()] if index < layers - 1 else [])
+        stack += [nn.Linear(width, width)] + ([nn.ReLU()] if index < layers - 1 else [])
     model = nn.Sequential(*stack)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for parameter in model.parameters():
-            parameter.copy_(torch.randn(parameter.shape, generator=generator) / math.sqrt(WIDTH))
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) / math.sqrt(width))
     return model.to(device)
 
 
-def run(presets: list[str], numel: int, device: str = "cpu", repeat: int = 10, workers: int = 1) -> dict[str, Any]:
-    """Median step time of each preset's hook and of DDP's allreduce, side by side in one run."""
+def run(presets: list[str], numel: int, device: str = "cpu", repeat: int = 10, workers: int = 1,
+        width: int = WIDTH, baselines: tuple[str, ...] = (), count: bool = False) -> dict[str, Any]:
+    """Median step time of each preset's hook, of PyTorch's ``baselines`` and of DDP's allreduce,
+    side by side in one run; with ``count``, their ops and host syncs per step too."""
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-    results = run_local(workers, _steps, presets, numel, device, repeat, backend=backend, timeout=1800)
+    results = run_local(workers, _steps, [*baselines, *presets], numel, device, repeat, width, count,
+                        backend=backend, timeout=1800)
     rows = results[0]
     for row, *others in zip(*results, strict=True):  # the slowest rank's time
         row["ms"] = max([row["ms"], *(other["ms"] for other in others)])
@@ -48,27 +55,38 @@ def run(presets: list[str], numel: int, device: str = "cpu", repeat: int = 10, w
     for row in rows:
         row["vs_allreduce"] = baseline / row["ms"] if row["ms"] > 0 else float("inf")
     return {"benchmark": "ddp-step", "device": device, "backend": backend, "workers": workers,
-            "parameters": rows[0]["parameters"], "batch": BATCH, "repeat": repeat, "rows": rows}
+            "parameters": rows[0]["parameters"], "tensors": rows[0]["tensors"], "batch": BATCH, "repeat": repeat,
+            "rows": rows}
 
 
-def _steps(rank: int, world: int, presets: list[str], numel: int, device: str, repeat: int) -> list[dict[str, Any]]:
+def _steps(rank: int, world: int, presets: list[str], numel: int, device: str, repeat: int, width: int,
+           count: bool) -> list[dict[str, Any]]:
     import sparsecomm as sc
 
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = f"cuda:{torch.cuda.current_device()}"
     generator = torch.Generator().manual_seed(rank)
-    inputs = torch.randn(BATCH, WIDTH, generator=generator).to(device)
+    inputs = torch.randn(BATCH, width, generator=generator).to(device)
     rows = []
     for preset in [BASELINE, *presets]:
-        model = model_of(numel, device)
-        ddp = nn.parallel.DistributedDataParallel(model)
+        model = model_of(numel, device, width)
         reducer = None
-        if preset != BASELINE:
-            reducer = sc.GradientReducer(preset, model=ddp)
-            ddp.register_comm_hook(reducer, sc.ddp_comm_hook)
-        ms, _ = time_ms(partial(_step, ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3), inputs), repeat, device)
-        rows.append({"preset": preset, "ms": ms, "parameters": sum(p.numel() for p in model.parameters())})
+        if preset in BASELINES:
+            ddp, _ = BASELINES[preset].wrap(model)
+        else:
+            ddp = nn.parallel.DistributedDataParallel(model)
+            if preset != BASELINE:
+                reducer = sc.GradientReducer(preset, model=ddp)
+                ddp.register_comm_hook(reducer, sc.ddp_comm_hook)
+        step = partial(_step, ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3), inputs)
+        ms, _ = time_ms(step, repeat, device)
+        row = {"preset": preset, "ms": ms, "parameters": sum(p.numel() for p in model.parameters()),
+               "tensors": len(list(model.parameters()))}
+        if count:
+            counted = count_ops(step, repeat)
+            row |= {"ops_per_step": counted.ops, "syncs_per_step": counted.syncs}
+        rows.append(row)
         if reducer is not None:
             reducer.close()
     return rows

@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     ddp_step.add_argument("--presets", default=None, help="comma-separated presets (default: every available preset)")
     ddp_step.add_argument("--workers", type=_positive_int, default=1, help="ranks (default 1)")
     ddp_step.add_argument("--repeat", type=_positive_int, default=10, help="timed steps, median kept")
+    ddp_step.add_argument("--width", type=_positive_int, default=2048,
+                          help="the layers' width (default %(default)s; smaller: more tensors for the same numel)")
+    ddp_step.add_argument("--baselines", default="",
+                          help="PyTorch's hooks to run as rows too, comma-separated: fp16, powersgd-r1, powersgd-r2")
+    ddp_step.add_argument("--count", action="store_true",
+                          help="also count each row's aten ops and host syncs per step (torch's profiler)")
     ddp_step.add_argument("--json", metavar="PATH", help="write the results as JSON")
 
     collectives = benches.add_parser("collectives", help="every transport next to dense all_reduce and allgather")
@@ -274,12 +280,20 @@ def _save(args: argparse.Namespace, result: dict[str, Any], plot: Callable[[dict
 def _bench_ddp_step(args: argparse.Namespace) -> int:
     from sparsecomm.bench import ddp_step_bench
     from sparsecomm.presets import available_presets
+    from sparsecomm.train.baselines import SHORT_NAMES
 
     presets = [p.strip() for p in args.presets.split(",")] if args.presets else available_presets()
-    result = ddp_step_bench.run(presets, args.numel, args.device, args.repeat, args.workers)
-    print(f"\nddp-step: {result['parameters']:,} parameters, batch {result['batch']}, {args.workers} rank(s) on "
-          f"{result['device']} ({result['backend']}); ms: median of {args.repeat} steps, slowest rank\n")
-    print(format_table(result["rows"], ["preset", "ms", "vs_allreduce"]))
+    names = [name.strip() for name in args.baselines.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SHORT_NAMES or name == "allreduce"]
+    if unknown:
+        raise SparseCommError(f"--baselines takes fp16, powersgd-r1, powersgd-r2, not {', '.join(unknown)}")
+    result = ddp_step_bench.run(presets, args.numel, args.device, args.repeat, args.workers, args.width,
+                                tuple(SHORT_NAMES[name] for name in names), args.count)
+    print(f"\nddp-step: {result['parameters']:,} parameters in {result['tensors']} tensors, batch {result['batch']}, "
+          f"{args.workers} rank(s) on {result['device']} ({result['backend']}); ms: median of {args.repeat} steps, "
+          "slowest rank" + ("; ops and syncs per step, rank 0, all its threads" if args.count else "") + "\n")
+    columns = ["preset", "ms", "vs_allreduce"] + (["ops_per_step", "syncs_per_step"] if args.count else [])
+    print(format_table(result["rows"], columns))
     if args.json:
         write_json(args.json, result)
     return 0

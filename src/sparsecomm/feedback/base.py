@@ -38,7 +38,7 @@ class Feedback(Component):
                          scale: float = 1.0) -> bool:
         """Whether `flush` with these arguments only reads ``state``: then a dense step whose sum is
         never applied (a rank's NaN under ``nonfinite="raise"``) leaves nothing to undo, and the
-        gradient need not be screened before it is sent (`Pipeline.flush`). Not by default: the
+        gradient need not be screened before it is sent (`sparsecomm.adaptive.flush.flush`). Not by default: the
         default flush moves what it held into the wire."""
         return False
 

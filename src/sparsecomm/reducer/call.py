@@ -13,27 +13,21 @@ Routes, chosen once per call (`route_of`), each with its path object:
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 import torch
 
 from sparsecomm.adaptive.config import Plan
+from sparsecomm.names import Name
 from sparsecomm.pipeline import Segment
 from sparsecomm.reducer.config import ReducerConfig
 
 
-class Route(str, enum.Enum):
+class Route(Name):
     PLAIN = "plain"
     COMPRESSED = "compressed"
     ROWS = "rows"
     DENSE_STEP = "dense step"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __hash__(self) -> int:  # as its value's, so that a route and its name are one key
-        return str.__hash__(self)
 
 
 @dataclass(frozen=True)
@@ -61,7 +55,7 @@ class Call:
         """The gradient as the pipeline takes it: a bucket flat, one tensor in its own shape."""
         return self.tensor.reshape(-1) if self.segments else self.tensor
 
-    def budgeted(self) -> list[tuple[int, int]]:
+    def density_spans(self) -> list[tuple[int, int]]:
         """(start, numel) of what a density covers: every segment not sent whole, or the tensor."""
         if self.segments:
             return [(s.start, s.numel) for s in self.segments if not s.whole]

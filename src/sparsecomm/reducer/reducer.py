@@ -32,7 +32,7 @@ from torch import nn
 from sparsecomm.adaptive.controller import AdaptiveController
 from sparsecomm.adaptive.density import share_density
 from sparsecomm.errors import SparseCommError
-from sparsecomm.pipeline import Pipeline
+from sparsecomm.pipeline import Pipeline, Segment
 from sparsecomm.presets import resolve
 from sparsecomm.reducer.buckets import BucketLayouts
 from sparsecomm.reducer.call import Call, Route, route_of
@@ -142,7 +142,7 @@ class GradientReducer:
         if len(set(names)) != len(names):
             raise SparseCommError(f"gradient names repeat: {sorted({n for n in names if names.count(n) > 1})}")
         agree(self.group, Request(key="gradients " + ", ".join(names), call=self.stats.steps), len(names), 0)
-        pending = [(tensor, self._submit(Call(name, tensor, last=i == len(named) - 1)))
+        pending = [(tensor, self._submit(name, tensor, last=i == len(named) - 1))
                    for i, (name, tensor) in enumerate(named)]
         self.finish_step()
         for tensor, future in pending:
@@ -153,9 +153,8 @@ class GradientReducer:
     def reduce_bucket_async(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """A DDP bucket, its parameters' state found by name (see `ddp_comm_hook`)."""
         layout = self.buckets.layout(bucket)
-        call = Call(layout.key, layout.gathered(bucket), layout.segments, layout.stats_key,
-                    last=bucket.is_last() and layout.ddp_offsets is None)
-        reduced = self._submit(call)
+        reduced = self._submit(layout.key, layout.gathered(bucket), layout.segments, layout.stats_key,
+                               last=bucket.is_last() and layout.ddp_offsets is None)
         if layout.ddp_offsets is None:
             return reduced
         buffer = bucket.buffer()  # reduced in the checkpoint's layout: returned in DDP's
@@ -182,26 +181,29 @@ class GradientReducer:
             raise errors[0]
 
     def reduce(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The average over ranks of ``tensor`` (same shape and kind), outside any step."""
+        """The average over ranks of ``tensor`` (same shape and kind), on this thread's return: never
+        fused with a step's other calls (with the ``adaptive`` pipeline, it counts in the open step)."""
         future = self.reduce_async(key, tensor)
         self._parts.calls.in_flight.remove(future)
         return future.wait()
 
     def reduce_async(self, key: str, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         """Local stages now; the collective on the worker thread; a future of the average."""
-        return self._submit(Call(key, tensor, in_step=False))
+        return self._submit(key, tensor, in_step=False)
 
-    def _submit(self, call: Call) -> torch.futures.Future[torch.Tensor]:
-        """The call's route, its path's local stages and collective; a future of its average."""
-        stats = self.stats.tensors.setdefault(call.stats_key or call.key, TensorStats())
+    def _submit(self, key: str, tensor: torch.Tensor, segments: tuple[Segment, ...] | None = None,
+                stats_key: str = "", last: bool = False, in_step: bool = True) -> torch.futures.Future[torch.Tensor]:
+        """One call (see `Call`): its route, its path's local stages and collective; a future of its
+        average."""
+        stats = self.stats.tensors.setdefault(stats_key or key, TensorStats())
         stats.steps += 1
-        stats.dense_bytes += call.tensor.numel() * 4
+        stats.dense_bytes += tensor.numel() * 4
         start = time.perf_counter()
         plan = self.adaptive.plan_call(start) if self.adaptive is not None else None
-        route = route_of(call.tensor, self.config, plan)
-        number = self._counts.get(call.key, 0)
-        self._counts[call.key] = number + 1
-        call = replace(call, number=number)
+        route = route_of(tensor, self.config, plan)
+        number = self._counts.get(key, 0)
+        self._counts[key] = number + 1
+        call = Call(key, tensor, segments, stats_key, number, last, in_step)
         path = self._paths[route]
         pending = path.post(call, plan, start)
         stats.route = route.value

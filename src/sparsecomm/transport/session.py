@@ -116,5 +116,5 @@ class TransportSession:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.tunings = {tuple(key): Tuning.from_state_dict(saved) for key, saved in state["tunings"]}
         self.expected = {tuple(key): name for key, name in state["expected"]}
-        self.split_points = {tuple(key): tuple(bounds) for key, bounds in state.get("split_points", [])}
-        self.payload_capacity = state.get("payload_capacity", 0)
+        self.split_points = {tuple(key): tuple(bounds) for key, bounds in state["split_points"]}
+        self.payload_capacity = state["payload_capacity"]

@@ -55,8 +55,16 @@ class Pending:
     submitted: float
     finish_with_step: bool = False
     carries_report: bool = False
-    detail: Any = None
-    """the path's own: what it sent"""
+    sent: Any = None
+    """the path's own record of what it sent (`Sent`, `dense_step.Wire`)"""
+
+
+@dataclass(frozen=True)
+class Sent:
+    """What a transport call sent: this rank's contribution, and the buffer the sum lands in."""
+
+    contribution: SparseGradient | torch.Tensor
+    out: torch.Tensor | None
 
 
 class Path(ABC):
@@ -109,21 +117,22 @@ class TransportPath(Path):
         transport, contribution, request = self.contribution(call, request, plan)
         submitted = time.perf_counter()
         if adaptive is not None:
-            adaptive.measuring.submitted(call.tensor.numel(), *self.budgeted(call, plan), submitted - start, submitted)
+            adaptive.measuring.submitted(call.tensor.numel(), *self.budget_counts(call, plan), submitted - start,
+                                         submitted)
         tensor = call.tensor
         out = tensor if not tensor.is_sparse and tensor.is_contiguous() else None  # the sum lands in the gradient
         fuses = call.in_step and isinstance(transport, AllgatherTransport) and FUSE_BELOW > 0
         expected = self.expected_entries(call, plan) if fuses else 0
         waits = fuses and (expected is None or expected < FUSE_BELOW)
         future = parts.calls.post(transport, contribution, request, out, call.last, fuses, waits)
-        return Pending(future, submitted, carries_report=side is not None, detail=(contribution, out))
+        return Pending(future, submitted, carries_report=side is not None, sent=Sent(contribution, out))
 
     @abstractmethod
     def contribution(self, call: Call, request: Request,
                      plan: Plan | None) -> tuple[Transport, SparseGradient | torch.Tensor, Request]:
         """(the transport, this rank's contribution, the request) for one call."""
 
-    def budgeted(self, call: Call, plan: Plan | None) -> tuple[int, int, int]:
+    def budget_counts(self, call: Call, plan: Plan | None) -> tuple[int, int, int]:
         """(entries under the density, entries it plans to send, nonzeros sent whole besides)."""
         return 0, 0, 0
 
@@ -134,7 +143,7 @@ class TransportPath(Path):
 
     def summed(self, call: Call, pending: Pending, done: torch.futures.Future) -> Summed:
         reduction: Reduction = done.wait()
-        _, out = pending.detail
+        out = pending.sent.out
         agreement = reduction.record.agreement
         return Summed(reduction.total, reduction.record.bytes_sent, reduction.record.decode_s,
                       owned=out is not None and reduction.total is out, carried_report=pending.carries_report,

@@ -26,8 +26,8 @@ class CompressedPath(TransportPath):
                      plan: Plan | None) -> tuple[Transport, SparseGradient, Request]:
         pipeline, adaptive = self.parts.pipeline, self.parts.adaptive
         transport = self.parts.config.spec.transport
-        if adaptive is not None and adaptive.measuring.wants_energy:  # this step's sample of the gradient
-            adaptive.planner.sample_energy(call.tensor.reshape(-1), call.budgeted())
+        if adaptive is not None:  # this step's sample of the gradient, where it takes one
+            adaptive.planner.sample_energy(call.tensor.reshape(-1), call.density_spans())
         flat = call.flat
         try:
             output = pipeline.step(flat, call.key, segments=call.segments,
@@ -43,9 +43,9 @@ class CompressedPath(TransportPath):
         pipeline = self.parts.pipeline
         return pipeline.spec.sparsifier if plan is None else pipeline.at_density(plan.density)
 
-    def budgeted(self, call: Call, plan: Plan | None) -> tuple[int, int, int]:
+    def budget_counts(self, call: Call, plan: Plan | None) -> tuple[int, int, int]:
         pipeline = self.parts.pipeline
-        spans = call.budgeted()
+        spans = call.density_spans()
         planned = 0
         if plan is not None:
             at_density = pipeline.at_density(plan.density)
@@ -65,7 +65,7 @@ class CompressedPath(TransportPath):
     def measured(self, call: Call, pending: Pending, summed: Summed) -> None:
         adaptive = self.parts.adaptive
         assert adaptive is not None
-        contribution, _ = pending.detail
+        contribution = pending.sent.contribution
         measuring = adaptive.measuring
         measuring.finished(time.perf_counter(), summed.bytes_sent, payload_nnz=contribution.nnz)
         if contribution.nnz and adaptive.report_needed(self.parts.stats.steps):

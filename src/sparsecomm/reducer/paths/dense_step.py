@@ -30,14 +30,15 @@ from sparsecomm.transport.side_numbers import read_tail, tail_elements, write_ta
 @dataclass(frozen=True)
 class Wire:
     """What one call of a dense step sends: the tensor all_reduced, its bytes, the gradient's flat
-    buffer the sum goes back into, whether the feedback was flushed into it, its fp16 scale, and —
-    when it carries a report — how many leading elements are gradient (the rest is the tail)."""
+    buffer the sum goes back into, whether the feedback was flushed into it, whether it went in
+    fp16 (scaled by 1/P), and — when it carries a report — how many leading elements are gradient
+    (the rest is the tail)."""
 
     tensor: torch.Tensor
     nbytes: int
     home: torch.Tensor
     flushed: bool
-    scale: float = 1.0
+    fp16: bool = False
     carrying: int | None = None
 
 
@@ -58,8 +59,8 @@ class DenseStepPath(Path):
         wire = self._wire(call, plan, side)
         submitted = time.perf_counter()
         measuring = adaptive.measuring
-        budgeted = sum(numel for _, numel in call.budgeted()) if wire.flushed else 0
-        measuring.submitted(call.tensor.numel(), budgeted, 0, 0, submitted - start, submitted)
+        budget_numel = sum(numel for _, numel in call.density_spans()) if wire.flushed else 0
+        measuring.submitted(call.tensor.numel(), budget_numel, 0, 0, submitted - start, submitted)
         measuring.issued_dense(submitted)
         # posted on the process group itself, as DDP posts its own: dist.all_reduce's checks cost more.
         # A CUDA tensor goes as it is, on gloo too: gloo stages it through pinned memory on its own
@@ -67,7 +68,7 @@ class DenseStepPath(Path):
         posted = wire.tensor if wire.tensor.device.type == "cuda" else on_wire(wire.tensor, parts.wire_device)
         work = parts.process_group.allreduce([posted])
         return Pending(work.get_future(), submitted, finish_with_step=call.in_step and call.tensor.device.type == "cpu",
-                       carries_report=wire.carrying is not None, detail=wire)
+                       carries_report=wire.carrying is not None, sent=wire)
 
     def _wire(self, call: Call, plan: Plan, side: tuple[float, ...] | None) -> Wire:
         """What a dense step sends for ``call``: as it is (fp32) below ``dense_below``, else flushed
@@ -105,7 +106,7 @@ class DenseStepPath(Path):
             low, high = (float(bound) for bound in torch.aminmax(sent))
             if math.isfinite(low) and math.isfinite(high):  # else the sum is non-finite: every rank raises
                 adaptive.measuring.saw_magnitude(max(-low, high) / scale)
-        return Wire(wire, wire.numel() * wire.element_size(), home, not as_it_is, scale, carrying)
+        return Wire(wire, wire.numel() * wire.element_size(), home, not as_it_is, half, carrying)
 
     def _buffer(self, key: str, home: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The stream's reusable wire of ``dtype``: room for the gradient and a report's tail."""
@@ -116,36 +117,36 @@ class DenseStepPath(Path):
         return buffer
 
     def summed(self, call: Call, pending: Pending, done: torch.futures.Future) -> Summed:
-        wire: Wire = pending.detail
+        wire: Wire = pending.sent
         total = done.value()[0].to(call.tensor.device)  # itself, unless gloo carried a CUDA gradient
         sides = None
         if wire.carrying is not None:
             sides = read_tail(total[wire.carrying:])
             total = total[:wire.carrying]
-        return Summed(total, wire.nbytes, owned=True, averaged=wire.scale != 1.0,
+        return Summed(total, wire.nbytes, owned=True, averaged=wire.fp16,
                       carried_report=wire.carrying is not None, sides=sides)
 
     def checked(self, call: Call, pending: Pending, summed: Summed) -> torch.Tensor:
         """The sum, raising on every rank where it is non-finite, back in the gradient's buffer
         where the wire was scratch."""
-        wire: Wire = pending.detail
+        wire: Wire = pending.sent
         if not all_finite(summed.total):
             raise SparseCommError(f"a rank had a non-finite gradient (NaN or Inf) in {call.key!r}, or the sum "
                                   "overflowed; no rank applied it")
-        if wire.scale != 1.0 or wire.carrying is not None:
+        if wire.fp16 or wire.carrying is not None:
             return wire.home.copy_(summed.total)
         return summed.total
 
     def measured(self, call: Call, pending: Pending, summed: Summed) -> None:
         adaptive = self.parts.adaptive
         assert adaptive is not None
-        wire: Wire = pending.detail
-        adaptive.measuring.finished(time.perf_counter(), summed.bytes_sent, budgeted=wire.flushed, dense_wire=True,
+        wire: Wire = pending.sent
+        adaptive.measuring.finished(time.perf_counter(), summed.bytes_sent, in_budget=wire.flushed, dense_wire=True,
                                     world_size=self.parts.config.world_size,
                                     min_wire_bytes=adaptive.config.min_wire_bytes)
 
     def after_average(self, call: Call, pending: Pending, total: torch.Tensor) -> torch.Tensor:
-        wire: Wire = pending.detail
+        wire: Wire = pending.sent
         if wire.flushed:  # what the feedback owns follows the average (DGC's momentum)
             update_flushed(self.parts.pipeline, total, call.key, call.segments)
         return self.parts.uncompressed.apply(total, call.key, call.segments, whole_only=wire.flushed)
