@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     ddp_step.add_argument("--device", default="cpu", help="cpu (gloo; default) or cuda (NCCL, one rank per GPU)")
     ddp_step.add_argument("--numel", type=_positive_int, default=25_600_000,
                           help="model parameters (default %(default)s)")
-    ddp_step.add_argument("--presets", default=None, help="comma-separated presets (default: every available preset)")
+    ddp_step.add_argument("--presets", default=None,
+                          help="comma-separated presets or specs (default: every available preset)")
     ddp_step.add_argument("--workers", type=_positive_int, default=1, help="ranks (default 1)")
     ddp_step.add_argument("--repeat", type=_positive_int, default=10, help="timed steps, median kept")
     ddp_step.add_argument("--width", type=_positive_int, default=2048,
@@ -277,12 +278,17 @@ def _save(args: argparse.Namespace, result: dict[str, Any], plot: Callable[[dict
     return 0
 
 
+def _specs(text: str) -> list[str]:
+    """Comma-separated presets or specs (a comma inside parentheses belongs to its spec)."""
+    return [part.strip() for part in re.split(r",(?![^()]*\))", text)]
+
+
 def _bench_ddp_step(args: argparse.Namespace) -> int:
     from sparsecomm.bench import ddp_step_bench
     from sparsecomm.presets import available_presets
     from sparsecomm.train.baselines import SHORT_NAMES
 
-    presets = [p.strip() for p in args.presets.split(",")] if args.presets else available_presets()
+    presets = _specs(args.presets) if args.presets else available_presets()
     names = [name.strip() for name in args.baselines.split(",") if name.strip()]
     unknown = [name for name in names if name not in SHORT_NAMES or name == "allreduce"]
     if unknown:
@@ -360,7 +366,7 @@ def _train(args: argparse.Namespace) -> int:
     from sparsecomm.presets import available_presets
     from sparsecomm.train import runner
 
-    presets = [p.strip() for p in re.split(r",(?![^()]*\))", args.presets)] if args.presets else available_presets()
+    presets = _specs(args.presets) if args.presets else available_presets()
     if "dense" not in presets:
         presets = ["dense", *presets]
     presets = [*(name for name in _baselines(args.baselines) if name not in presets), *presets]
