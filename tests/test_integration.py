@@ -69,7 +69,7 @@ def train_ddp_and_checkpoint(rank: int, world: int, spec: str, steps: int, resum
     model = DDP(mlp(0))
     reducer = sc.GradientReducer(spec, model=model, seed=5)
     model.register_comm_hook(reducer, sc.ddp_comm_hook)
-    applies_momentum = reducer.spec.feedback.name == "dgc_momentum"
+    applies_momentum = reducer.spec.feedback.applies_momentum
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.0 if applies_momentum else 0.9)
     start = 0
     if saved is not None:

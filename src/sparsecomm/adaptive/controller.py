@@ -37,13 +37,22 @@ class AdaptiveController:
         if module is not None:  # its size, before the first step measures it
             self.planner.costs.total_numel = sum(p.numel() for p in module.parameters() if p.requires_grad)
 
-    def measure_startup(self, spec: Any, group: dist.ProcessGroup | None, wire_device: torch.device,
-                        model_numel: int | None) -> None:
-        """Time the sparse path's per-byte cost and the link before the first step, so that step can
-        be planned (every rank calls it, with a measured budget and more than one rank)."""
-        self.planner.calibrate(spec)
-        self.planner.costs.observe_link(*link_throughput(group, probe_numel(model_numel), wire_device,
-                                                         (torch.float32, torch.float16)))
+    @classmethod
+    def of(cls, spec: Any, world_size: int, group: dist.ProcessGroup | None, wire_device: torch.device,
+           module: nn.Module | None) -> AdaptiveController | None:
+        """The controller of a reducer with pipeline ``spec`` (None unless its sparsifier is ``adaptive``),
+        its sparse path's per-byte cost and the link timed before the first step where it measures
+        them (more than one rank, no user-set budget), so that step can be planned. Every rank calls it."""
+        sparsifier = spec.sparsifier
+        if not isinstance(sparsifier, Adaptive):
+            return None
+        controller = cls(sparsifier, world_size, spec.feedback.delay_horizon(), group, wire_device, module)
+        if world_size > 1 and not sparsifier.budget:
+            controller.planner.calibrate(spec)
+            model_numel = sum(p.numel() for p in module.parameters()) if module is not None else None
+            controller.planner.costs.observe_link(*link_throughput(group, probe_numel(model_numel), wire_device,
+                                                                   (torch.float32, torch.float16)))
+        return controller
 
     @property
     def measuring(self) -> StepMeasurement:

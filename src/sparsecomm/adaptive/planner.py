@@ -65,6 +65,10 @@ class Planner:
                            bytes_per_nnz=self.config.first_bytes_per_nnz)
         self.trials = Trials(self.config)
 
+    def use_feedback_horizon(self, horizon: float) -> None:
+        """The pipeline's feedback changed (before the first step): its `Feedback.delay_horizon`."""
+        self.feedback_horizon = self.costs.feedback_horizon = horizon
+
     # -- the reducer's calls, in step order ------------------------------------------------------
     def calibrate(self, spec: Any) -> None:
         """Time this rank's sparse path once (`marginal_sparse_cost`); every report carries the result."""

@@ -3,7 +3,7 @@ was sent."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -13,6 +13,9 @@ from sparsecomm.sparse_gradient import SparseGradient
 
 
 class Feedback(Component):
+    applies_momentum: ClassVar[bool] = False
+    """whether this feedback applies SGD's momentum itself (the optimizer then must not)"""
+
     def accumulate(self, grad: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
         """The tensor to sparsify this step. Never modifies ``grad``."""
         raise NotImplementedError

@@ -11,7 +11,8 @@ momentum's u is b itself, Nesterov's is m·b (then v ← v + g + m·b). The same
 update one fused pass (``torch.add`` with ``alpha``) where u's form takes two.
 
 The momentum lives here, so the optimizer must be plain SGD **without** momentum (a second
-momentum would be applied on top; `sparsecomm.check_optimizer` warns about it). Local clipping
+momentum would be applied on top; `sparsecomm.check_optimizer` switches such a pipeline to error
+feedback, ``residual``, and says so). Local clipping
 rescales this tensor's gradient to L2 norm at most ``clip``·``world_size``^(−1/2) before it is
 accumulated (the global threshold ``clip`` split evenly over the ranks' gradients); 0 turns it off.
 With a lossy value codec, v keeps what quantization lost (error feedback) instead of being zeroed.
@@ -41,6 +42,7 @@ from sparsecomm.sparse_gradient import SparseGradient
 @FEEDBACKS.register("dgc_momentum")
 @dataclass(frozen=True)
 class DGCMomentum(Feedback):
+    applies_momentum = True
     momentum: float = 0.9
     nesterov: bool = False
     masking: bool = True

@@ -21,6 +21,7 @@ from torch import nn
 
 from sparsecomm.errors import SparseCommError
 from sparsecomm.pipeline import Segment
+from sparsecomm.reducer.completion import result_future
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,19 @@ class BucketLayout:
             return bucket.buffer()
         gradients = dict(zip((name for name, _ in self.ddp_offsets), bucket.gradients(), strict=True))
         return torch.cat([gradients[segment.key].reshape(-1) for segment in self.segments])
+
+    def to_ddp_later(self, reduced: torch.futures.Future, buffer: torch.Tensor) -> torch.futures.Future:
+        """The future of ``reduced``'s sum in DDP's layout (``buffer`` is DDP's bucket)."""
+        result = result_future(buffer)
+
+        def to_ddp_layout(done: torch.futures.Future[torch.Tensor]) -> None:
+            try:
+                result.set_result(self.to_ddp(done.wait(), buffer))
+            except BaseException as err:  # noqa: BLE001 - handed to the waiter
+                result.set_exception(err)
+
+        reduced.add_done_callback(to_ddp_layout)
+        return result
 
     def to_ddp(self, total: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
         """A sum in this layout, in DDP's."""

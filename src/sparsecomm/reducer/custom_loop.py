@@ -32,11 +32,10 @@ def allreduce_gradients(named_gradients: Iterable[tuple[str, torch.Tensor]], spe
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, reducer: GradientReducer) -> None:
-    """Warn when a pipeline that applies momentum itself (DGC) meets an optimizer with momentum."""
-    if reducer.spec.feedback.name != "dgc_momentum":
-        return
-    for group in optimizer.param_groups:
-        if group.get("momentum", 0) or group.get("betas"):
-            warnings.warn("the dgc_momentum feedback applies momentum itself; use SGD without momentum, or the "
-                          "momentum is applied twice", stacklevel=2)
-            return
+    """Suit ``reducer`` to ``optimizer`` before the first step (`GradientReducer.suit_optimizer`):
+    a pipeline that applies SGD's momentum itself (DGC's) under an optimizer with momentum of its
+    own (SGD with momentum, AdamW) switches to error feedback on the gradient, with a warning that
+    says so. Every rank calls it alike."""
+    why = reducer.suit_optimizer(optimizer)
+    if why is not None:
+        warnings.warn(why, stacklevel=2)

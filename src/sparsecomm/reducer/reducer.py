@@ -37,8 +37,9 @@ from sparsecomm.presets import resolve
 from sparsecomm.reducer.buckets import BucketLayouts
 from sparsecomm.reducer.call import Call, Route, route_of
 from sparsecomm.reducer.checkpoint import FORMAT, migrate
-from sparsecomm.reducer.completion import attach, result_future
+from sparsecomm.reducer.completion import attach
 from sparsecomm.reducer.config import DENSE_BELOW, ReducerConfig
+from sparsecomm.reducer.optimizers import suited_feedback
 from sparsecomm.reducer.paths.base import Parts, Path
 from sparsecomm.reducer.paths.compressed import CompressedPath
 from sparsecomm.reducer.paths.dense_step import DenseStepPath
@@ -47,7 +48,6 @@ from sparsecomm.reducer.paths.rows import RowsPath
 from sparsecomm.reducer.stats import ReducerStats, TensorStats
 from sparsecomm.reducer.step_calls import StepCalls
 from sparsecomm.reducer.uncompressed import UncompressedFeedback
-from sparsecomm.sparsify.adaptive import Adaptive
 from sparsecomm.spec import PipelineSpec, format_spec
 from sparsecomm.transport.agreement import agree
 from sparsecomm.transport.collectives import wire_device
@@ -101,23 +101,44 @@ class GradientReducer:
         """the reducer's own group: its collectives never interleave with the caller's"""
         process_group = self.async_group if self.async_group is not None else _default_group()
         device = wire_device(process_group)
-        module = getattr(model, "module", model)
-        sparsifier = config.spec.sparsifier
-        self.adaptive = (AdaptiveController(sparsifier, world_size, config.spec.feedback.delay_horizon(),
-                                            self.async_group, device, module)
-                         if isinstance(sparsifier, Adaptive) else None)
-        """the adaptive sparsifier's controller (None for other pipelines)"""
         if world_size > 1:  # groups its calls need, made now with the others rather than in a step
             config.spec.transport.prepare(self.async_group, self.session)
-        if self.adaptive is not None and world_size > 1 and not self.adaptive.planner.sparsifier.budget:
-            model_numel = sum(p.numel() for p in module.parameters()) if module is not None else None
-            self.adaptive.measure_startup(config.spec, self.async_group, device, model_numel)
-        self._parts = Parts(config, self.pipeline, StepCalls(self.async_group, self.session),
-                            UncompressedFeedback(config.spec.feedback), self.stats, process_group, device,
-                            dist.get_rank(process_group), self.adaptive)
+        self.adaptive = AdaptiveController.of(config.spec, world_size, self.async_group, device,
+                                              getattr(model, "module", model))
+        """the adaptive sparsifier's controller (None for other pipelines)"""
+        self._calls = StepCalls(self.async_group, self.session)
+        self._process_group, self._wire_device = process_group, device
+        self._build_paths()
+
+    def _build_paths(self) -> None:
+        """The paths of every route, over the reducer's current configuration and pipeline."""
+        self._parts = Parts(self.config, self.pipeline, self._calls, UncompressedFeedback(self.spec.feedback),
+                            self.stats, self._process_group, self._wire_device, dist.get_rank(self._process_group),
+                            self.adaptive)
         paths: list[Path] = [PlainPath(self._parts), CompressedPath(self._parts), RowsPath(self._parts),
                              DenseStepPath(self._parts)]
         self._paths = {path.route: path for path in paths}
+
+    def suit_optimizer(self, optimizer: torch.optim.Optimizer) -> str | None:
+        """Before the first step, take a feedback that suits ``optimizer`` (`suited_feedback`: no
+        momentum applied twice); every rank calls it alike. Returns why the feedback changed, or None.
+
+        Raises:
+            SparseCommError: the feedback must change after the first step, or the ranks differ."""
+        feedback, why = suited_feedback(self.spec.feedback, optimizer)
+        if why is None:
+            return None
+        if self._counts:
+            raise SparseCommError(f"{why} — but this reducer has already reduced gradients: suit it to the "
+                                  "optimizer before the first step")
+        self.config = replace(self.config, spec=replace(self.spec, feedback=feedback))
+        self.config.agree(self.group)
+        self.pipeline = Pipeline(self.spec, seed=self.config.seed, nonfinite=self.config.nonfinite,
+                                 world_size=self.config.world_size)
+        if self.adaptive is not None:
+            self.adaptive.planner.use_feedback_horizon(feedback.delay_horizon())
+        self._build_paths()
+        return why
 
     @property
     def spec(self) -> PipelineSpec:
@@ -157,22 +178,13 @@ class GradientReducer:
                                last=bucket.is_last() and layout.ddp_offsets is None)
         if layout.ddp_offsets is None:
             return reduced
-        buffer = bucket.buffer()  # reduced in the checkpoint's layout: returned in DDP's
-        result = result_future(buffer)
-
-        def to_ddp_layout(done: torch.futures.Future[torch.Tensor]) -> None:
-            try:
-                result.set_result(layout.to_ddp(done.wait(), buffer))
-            except BaseException as err:  # noqa: BLE001 - handed to the waiter
-                result.set_exception(err)
-
-        reduced.add_done_callback(to_ddp_layout)
-        self._parts.calls.in_flight[-1] = result  # the step waits for the copy back too
+        result = layout.to_ddp_later(reduced, bucket.buffer())  # reduced in the checkpoint's layout
+        self._calls.in_flight[-1] = result  # the step waits for the copy back too
         return result
 
     def finish_step(self) -> None:
         """Wait for this step's calls, count the step, and raise the first error any call met."""
-        errors = self._parts.calls.finish()
+        errors = self._calls.finish()
         if self.adaptive is not None and self.adaptive.plan is not None:
             share_density(self.pipeline)
             self.adaptive.end_step(self.stats.steps)
@@ -184,7 +196,7 @@ class GradientReducer:
         """The average over ranks of ``tensor`` (same shape and kind), on this thread's return: never
         fused with a step's other calls (with the ``adaptive`` pipeline, it counts in the open step)."""
         future = self.reduce_async(key, tensor)
-        self._parts.calls.in_flight.remove(future)
+        self._calls.in_flight.remove(future)
         return future.wait()
 
     def reduce_async(self, key: str, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:

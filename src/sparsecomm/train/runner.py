@@ -159,7 +159,7 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
     else:
         model = DistributedDataParallel(task.model(seed).to(device))
         reducer = register_ddp_hook(model, row, seed=seed)
-        applies_momentum = reducer.spec.feedback.name == "dgc_momentum"
+        applies_momentum = reducer.spec.feedback.applies_momentum
     # one update rule for every row: SGD with Nesterov momentum, applied by the optimizer or, for
     # pipelines that correct momentum themselves (DGC's), by the pipeline with plain SGD after it
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0 if applies_momentum else MOMENTUM,

@@ -1,0 +1,94 @@
+"""Pipelines and optimizers: a feedback that applies SGD's momentum itself (DGC's) meets an optimizer
+with momentum of its own (SGD with momentum, AdamW) only as error feedback — switched before the
+first step, with a warning that says why — so no momentum is applied twice."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import sparsecomm as sc
+from sparsecomm.components import DGCMomentum, Residual
+from sparsecomm.launch import run_local
+from sparsecomm.reducer.optimizers import suited_feedback
+from test_training import batches, digest, mlp
+
+
+def parameters() -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.zeros(3))]
+
+
+@pytest.mark.parametrize(("optimizer", "switches"), [
+    (torch.optim.SGD(parameters(), lr=0.1), False),
+    (torch.optim.SGD(parameters(), lr=0.1, momentum=0.9), True),
+    (torch.optim.AdamW(parameters()), True),
+    (torch.optim.Adam(parameters()), True),
+])
+def test_a_momentum_correcting_feedback_gives_way_to_an_optimizers_own_momentum(optimizer, switches):
+    feedback, why = suited_feedback(DGCMomentum(momentum=0.9, nesterov=True), optimizer)
+    assert (feedback == Residual()) is switches and (why is not None) is switches
+    if switches:
+        assert type(optimizer).__name__ in why and "residual" in why
+    assert suited_feedback(Residual(), optimizer) == (Residual(), None)  # error feedback suits every optimizer
+
+
+def adamw_training(rank: int, world: int, preset: str) -> dict:
+    model = DDP(mlp(0))
+    reducer = sc.register_ddp_hook(model, preset)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sc.check_optimizer(optimizer, reducer)
+        sc.check_optimizer(optimizer, reducer)  # a second call changes nothing more
+    losses = []
+    for data, labels in batches(rank, world, 12):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(data), labels)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    horizon = reducer.adaptive.planner.costs.feedback_horizon if reducer.adaptive is not None else None
+    try:
+        sc.check_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5), reducer)
+        late = "no error"
+    except sc.SparseCommError as err:
+        late = str(err)
+    reducer.close()
+    return {"warnings": [str(w.message) for w in caught], "feedback": reducer.spec.feedback.name,
+            "digest": digest(model), "losses": losses, "horizon": horizon, "late": late}
+
+
+@pytest.mark.parametrize("preset", ["dgc", "adaptive"])
+def test_adamw_trains_with_error_feedback_in_place_of_dgcs_momentum_alike_on_every_rank(preset):
+    results = run_local(2, adamw_training, preset)
+    for result in results:
+        assert result["feedback"] == "residual" and len(result["warnings"]) == 1
+        assert "AdamW applies its own" in result["warnings"][0]
+        assert result["losses"][-1] < result["losses"][0]
+        assert "already reduced gradients" not in result["late"]  # residual suits SGD with momentum too
+    assert results[0]["digest"] == results[1]["digest"]
+    if preset == "adaptive":
+        assert results[0]["horizon"] == 1.0  # error feedback delivers within a step, not a momentum's memory
+
+
+def switched_late(rank: int, world: int) -> str:
+    model = DDP(mlp(0))
+    reducer = sc.register_ddp_hook(model, "dgc")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for data, labels in batches(rank, world, 2):
+        optimizer.zero_grad()
+        F.cross_entropy(model(data), labels).backward()
+        optimizer.step()
+    try:
+        sc.check_optimizer(torch.optim.AdamW(model.parameters()), reducer)
+    except sc.SparseCommError as err:
+        return str(err)
+    finally:
+        reducer.close()
+    return "no error"
+
+
+def test_suiting_the_optimizer_after_the_first_step_is_refused_on_every_rank():
+    assert all("before the first step" in message for message in run_local(2, switched_late))
