@@ -9,7 +9,7 @@ thread (``AsyncAllreduceWork::allreduce`` → ``createUnboundBuffer`` → malloc
 Each run is a fresh pair of processes; the script prints each run's outcome and exits 1 if any run
 crashed. ``--same-group`` puts both models on the default group; ``--dense`` makes the embeddings
 dense; ``--models 1`` trains one model (crashes there were seen only while py-spy sampled the
-processes). Figures: the README's known platform issue.
+processes). Figures: docs/known-issues.md.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 STARTS_WORKERS = ("run_local(", '"--workers"', '"ddp-step"', '"--nproc_per_node"', 'main(["train"',
-                  "train_on_loopback(", "ShapedNetwork(")
+                  "train_on_loopback(", "ShapedNetwork(", "train.runner import run")
 """what, in a test function's source, starts worker processes"""
 
 

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm as sc
+import sparsecomm.reducer.paths.device as device_path
 from sparsecomm.adaptive.config import Mode, Plan
 from sparsecomm.launch import run_local
 from sparsecomm.transport.allgather import AllgatherTransport
@@ -34,7 +35,8 @@ def chain_to_handoff() -> list[tuple[str, str]]:
 
 CASES = [("dgc", None, False), ("topk(ratio=0.5)+residual+rice+fp32+allgather", None, False), ("dgc", None, True),
          ("dense", None, False), ("sparcml", None, False), ("adaptive", Mode.FP32, False),
-         ("adaptive", Mode.FP16, False), ("adaptive", Mode.SPARSE, True)]
+         ("adaptive", Mode.FP16, False), ("adaptive", Mode.SPARSE, True),
+         ("dgc(ratio=0.01)+dgc_momentum(momentum=0.9)+raw+fp32+allgather", None, False)]
 """(spec, the adaptive mode forced on every step, whether the model has a sparse embedding)"""
 
 
@@ -56,6 +58,7 @@ def recorded_chains(rank: int, world: int) -> list[set[tuple]]:
     Transport.reduce_async = recording(Transport.reduce_async)
     AllgatherTransport.reduce_fused = recording(AllgatherTransport.reduce_fused)
     dist.ProcessGroup.allreduce = recording(dist.ProcessGroup.allreduce)
+    device_path.all_gather_single = recording(device_path.all_gather_single)
     per_case = []
     for spec, forced, embedding in CASES:
         chains = set()
@@ -95,6 +98,7 @@ def test_every_route_reaches_its_collective_in_few_functions_and_never_turns_bac
             shown = " > ".join(f"{module}:{name}" for module, name in chain)
             assert len(chain) <= MOST_FUNCTIONS, f"{spec}, {forced}: {len(chain)} functions: {shown}"
             assert len(visits) == len(set(visits)), f"{spec}, {forced}: back in a module it left: {shown}"
-    # calls for the worker thread, a step's last call with those that waited, a dense step's all_reduce
+    # calls for the worker thread, a step's last call with those that waited, a dense step's all_reduce,
+    # the device route's all_gather
     assert handoffs == {("reducer/step_calls.py", "post"), ("reducer/step_calls.py", "_exchange_deferred"),
-                        ("reducer/paths/dense_step.py", "post")}
+                        ("reducer/paths/dense_step.py", "post"), ("reducer/paths/device.py", "post")}

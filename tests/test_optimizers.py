@@ -43,7 +43,7 @@ def adamw_training(rank: int, world: int, preset: str) -> dict:
         sc.check_optimizer(optimizer, reducer)
         sc.check_optimizer(optimizer, reducer)  # a second call changes nothing more
     losses = []
-    for data, labels in batches(rank, world, 12):
+    for data, labels in batches(rank, world, 24):  # DGC's warm-up and AdamW's sparse updates start slowly
         optimizer.zero_grad()
         loss = F.cross_entropy(model(data), labels)
         loss.backward()
@@ -66,7 +66,7 @@ def test_adamw_trains_with_error_feedback_in_place_of_dgcs_momentum_alike_on_eve
     for result in results:
         assert result["feedback"] == "residual" and len(result["warnings"]) == 1
         assert "AdamW applies its own" in result["warnings"][0]
-        assert result["losses"][-1] < result["losses"][0]
+        assert sum(result["losses"][-4:]) < sum(result["losses"][:4])
         assert "already reduced gradients" not in result["late"]  # residual suits SGD with momentum too
     assert results[0]["digest"] == results[1]["digest"]
     if preset == "adaptive":

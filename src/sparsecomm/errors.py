@@ -4,12 +4,54 @@ from __future__ import annotations
 
 
 class SparseCommError(ValueError):
-    """Base class: bad input, bad configuration, or a payload that cannot be trusted."""
+    """Base class: bad input, bad configuration, or a payload that cannot be trusted.
+
+    Raised on its own for what is neither a spec nor a payload: torch.distributed not initialised,
+    ranks that disagree on what they reduce, a non-finite gradient under ``nonfinite="raise"``, a
+    value a codec cannot carry. Where one rank meets such an error inside a collective, every rank
+    raises it at the same call.
+
+    Example:
+        ```python
+        import sparsecomm as sc
+
+        try:
+            sc.GradientReducer("dgc")  # outside a torch.distributed job
+        except sc.SparseCommError as err:
+            print(err)
+        ```
+    """
 
 
 class SpecError(SparseCommError):
-    """A pipeline spec string or component name/parameter is invalid."""
+    """A pipeline spec string or component name/parameter is invalid; the message lists the valid
+    names or parameters.
+
+    Example:
+        ```python
+        import sparsecomm as sc
+
+        try:
+            sc.parse_spec("topk(ratio=0.01,bucket=4)")
+        except sc.SpecError as err:
+            print(err)  # sparsifier 'topk' has no parameter 'bucket'; parameters: ratio, k, warmup
+        ```
+    """
 
 
 class PayloadError(SparseCommError):
-    """A payload is truncated, corrupted, of another format version, or internally inconsistent."""
+    """A payload is truncated, corrupted, of another format version, or internally inconsistent.
+
+    Example:
+        ```python
+        import torch
+
+        import sparsecomm as sc
+
+        payload = sc.encode(sc.SparseGradient.from_dense(torch.tensor([0.0, 1.5, 0.0])))
+        try:
+            sc.decode(payload[:-1])
+        except sc.PayloadError as err:
+            print(err)  # payload is ... bytes but its header describes ... (truncated?)
+        ```
+    """

@@ -79,10 +79,33 @@ def write_at(target: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) 
 def keep_freed_host_memory(mmap_threshold: int = MAX_MMAP_THRESHOLD,
                            trim_threshold: int = DEFAULT_TRIM_THRESHOLD) -> bool:
     """Ask glibc's allocator to serve blocks below ``mmap_threshold`` bytes from its heap and keep
-    up to ``trim_threshold`` bytes of freed heap instead of returning it to the kernel. Affects the
-    whole process, so it is for processes sparsecomm starts (its workers and CLI) and for training
-    scripts that opt in. Returns whether the allocator took both (False off glibc: macOS, Windows,
-    musl)."""
+    up to ``trim_threshold`` bytes of freed heap instead of returning it to the kernel.
+
+    The host codecs build temporaries of a few bytes per nonzero on every call; kept, the next call
+    reuses what the last one freed instead of page-faulting fresh memory in (a 160k-nonzero Rice
+    encode: 1.0 ms instead of 3.7). Affects the whole process, so it is for processes sparsecomm
+    starts (its workers and CLI) and for training scripts that opt in: call it once, at the start.
+
+    Args:
+        mmap_threshold: blocks smaller than this many bytes come from the heap (at most 32 MiB,
+            glibc's largest).
+        trim_threshold: up to this many bytes of freed heap are kept (below 2**31).
+
+    Returns:
+        Whether the allocator took both settings; False off Linux or where the C library is not
+        glibc (macOS, Windows, musl).
+
+    Raises:
+        ValueError: a threshold out of range.
+
+    Example:
+        ```python
+        import sparsecomm as sc
+
+        if not sc.keep_freed_host_memory():
+            print("not glibc: the allocator keeps its own counsel")
+        ```
+    """
     if not 0 <= mmap_threshold <= MAX_MMAP_THRESHOLD or not 0 <= trim_threshold < 2**31:
         raise ValueError(f"mmap_threshold must be in [0, {MAX_MMAP_THRESHOLD}] and trim_threshold in [0, 2**31), "
                          f"got {mmap_threshold} and {trim_threshold}")

@@ -103,11 +103,42 @@ def encode(
     rng: np.random.Generator | None = None,
     dense: torch.Tensor | None = None,
 ) -> bytes:
-    """Encode a sparse gradient into a payload. Indices are sorted (values follow); duplicate or
-    out-of-range indices and non-finite values raise `SparseCommError`. ``rng`` feeds stochastic
-    codecs (QSGD, Bloom policies); by default a generator seeded with 0, so equal inputs give equal
-    bytes. ``dense``, the gradient the selection came from, gives the values of any index a lossy
-    index codec sends beyond the selection (zero without it)."""
+    """Encode a sparse gradient into a payload: bytes that need nothing else to decode.
+
+    Indices are sorted (values follow). The payload names its codecs, so `decode` needs nothing but
+    the bytes (layout: this module's docstring).
+
+    Args:
+        grad: the entries to send (unique indices, finite float values).
+        index_codec: an index codec, or its spec text (``"rice"``, ``"bloom(policy=p0)"``); a joint
+            codec (``"skcompress"``) codes the values too, and then ``value_codec`` must stay
+            ``"fp32"``.
+        value_codec: a value codec, or its spec text (``"fp16"``, ``"qsgd(bits=4)"``).
+        rng: feeds stochastic codecs (QSGD, Bloom policies); by default a generator seeded with 0,
+            so equal inputs give equal bytes.
+        dense: the gradient the selection came from: gives the values of any index a lossy index
+            codec sends beyond the selection (zero without it).
+
+    Returns:
+        The payload.
+
+    Raises:
+        SparseCommError: duplicate or out-of-range indices, non-finite values, a dtype that is not
+            a float, a codec of the wrong kind, or values the codec cannot carry (beyond fp16's
+            range).
+        SpecError: a codec's spec text is invalid.
+
+    Example:
+        ```python
+        import torch
+
+        import sparsecomm as sc
+
+        grad = sc.SparseGradient(torch.tensor([7, 2, 40]), torch.tensor([0.5, -1.0, 2.0]), torch.Size([64]))
+        payload = sc.encode(grad, "rice", "fp16")
+        print(len(payload), sc.read_info(payload).value_codec)
+        ```
+    """
     index = _as_codec(INDEX_CODECS, index_codec, IndexCodec)
     value = _as_codec(VALUE_CODECS, value_codec, ValueCodec)
     if grad.dtype not in FLOAT_DTYPES:
@@ -145,9 +176,37 @@ def encode(
 
 def decode(payload: PayloadLike, device: torch.device | str | None = None,
            expect: int | Sequence[int] | None = None) -> SparseGradient:
-    """Decode a payload into a `SparseGradient` (indices ascending). Anything wrong with the bytes
-    raises `PayloadError` saying what. ``expect``: the tensor the receiver expects, as a shape or an
-    element count; a payload for any other is refused before its sections are read."""
+    """Decode a payload into a `SparseGradient` (indices ascending).
+
+    Decoding is bounded: the checksum and every length are checked before any section is read, and
+    its time and memory grow with the payload's size and nnz (see this module's docstring).
+
+    Args:
+        payload: the bytes (or a 1-D uint8 tensor) `encode` made.
+        device: where the decoded indices and values go (default: the CPU).
+        expect: the tensor the receiver expects, as a shape or an element count; a payload for any
+            other is refused before its sections are read.
+
+    Returns:
+        The entries the payload carries, as the receiver sees them (after a lossy codec, the
+        decoded values).
+
+    Raises:
+        PayloadError: anything wrong with the bytes — truncated, corrupted, of another format
+            version, for another tensor than ``expect``, or internally inconsistent — saying what.
+
+    Example:
+        ```python
+        import torch
+
+        import sparsecomm as sc
+
+        grad = torch.zeros(1000)
+        grad[[3, 500]] = torch.tensor([1.0, -2.0])
+        received = sc.decode(sc.encode(sc.SparseGradient.from_dense(grad), "rice"), expect=(1000,))
+        assert torch.equal(received.to_dense(), grad)
+        ```
+    """
     data = as_bytes(payload)
     info, offsets = _read_header(data)
     _check_expected(info, expect)
@@ -182,7 +241,30 @@ def decode(payload: PayloadLike, device: torch.device | str | None = None,
 
 
 def read_info(payload: PayloadLike) -> PayloadInfo:
-    """The header of a payload (CRC and lengths verified), without decoding its sections."""
+    """The header of a payload, without decoding its sections.
+
+    Args:
+        payload: the bytes (or a 1-D uint8 tensor) `encode` made.
+
+    Returns:
+        A `PayloadInfo`: format version, flags, dtype, shape, nnz, the codecs' spec texts and the
+        section sizes.
+
+    Raises:
+        PayloadError: the CRC or a length does not check out, or the header is not a sparsecomm
+            payload's.
+
+    Example:
+        ```python
+        import torch
+
+        import sparsecomm as sc
+
+        selection = sc.SPARSIFIERS.parse("topk(k=10)").sparsify(torch.randn(1000))
+        info = sc.read_info(sc.encode(selection, "rice", "qsgd(bits=4)"))
+        print(info.nnz, info.shape, info.index_codec, info.value_codec, info.lossless)
+        ```
+    """
     return _read_header(as_bytes(payload))[0]
 
 

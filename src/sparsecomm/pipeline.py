@@ -113,10 +113,37 @@ def key_hash(key: str) -> int:
 class Pipeline:
     """feedback → sparsify → encode for a stream of gradients, keyed by tensor name.
 
+    Each tensor (by its key) keeps its own state — residual, momentum, step — in ``states``. A
+    pipeline runs the local stages only: a `GradientReducer` owns one and adds the transport.
+
     Randomness comes from generators seeded from (``seed``, key, step), so every rank that builds
     the same pipeline with the same seed makes the same random choices, and a resumed run the same
-    as an uninterrupted one; the global RNG is never used. ``world_size`` feeds DGC's local clipping
-    threshold.
+    as an uninterrupted one; the global RNG is never used.
+
+    Args:
+        spec: a pipeline spec string or a parsed `PipelineSpec` (for a preset, pass
+            ``PRESETS[name].spec``).
+        seed: seeds every random choice.
+        nonfinite: what a gradient holding NaN or ±Inf does, before anything enters its state:
+            ``"raise"`` refuses the step, ``"skip"`` sends nothing from this tensor this step and
+            leaves its state untouched, ``"zero"`` replaces those entries by 0 and goes on.
+        world_size: the number of ranks (feeds DGC's local clipping threshold).
+
+    Raises:
+        SparseCommError: ``nonfinite`` is not one of the three policies.
+        SpecError: ``spec`` is invalid.
+
+    Example:
+        ```python
+        import torch
+
+        import sparsecomm as sc
+
+        pipe = sc.Pipeline("topk(ratio=0.01)+residual+rice+fp16", seed=0)
+        for step in range(3):
+            payload = pipe.compress(torch.randn(256, 256), key="layer1.weight")
+        print(len(payload), "bytes;", pipe.states["layer1.weight"].step, "steps;", sc.decode(payload))
+        ```
     """
 
     def __init__(self, spec: str | PipelineSpec, seed: int = 0, nonfinite: str = "raise", world_size: int = 1) -> None:
@@ -137,7 +164,31 @@ class Pipeline:
         return self.spec.transport.carries_payloads
 
     def compress(self, grad: torch.Tensor, key: str = "") -> bytes:
-        """One step for one tensor; returns its payload."""
+        """One step for one tensor: feedback, sparsify, encode; the feedback learns what receivers
+        will decode.
+
+        Args:
+            grad: the tensor's gradient this step.
+            key: the tensor's name; its state is kept under it.
+
+        Returns:
+            The payload (`decode` reads it).
+
+        Raises:
+            SparseCommError: the gradient is non-finite under ``nonfinite="raise"``, or a codec cannot
+                carry its values (beyond fp16's range).
+
+        Example:
+            ```python
+            import torch
+
+            import sparsecomm as sc
+
+            pipe = sc.Pipeline("dgc(ratio=0.01)+residual+rice+fp32")
+            received = sc.decode(pipe.compress(torch.randn(10_000), key="w"))
+            print(received.nnz, "entries sent;", pipe.states["w"].last)
+            ```
+        """
         output = self.step(grad, key, make_payload=True)
         if output.nonfinite:
             raise SparseCommError(f"non-finite gradient for {key or 'tensor'} (nonfinite='raise')")
@@ -146,10 +197,37 @@ class Pipeline:
 
     def step(self, grad: torch.Tensor, key: str = "", make_payload: bool | None = None,
              segments: Sequence[Segment] | None = None, density: float | None = None) -> StepOutput:
-        """One step: feedback, sparsify, encode (if ``make_payload``, by default when the transport
-        carries payloads), then feedback learns what receivers will see. ``grad`` is one tensor
-        named ``key``, or with ``segments`` a flat buffer of named tensors (``key`` then names the
-        buffer). ``density``: this step's density for the ``adaptive`` sparsifier."""
+        """One step: feedback, sparsify, encode (if ``make_payload``), then feedback learns what
+        receivers will see. Unlike `compress`, a non-finite gradient does not raise: the output
+        says so, and the caller (a reducer) decides with the other ranks.
+
+        Args:
+            grad: one tensor named ``key``, or with ``segments`` a flat buffer of named tensors.
+            key: the tensor's name (with ``segments``: the buffer's).
+            make_payload: encode a payload; by default when the transport carries payloads.
+            segments: the named tensors of a flat ``grad`` (a DDP bucket), each with its own state,
+                sparsified on its own; one payload carries them all.
+            density: this step's density, for the ``adaptive`` sparsifier only.
+
+        Returns:
+            A `StepOutput`: the selection (values as receivers will decode them), the payload (or
+            None), whether the input was non-finite, and the seconds encoding took.
+
+        Raises:
+            SparseCommError: ``density`` with a sparsifier other than ``adaptive``, or values a
+                codec cannot carry.
+
+        Example:
+            ```python
+            import torch
+
+            import sparsecomm as sc
+
+            pipe = sc.Pipeline("topk(ratio=0.1)+residual+rice+int8")
+            output = pipe.step(torch.randn(1000), key="bias")
+            print(output.selection.nnz, len(output.payload), output.nonfinite)
+            ```
+        """
         make_payload = self.sends_payloads if make_payload is None else make_payload
         flat = grad.detach().reshape(-1)
         # one tensor keeps its shape in its state; a buffer's segments are flat
@@ -219,13 +297,26 @@ class Pipeline:
         return accumulated, parts, targets
 
     def at_density(self, density: float) -> Adaptive:
-        """The ``adaptive`` sparsifier at ``density`` (other sparsifiers have no density to set)."""
+        """The ``adaptive`` sparsifier at ``density``, clamped to its floor and 1.
+
+        Args:
+            density: the fraction of entries to keep.
+
+        Returns:
+            The pipeline's ``adaptive`` sparsifier set to that density.
+
+        Raises:
+            SparseCommError: the pipeline's sparsifier is not ``adaptive`` (other sparsifiers have
+                no density to set).
+        """
         if not isinstance(self.spec.sparsifier, Adaptive):
             raise SparseCommError(f"only the adaptive sparsifier takes a density per step, not "
                                   f"{self.spec.sparsifier.name}")
         return self.spec.sparsifier.at_density(density)
 
     def state_dict(self) -> dict[str, Any]:
+        """Every tensor's state (step, feedback, density share, codec error), with the spec and
+        seed it belongs to: what `load_state_dict` needs to continue bit for bit."""
         return {
             "spec": format_spec(self.spec),
             "seed": self.seed,
@@ -239,6 +330,14 @@ class Pipeline:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the tensors' state from `state_dict`.
+
+        Args:
+            state: what `state_dict` returned, for a pipeline of the same spec and seed.
+
+        Raises:
+            SparseCommError: the state is for another spec or seed.
+        """
         if parse_spec(state["spec"]) != self.spec or state["seed"] != self.seed:
             raise SparseCommError(
                 f"state is for {state['spec']!r} seed {state['seed']}, this pipeline is {self!r}"

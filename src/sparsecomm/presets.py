@@ -12,6 +12,9 @@ from sparsecomm.spec import PipelineSpec, parse_spec, split_stages
 
 @dataclass(frozen=True)
 class Preset:
+    """A named pipeline: its ``spec`` string, what it does (``description``) and the paper it
+    follows (``source``)."""
+
     spec: str
     description: str
     source: str
@@ -62,6 +65,19 @@ PRESETS: dict[str, Preset] = {
         "SparCML (Renggli et al., SC 2019)",
     ),
 }
+"""Every preset by name: a `Preset` with its ``spec`` string, a ``description`` and its ``source``.
+A preset's name goes wherever a spec string does (`GradientReducer`, `register_ddp_hook`,
+``sparsecomm train --presets``); `available_presets` lists those this installation can build.
+
+Example:
+    ```python
+    import sparsecomm as sc
+
+    print(sc.PRESETS["dgc"].spec)    # dgc(ratio=0.001)+dgc_momentum(momentum=0.9)+rle+fp32+allgather
+    pipe = sc.Pipeline(sc.PRESETS["deepreduce-qsgd"].spec)
+    print(pipe, "—", sc.PRESETS["deepreduce-qsgd"].source)
+    ```
+"""
 
 
 def missing_components(spec: str) -> list[str]:
@@ -83,4 +99,17 @@ def resolve(spec_or_preset: str | PipelineSpec) -> PipelineSpec:
 
 
 def available_presets() -> list[str]:
+    """The names of the presets whose components this installation has, in `PRESETS` order.
+
+    Returns:
+        Preset names, each usable wherever a spec string goes.
+
+    Example:
+        ```python
+        import sparsecomm as sc
+
+        for name in sc.available_presets():
+            print(f"{name:16} {sc.PRESETS[name].description[:60]}")
+        ```
+    """
     return [name for name, preset in PRESETS.items() if not missing_components(preset.spec)]

@@ -19,7 +19,32 @@ passes over 16-bit digits in numpy are faster"""
 @dataclass(frozen=True)
 class SparseGradient:
     """Nonzero entries of a tensor of ``shape``: flat int64 ``indices`` into the row-major layout and
-    their ``values``. Indices need not be sorted; they must be unique and inside ``[0, numel)``."""
+    their ``values``. Indices need not be sorted; they must be unique and inside ``[0, numel)``
+    (`validate` checks; `encode` refuses any that are not).
+
+    Every stage passes one: a sparsifier selects one from a dense gradient, the codecs encode one,
+    `decode` returns one. Frozen: stages make new ones rather than change them.
+
+    Args:
+        indices: 1-D flat positions (converted to int64).
+        values: 1-D values, one per index.
+        shape: the dense tensor's shape.
+
+    Raises:
+        SparseCommError: ``indices`` and ``values`` are not 1-D or differ in length.
+
+    Example:
+        ```python
+        import torch
+
+        import sparsecomm as sc
+
+        grad = sc.SparseGradient(torch.tensor([5, 0]), torch.tensor([2.0, -1.0]), torch.Size([2, 3]))
+        print(grad.nnz, grad.density, grad.sorted().indices.tolist())
+        print(grad.to_dense())             # [[-1, 0, 0], [0, 0, 2]]
+        assert torch.equal(sc.SparseGradient.from_dense(grad.to_dense()).to_dense(), grad.to_dense())
+        ```
+    """
 
     indices: torch.Tensor
     values: torch.Tensor
@@ -40,28 +65,40 @@ class SparseGradient:
     # -- properties ---------------------------------------------------------------------------
     @property
     def numel(self) -> int:
+        """The dense tensor's number of elements."""
         return math.prod(self.shape)
 
     @property
     def nnz(self) -> int:
+        """The number of entries held."""
         return self.indices.numel()
 
     @property
     def dtype(self) -> torch.dtype:
+        """The values' dtype."""
         return self.values.dtype
 
     @property
     def device(self) -> torch.device:
+        """The values' device."""
         return self.values.device
 
     @property
     def density(self) -> float:
+        """nnz / numel (0 for an empty tensor)."""
         return self.nnz / self.numel if self.numel else 0.0
 
     # -- conversions --------------------------------------------------------------------------
     @classmethod
     def from_dense(cls, tensor: torch.Tensor) -> SparseGradient:
-        """All nonzero entries of ``tensor``."""
+        """All nonzero entries of ``tensor``.
+
+        Args:
+            tensor: a dense tensor of any shape.
+
+        Returns:
+            Its nonzero entries, in index order, with its shape.
+        """
         flat = tensor.reshape(-1)
         indices = torch.nonzero(flat).squeeze(1)
         return cls(indices, flat[indices], tensor.shape)
@@ -69,7 +106,17 @@ class SparseGradient:
     @classmethod
     def from_sparse_coo(cls, tensor: torch.Tensor) -> SparseGradient:
         """From a torch sparse COO tensor (coalesced first, so duplicates are summed); values of a
-        hybrid tensor (dense trailing dims, as from ``nn.Embedding(sparse=True)``) are flattened."""
+        hybrid tensor (dense trailing dims, as from ``nn.Embedding(sparse=True)``) are flattened.
+
+        Args:
+            tensor: a sparse COO tensor.
+
+        Returns:
+            Its entries, with flat indices into its dense shape.
+
+        Raises:
+            SparseCommError: ``tensor`` is not a sparse COO tensor.
+        """
         if not tensor.is_sparse:
             raise SparseCommError("expected a sparse COO tensor")
         coo = tensor.coalesce()
@@ -84,6 +131,7 @@ class SparseGradient:
         return cls(flat.reshape(-1), coo.values().reshape(-1), shape)
 
     def to_dense(self) -> torch.Tensor:
+        """A dense tensor of ``shape`` on the values' device: the entries, zero elsewhere."""
         return write_at(torch.zeros(self.numel, dtype=self.dtype, device=self.device), self.indices,
                         self.values).reshape(self.shape)
 
@@ -119,6 +167,7 @@ class SparseGradient:
                               self.shape)
 
     def to(self, device: torch.device | str) -> SparseGradient:
+        """The same entries with indices and values on ``device``."""
         return SparseGradient(self.indices.to(device), self.values.to(device), self.shape)
 
     def to_host(self) -> SparseGradient:

@@ -54,8 +54,36 @@ def registries() -> dict[str, Registry]:
 
 
 def parse_spec(spec: str | PipelineSpec) -> PipelineSpec:
-    """Read a pipeline spec string (see the module docstring). The components are those
-    `sparsecomm.components` loaded (importing sparsecomm loads them all)."""
+    """Read a pipeline spec string into its five stages.
+
+    Grammar: ``stage ("+" stage)*``, a stage ``NAME`` or ``NAME(key=value, ...)``; at most one stage
+    of each kind, in any order; a missing stage takes its default (``nonzero``, ``none``, ``raw``,
+    ``fp32``, ``allgather``). The components are those `sparsecomm.components` loaded (importing
+    sparsecomm loads them all). `format_spec` writes the canonical text back. A preset's name is not
+    a spec: look it up in `sparsecomm.PRESETS` first.
+
+    Args:
+        spec: a spec string, or an already parsed `PipelineSpec` (returned as it is).
+
+    Returns:
+        The pipeline's sparsifier, feedback, index codec, value codec and transport.
+
+    Raises:
+        SpecError: an unknown component or parameter (the message lists the valid ones), two
+            stages of one kind, a parameter of the wrong type or out of range, or codecs the
+            stages cannot use together (a lossy codec with a transport that sends no payloads; a
+            value codec beside a joint codec).
+
+    Example:
+        ```python
+        import sparsecomm as sc
+        from sparsecomm.spec import format_spec
+
+        spec = sc.parse_spec("topk(ratio=0.01)+residual+rice+fp16")
+        print(spec.sparsifier, spec.index_codec.name, spec.transport.name)
+        assert format_spec(spec) == "topk(ratio=0.01)+residual+rice+fp16+allgather"
+        ```
+    """
     if isinstance(spec, PipelineSpec):
         return spec
     kinds = registries()
@@ -95,6 +123,8 @@ def _check_codecs(spec: str, chosen: dict[str, Component], explicit_value: bool)
 
 
 def format_spec(spec: PipelineSpec) -> str:
+    """The canonical text of ``spec``: all five stages in pipeline order, parameters at their
+    defaults left out; `parse_spec` reads it back to an equal spec."""
     return "+".join(
         c.to_spec() for c in (spec.sparsifier, spec.feedback, spec.index_codec, spec.value_codec, spec.transport)
     )

@@ -12,6 +12,7 @@ says where each parameter goes back to).
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,11 +71,12 @@ class BucketLayouts:
     """Per DDP bucket, its layout (a cache of what DDP's layout implies), and per set of parameters
     sharing a bucket, the order it was last reduced in (checkpointed)."""
 
-    def __init__(self, model: nn.Module | None, dense_below: int) -> None:
+    def __init__(self, model: nn.Module | None, sends_whole: Callable[[torch.Size], bool]) -> None:
         module = getattr(model, "module", model)
         self._names = {id(p): name for name, p in module.named_parameters()} if module is not None else {}
         """parameter object → its name in the model"""
-        self.dense_below = dense_below
+        self.sends_whole = sends_whole
+        """whether a parameter of a shape goes whole (`ReducerConfig.sends_whole`)"""
         self.orders: dict[str, list[str]] = {}
         """per set of parameters sharing a bucket: the parameter order it was last reduced in"""
         self._restored: dict[str, list[str]] = {}
@@ -118,12 +120,12 @@ class BucketLayouts:
         stats_key = f"bucket{bucket.index()}"
         if order == names:
             return BucketLayout(key, stats_key, tuple(Segment(name, offsets[name], grad.numel(),
-                                                              whole=grad.numel() < self.dense_below)
+                                                              whole=self.sends_whole(grad.shape))
                                                       for name, grad in gradients.items()))
         segments, start = [], 0
         for name in order:
             numel = gradients[name].numel()
-            segments.append(Segment(name, start, numel, whole=numel < self.dense_below))
+            segments.append(Segment(name, start, numel, whole=self.sends_whole(gradients[name].shape)))
             start += numel
         return BucketLayout(key, stats_key, tuple(segments), ddp_offsets=tuple(offsets.items()))
 

@@ -8,7 +8,9 @@ Routes, chosen once per call (`route_of`), each with its path object:
   (`CompressedPath`);
 - ``rows``: a sparse COO gradient's rows, all of them (`RowsPath`);
 - ``dense step``: a step the ``adaptive`` controller planned as fp32 or fp16 — every entry, each
-  tensor's feedback flushed into it, one all_reduce as DDP's own hook posts it (`DenseStepPath`).
+  tensor's feedback flushed into it, one all_reduce as DDP's own hook posts it (`DenseStepPath`);
+- ``device``: the compressed route of a pipeline whose every stage has a device form — one pass
+  over the bucket in fixed sizes, one equal-size all_gather (`DevicePath`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Route(Name):
     COMPRESSED = "compressed"
     ROWS = "rows"
     DENSE_STEP = "dense step"
+    DEVICE = "device"
 
 
 @dataclass(frozen=True)
@@ -62,14 +65,19 @@ class Call:
         return [(0, self.tensor.numel())]
 
 
-def route_of(tensor: torch.Tensor, config: ReducerConfig, plan: Plan | None) -> Route:
-    """The route a gradient takes this step."""
+def route_of(tensor: torch.Tensor, segments: tuple[Segment, ...] | None, config: ReducerConfig,
+             plan: Plan | None) -> Route:
+    """The route a gradient (a bucket's: ``segments``) takes this step: small ones the sparsifier
+    would send whole anyway take the plain route."""
     if tensor.is_sparse:
         return Route.ROWS
     if plan is not None and plan.dense:
         return Route.DENSE_STEP
-    if tensor.numel() < config.dense_below or config.spec.transport.name == "dense":
+    whole = all(s.whole for s in segments) if segments else config.sends_whole(tensor.shape)
+    if (tensor.numel() < config.dense_below and whole) or config.spec.transport.name == "dense":
         return Route.PLAIN
+    if config.on_device:  # every entry of a tensor sent whole goes cheapest as it is
+        return Route.PLAIN if whole else Route.DEVICE
     return Route.COMPRESSED
 
 

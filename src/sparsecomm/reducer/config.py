@@ -5,9 +5,12 @@ when the reducer is built."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
+import torch
 import torch.distributed as dist
 
+from sparsecomm.device.support import device_native
 from sparsecomm.errors import SparseCommError
 from sparsecomm.pipeline import NONFINITE_POLICIES
 from sparsecomm.spec import PipelineSpec, format_spec
@@ -35,6 +38,15 @@ class ReducerConfig:
             raise SparseCommError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}")
         if self.dense_below < 0:
             raise SparseCommError("dense_below must be >= 0 elements")
+
+    def sends_whole(self, shape: torch.Size) -> bool:
+        """Whether a tensor of ``shape`` goes whole, not through the sparsifier (`Sparsifier.sends_whole`)."""
+        return self.spec.sparsifier.sends_whole(shape, self.dense_below)
+
+    @cached_property
+    def on_device(self) -> bool:
+        """Whether its compressed calls take the device route (`sparsecomm.device.support`)."""
+        return device_native(self.spec) is None
 
     def agree(self, group: dist.ProcessGroup | None) -> None:
         """Raise on every rank unless every rank of ``group`` has this configuration."""

@@ -28,7 +28,38 @@ from sparsecomm.spec import PipelineSpec
 
 
 def ddp_comm_hook(state: GradientReducer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """A DDP communication hook whose state is a `GradientReducer` (built with ``model=``)."""
+    """A DDP communication hook whose state is a `GradientReducer` (built with ``model=``).
+
+    DDP calls it once per bucket; it hands the bucket to `GradientReducer.reduce_bucket_async`, and
+    on the step's last bucket waits for the step's calls (`GradientReducer.finish_step`), so an
+    error any call met is raised here and reaches ``backward()``'s caller on every rank.
+
+    Args:
+        state: the reducer, built with ``model=`` the DDP model.
+        bucket: DDP's bucket of gradients (flat; a sparse COO tensor for a sparse embedding).
+
+    Returns:
+        A future of the bucket averaged over ranks.
+
+    Raises:
+        SparseCommError: on the step's last bucket, the first error any of the step's calls met (a
+            non-finite gradient under ``nonfinite="raise"``, ranks that disagree, a value a codec
+            cannot carry) — on every rank.
+
+    Example:
+        ```python ranks=2
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        import sparsecomm as sc
+
+        model = DDP(torch.nn.Linear(128, 64))
+        reducer = sc.GradientReducer("topk(ratio=0.01)+residual+rice+fp32", model=model)
+        model.register_comm_hook(reducer, sc.ddp_comm_hook)
+        model(torch.randn(4, 128)).sum().backward()
+        print(reducer.stats.summary())
+        ```
+    """
     future = state.reduce_bucket_async(bucket)
     if bucket.is_last():
         state.finish_step()
@@ -37,8 +68,42 @@ def ddp_comm_hook(state: GradientReducer, bucket: dist.GradBucket) -> torch.futu
 
 def register_ddp_hook(ddp_model: DistributedDataParallel, spec_or_preset: str | PipelineSpec, seed: int = 0,
                       nonfinite: str = "raise", dense_below: int = DENSE_BELOW) -> GradientReducer:
-    """``ddp_model.register_comm_hook(GradientReducer(spec, model=ddp_model, ...), ddp_comm_hook)``;
-    returns the reducer (statistics, ``state_dict()`` / ``load_state_dict()`` for checkpoints)."""
+    """``ddp_model.register_comm_hook(GradientReducer(spec, model=ddp_model, ...), ddp_comm_hook)``,
+    in one line.
+
+    Call it on every rank, before the first backward pass (DDP takes one hook, once).
+
+    Args:
+        ddp_model: the `DistributedDataParallel` model; its process group is the reducer's.
+        spec_or_preset: a preset name (``"adaptive"``, ``"dgc"``) or a pipeline spec string.
+        seed: seeds every random choice; every rank must pass the same.
+        nonfinite: ``"raise"``, ``"skip"`` or ``"zero"`` (see `GradientReducer`).
+        dense_below: tensors and buckets with fewer elements take a plain fp32 all_reduce.
+
+    Returns:
+        The reducer: its ``stats``, and ``state_dict()`` / ``load_state_dict()`` for checkpoints.
+
+    Raises:
+        SparseCommError: torch.distributed is not initialised, or the ranks' arguments differ.
+        SpecError: the spec is invalid.
+
+    Example:
+        ```python ranks=2
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        import sparsecomm as sc
+
+        model = DDP(torch.nn.Linear(128, 64))
+        reducer = sc.register_ddp_hook(model, "dgc")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            optimizer.zero_grad()
+            model(torch.randn(4, 128)).square().mean().backward()
+            optimizer.step()
+        print(reducer.stats.steps, "steps,", reducer.stats.bytes_sent, "bytes sent")
+        ```
+    """
     reducer = GradientReducer(spec_or_preset, seed=seed, nonfinite=nonfinite, dense_below=dense_below,
                               model=ddp_model)
     ddp_model.register_comm_hook(reducer, ddp_comm_hook)

@@ -43,6 +43,7 @@ from sparsecomm.reducer.optimizers import suited_feedback
 from sparsecomm.reducer.paths.base import Parts, Path
 from sparsecomm.reducer.paths.compressed import CompressedPath
 from sparsecomm.reducer.paths.dense_step import DenseStepPath
+from sparsecomm.reducer.paths.device import DevicePath
 from sparsecomm.reducer.paths.plain import PlainPath
 from sparsecomm.reducer.paths.rows import RowsPath
 from sparsecomm.reducer.stats import ReducerStats, TensorStats
@@ -58,6 +59,12 @@ from sparsecomm.transport.session import TransportSession
 class GradientReducer:
     """Averages gradients over ``group`` with the pipeline named by ``spec`` (a spec or a preset).
 
+    The engine behind the DDP hook (`ddp_comm_hook`) and custom loops (`allreduce_`). It owns all
+    runtime state — each parameter's pipeline state by name, call counters every rank checks,
+    ``auto``'s measurements, the ``adaptive`` controller, a worker thread and a process group of its
+    own — checkpoints it with `state_dict` and releases it with `close` (or ``with``). ``stats``
+    counts what it sent (``stats.summary()``). Build one on every rank, with the same arguments.
+
     Args:
         spec: a preset name (``"dgc"``), a pipeline spec string, or a parsed `PipelineSpec`.
         group: the process group (default: ``model``'s if it is a DDP model, else the world).
@@ -72,11 +79,21 @@ class GradientReducer:
 
     Raises:
         SparseCommError: torch.distributed is not initialised, or the ranks' arguments differ.
+        SpecError: the spec is invalid.
 
-    Example::
+    Example:
+        ```python ranks=2
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
 
+        import sparsecomm as sc
+
+        ddp_model = DDP(torch.nn.Linear(128, 64))
         reducer = sc.GradientReducer("dgc", model=ddp_model)
         ddp_model.register_comm_hook(reducer, sc.ddp_comm_hook)
+        ddp_model(torch.randn(4, 128)).sum().backward()
+        print(reducer, reducer.stats.summary()["bytes_sent"])
+        ```
     """
 
     def __init__(self, spec: str | PipelineSpec, group: dist.ProcessGroup | None = None, seed: int = 0,
@@ -92,7 +109,7 @@ class GradientReducer:
         self.pipeline = Pipeline(config.spec, seed=seed, nonfinite=nonfinite, world_size=world_size)
         self.stats = ReducerStats()
         self.session = TransportSession()
-        self.buckets = BucketLayouts(model, dense_below)
+        self.buckets = BucketLayouts(model, config.sends_whole)
         self._counts: dict[str, int] = {}
         """per stream key: calls so far (the agreement step checks every rank is at the same call)"""
         config.agree(group)
@@ -116,7 +133,7 @@ class GradientReducer:
                             self.stats, self._process_group, self._wire_device, dist.get_rank(self._process_group),
                             self.adaptive)
         paths: list[Path] = [PlainPath(self._parts), CompressedPath(self._parts), RowsPath(self._parts),
-                             DenseStepPath(self._parts)]
+                             DenseStepPath(self._parts), DevicePath(self._parts)]
         self._paths = {path.route: path for path in paths}
 
     def suit_optimizer(self, optimizer: torch.optim.Optimizer) -> str | None:
@@ -149,7 +166,17 @@ class GradientReducer:
                 f"seed={self.config.seed})")
 
     def check_matches(self, spec: str | PipelineSpec, seed: int, nonfinite: str, dense_below: int) -> None:
-        """Raise `SparseCommError` unless this reducer was built with these arguments."""
+        """Raise `SparseCommError` unless this reducer was built with these arguments.
+
+        Args:
+            spec: a preset name, a spec string or a parsed spec.
+            seed: the seed.
+            nonfinite: the non-finite policy.
+            dense_below: the plain route's size limit.
+
+        Raises:
+            SparseCommError: any of them differs from the reducer's own.
+        """
         self.config.check_matches(replace(self.config, spec=resolve(spec), seed=seed, nonfinite=nonfinite,
                                           dense_below=dense_below))
 
@@ -157,7 +184,30 @@ class GradientReducer:
     def allreduce_(self, named_gradients: Iterable[tuple[str, torch.Tensor]]) -> None:
         """One step of a custom loop: replace each gradient by its average over ranks (dense in
         place; sparse COO by ``copy_``). Tensors are matched across ranks by name — every rank must
-        pass the same names, in any order, or every rank raises `SparseCommError`."""
+        pass the same names, in any order, or every rank raises `SparseCommError`.
+
+        Args:
+            named_gradients: (name, gradient) pairs, dense or sparse COO (an embedding's); each
+                name's state (residual, momentum) is kept under it.
+
+        Raises:
+            SparseCommError: a name repeats, the ranks pass different names, a gradient is non-finite
+                under ``nonfinite="raise"``, or a codec cannot carry a rank's values — on every rank.
+
+        Example:
+            ```python ranks=2
+            import torch
+
+            import sparsecomm as sc
+
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 2))
+            with sc.GradientReducer("topk(ratio=0.05)+residual+rice+fp32") as reducer:
+                model(torch.randn(16, 64)).square().mean().backward()
+                reducer.allreduce_((name, p.grad) for name, p in model.named_parameters())
+            print(reducer.stats.summary()["compression_ratio"])
+            ```
+        """
         named = sorted(named_gradients, key=lambda item: item[0])
         names = [name for name, _ in named]
         if len(set(names)) != len(names):
@@ -172,7 +222,15 @@ class GradientReducer:
                 tensor.copy_(averaged)
 
     def reduce_bucket_async(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """A DDP bucket, its parameters' state found by name (see `ddp_comm_hook`)."""
+        """A DDP bucket, its parameters' state found by name (see `ddp_comm_hook`, which calls it).
+
+        Args:
+            bucket: DDP's bucket of gradients.
+
+        Returns:
+            A future of the bucket averaged over ranks, in DDP's layout. Errors reach the future;
+            `finish_step` raises the step's first.
+        """
         layout = self.buckets.layout(bucket)
         reduced = self._submit(layout.key, layout.gathered(bucket), layout.segments, layout.stats_key,
                                last=bucket.is_last() and layout.ddp_offsets is None)
@@ -183,7 +241,12 @@ class GradientReducer:
         return result
 
     def finish_step(self) -> None:
-        """Wait for this step's calls, count the step, and raise the first error any call met."""
+        """Wait for this step's calls, count the step, and raise the first error any call met
+        (`ddp_comm_hook` calls it on the last bucket, `allreduce_` at its end).
+
+        Raises:
+            SparseCommError: the first error any of the step's calls met.
+        """
         errors = self._calls.finish()
         if self.adaptive is not None and self.adaptive.plan is not None:
             share_density(self.pipeline)
@@ -194,13 +257,46 @@ class GradientReducer:
 
     def reduce(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         """The average over ranks of ``tensor`` (same shape and kind), on this thread's return: never
-        fused with a step's other calls (with the ``adaptive`` pipeline, it counts in the open step)."""
+        fused with a step's other calls (with the ``adaptive`` pipeline, it counts in the open step).
+
+        Args:
+            key: the stream's name; its state (residual, momentum) is kept under it.
+            tensor: this rank's tensor, dense or sparse COO.
+
+        Returns:
+            The average over ranks, through the pipeline (lossy where its stages are).
+
+        Raises:
+            SparseCommError: the ranks disagree, or the tensor is non-finite under
+                ``nonfinite="raise"`` — on every rank.
+
+        Example:
+            ```python ranks=2
+            import torch
+            import torch.distributed as dist
+
+            import sparsecomm as sc
+
+            with sc.GradientReducer("dense") as reducer:
+                average = reducer.reduce("loss", torch.full((4,), float(dist.get_rank())))
+            assert torch.equal(average, torch.full((4,), 0.5))
+            ```
+        """
         future = self.reduce_async(key, tensor)
         self._calls.in_flight.remove(future)
         return future.wait()
 
     def reduce_async(self, key: str, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-        """Local stages now; the collective on the worker thread; a future of the average."""
+        """Local stages now; the collective on the worker thread; a future of the average.
+
+        Args:
+            key: the stream's name; its state is kept under it.
+            tensor: this rank's tensor, dense or sparse COO.
+
+        Returns:
+            A future of the average over ranks; errors reach it. The call belongs to the open step:
+            `finish_step` waits for it.
+        """
         return self._submit(key, tensor, in_step=False)
 
     def _submit(self, key: str, tensor: torch.Tensor, segments: tuple[Segment, ...] | None = None,
@@ -212,7 +308,9 @@ class GradientReducer:
         stats.dense_bytes += tensor.numel() * 4
         start = time.perf_counter()
         plan = self.adaptive.plan_call(start) if self.adaptive is not None else None
-        route = route_of(tensor, self.config, plan)
+        route = route_of(tensor, segments, self.config, plan)
+        if route is Route.COMPRESSED and segments is None and self.config.sends_whole(tensor.shape):
+            segments = (Segment(key, 0, tensor.numel(), whole=True),)  # a large vector under DGC's rule
         number = self._counts.get(key, 0)
         self._counts[key] = number + 1
         call = Call(key, tensor, segments, stats_key, number, last, in_step)
@@ -224,7 +322,8 @@ class GradientReducer:
 
     # -- lifetime and checkpoints -----------------------------------------------------------------
     def close(self) -> None:
-        """Wait for calls in flight, stop the worker thread and unhook the model."""
+        """Wait for calls in flight, stop the worker thread and unhook the model. ``with
+        GradientReducer(...) as reducer:`` calls it on leaving."""
         if self.adaptive is not None:
             self.adaptive.close()
         self.session.close()
@@ -236,7 +335,31 @@ class GradientReducer:
         self.close()
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resumed run needs to continue bit for bit, by name (format `FORMAT`)."""
+        """Everything a resumed run needs to continue bit for bit, by name (format `FORMAT`).
+
+        Each rank's state is its own (residuals differ between ranks): every rank saves its own.
+
+        Returns:
+            A dict of tensors, numbers and strings for ``torch.save``.
+
+        Example:
+            ```python ranks=2
+            import torch
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            import sparsecomm as sc
+
+            model = DDP(torch.nn.Linear(128, 64))
+            reducer = sc.register_ddp_hook(model, "dgc")
+            model(torch.randn(4, 128)).sum().backward()
+            torch.save(reducer.state_dict(), f"reducer-{dist.get_rank()}.pt")
+
+            resumed = sc.GradientReducer("dgc", model=model)    # in a fresh process, with a fresh DDP
+            resumed.load_state_dict(torch.load(f"reducer-{dist.get_rank()}.pt"))
+            assert resumed.stats.steps == 1
+            ```
+        """
         return {"format": FORMAT, "pipeline": self.pipeline.state_dict(), "calls": dict(self._counts),
                 "steps": self.stats.steps, "uncompressed": self._parts.uncompressed.state_dict(),
                 "session": self.session.state_dict(), "bucket_orders": self.buckets.state_dict(),
@@ -244,7 +367,15 @@ class GradientReducer:
                 "adaptive": self.adaptive.state_dict() if self.adaptive is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """A checkpoint of any format this version reads (`migrate`)."""
+        """Restore a checkpoint of any format this version reads (`migrate`).
+
+        Args:
+            state: what `state_dict` returned on this rank, for a reducer of the same spec and seed.
+
+        Raises:
+            SparseCommError: the checkpoint is for another spec or seed, or of a format this version
+                cannot read.
+        """
         state = migrate(state)
         self.pipeline.load_state_dict(state["pipeline"])
         self._counts = dict(state["calls"])

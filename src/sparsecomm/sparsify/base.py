@@ -29,6 +29,12 @@ class Sparsifier(Component):
         """The sparsifier to use at ``step`` (itself unless it has a warm-up schedule)."""
         return self
 
+    def sends_whole(self, shape: torch.Size, dense_below: int) -> bool:
+        """Whether a tensor of ``shape`` goes whole — every nonzero, no selection — rather than
+        through this sparsifier: by default one smaller than ``dense_below`` (the reducer's), since
+        selecting from it saves little."""
+        return math.prod(shape) < dense_below
+
 
 WARMUP_STAGES = 4
 WARMUP_BASE = 0.25

@@ -78,6 +78,11 @@ class DGCThreshold(CountedSparsifier):
         if not (0.0 < self.lower <= 1.0 <= self.upper and 0.0 < self.decay < 1.0 and self.retries >= 0):
             raise SparseCommError("dgc needs 0 < lower <= 1 <= upper, 0 < decay < 1, retries >= 0")
 
+    def sends_whole(self, shape: torch.Size, dense_below: int) -> bool:
+        """As DGC's own code chooses: every matrix and kernel is sparsified, whatever its size;
+        vectors (biases, norms' scales) go whole."""
+        return len(shape) <= 1
+
     def sampled_threshold(self, flat: torch.Tensor, k: int,
                           generator: torch.Generator | None) -> float | torch.Tensor:
         return sampled_threshold(flat, k, self.sample, generator)

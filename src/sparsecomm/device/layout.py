@@ -1,0 +1,93 @@
+"""`BucketLayout`: what a bucket's device pass needs that stays fixed from step to step — its
+segments' sizes, which are sent whole, where each threshold samples, and its capacity at a ratio."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from sparsecomm.pipeline import Segment
+from sparsecomm.sparsify.base import count_from
+from sparsecomm.transport.collectives import fingerprint
+
+SAMPLES = 1024
+"""magnitudes sampled per tensor for its threshold (all of a smaller tensor's)"""
+
+DEPTH = 8
+"""the threshold is at least this many samples deep: a quantile estimated from the first one or two
+of a sample swings too far for one tensor's share to be fair to another's"""
+
+
+@dataclass(frozen=True)
+class SampleGrid:
+    """Where each sparsified segment's threshold samples: row i holds segment i's strided positions
+    (``base`` plus a random offset below ``strides[i]`` each step), padded to one width; ``padded``
+    marks the padding. ``ranks[i]``: which sample, counted from the largest, is the threshold."""
+
+    base: torch.Tensor
+    strides: torch.Tensor
+    padded: torch.Tensor
+    ranks: torch.Tensor
+    width: int
+    deepest: int
+
+
+@dataclass
+class BucketLayout:
+    """A bucket of ``numel`` entries split into ``segments`` (each parameter, in order); those
+    ``whole`` go with every entry, the others through the threshold at the sparsifier's ratio."""
+
+    segments: tuple[Segment, ...]
+    numel: int
+    device: torch.device
+    sizes: torch.Tensor = field(init=False)
+    whole: torch.Tensor | None = field(init=False)
+    """the indices of the entries sent whole (None: none are)"""
+    sparsified: torch.Tensor = field(init=False)
+    """the indices, among ``segments``, of those sparsified"""
+    digest: int = field(init=False)
+    _grids: dict[float, tuple[SampleGrid, int]] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        device = self.device
+        self.sizes = torch.tensor([s.numel for s in self.segments], dtype=torch.int64, device=device)
+        whole = [torch.arange(s.start, s.start + s.numel, dtype=torch.int64) for s in self.segments if s.whole]
+        self.whole = torch.cat(whole).to(device) if whole else None
+        self.sparsified = torch.tensor([i for i, s in enumerate(self.segments) if not s.whole], dtype=torch.int64,
+                                       device=device)
+        self.digest = fingerprint(self.numel, [(s.start, s.numel, s.whole) for s in self.segments])
+
+    @classmethod
+    def of(cls, segments: Sequence[Segment], numel: int, device: torch.device) -> BucketLayout:
+        return cls(tuple(segments), numel, device)
+
+    def at_ratio(self, ratio: float) -> tuple[SampleGrid, int]:
+        """The sample grid and the selection's capacity at ``ratio``: each sparsified segment's
+        count, ceil(ratio·numel) (the entries sent whole go besides)."""
+        if ratio not in self._grids:
+            self._grids[ratio] = self._grid(ratio), sum(count_from(s.numel, ratio, None)
+                                                        for s in self.segments if not s.whole)
+        return self._grids[ratio]
+
+    def _grid(self, ratio: float) -> SampleGrid:
+        sparsified = [s for s in self.segments if not s.whole]
+        counts = [min(s.numel, SAMPLES) for s in sparsified]
+        width = max(counts, default=1)
+        strides = [s.numel // count for s, count in zip(sparsified, counts, strict=True)]
+        columns = torch.arange(width, dtype=torch.int64)
+        base = torch.stack([s.start + columns.clamp(max=count - 1) * stride
+                            for s, count, stride in zip(sparsified, counts, strides, strict=True)]) \
+            if sparsified else torch.zeros(0, width, dtype=torch.int64)
+        padded = columns[None, :] >= torch.tensor(counts, dtype=torch.int64)[:, None] if sparsified \
+            else torch.zeros(0, width, dtype=torch.bool)
+        # every tensor's threshold at one quantile, so that scores compare across tensors: the
+        # ratio's, or DEPTH samples deep where the ratio's would be shallower
+        quantile = max(ratio, DEPTH / SAMPLES)
+        ranks = [min(count, max(1, math.ceil(count * quantile - 1e-9))) for count in counts]
+        device = self.device
+        return SampleGrid(base.to(device), torch.tensor(strides, dtype=torch.int64, device=device)[:, None],
+                          padded.to(device), torch.tensor(ranks, dtype=torch.int64, device=device)[:, None] - 1,
+                          width, max(ranks, default=1))

@@ -1,0 +1,34 @@
+"""Which pipelines the device path runs: every stage with a form in fixed-size tensor ops."""
+
+from __future__ import annotations
+
+from sparsecomm.encode.index.raw import RawIndices
+from sparsecomm.encode.value.floats import Float32Values
+from sparsecomm.feedback.dgc_momentum import DGCMomentum
+from sparsecomm.feedback.none import NoFeedback
+from sparsecomm.feedback.residual import Residual
+from sparsecomm.sparsify.dgc_threshold import DGCThreshold
+from sparsecomm.spec import PipelineSpec
+from sparsecomm.transport.allgather import AllgatherTransport
+
+
+def device_native(spec: PipelineSpec) -> str | None:
+    """None where ``spec`` runs on the device path, else why not.
+
+    It runs there with DGC's sampled threshold at a ratio (its count is near k, not exactly k, as
+    the device path's is per tensor), error feedback, DGC's momentum without local clipping, or no
+    feedback, raw 32-bit indices and fp32 values (the payload's own bytes, in a fixed buffer), and
+    the allgather transport.
+    """
+    sparsifier, feedback = spec.sparsifier, spec.feedback
+    if not isinstance(sparsifier, DGCThreshold) or sparsifier.ratio is None:
+        return "its sparsifier is not dgc(ratio=...)"
+    if not isinstance(feedback, NoFeedback | Residual | DGCMomentum):
+        return f"its feedback {feedback.name} has no device form"
+    if isinstance(feedback, DGCMomentum) and feedback.clip > 0:
+        return "dgc_momentum's local clipping has no device form yet"
+    if spec.index_codec != RawIndices(bits=32) or not isinstance(spec.value_codec, Float32Values):
+        return "its codecs are not raw (32-bit indices) and fp32"
+    if not isinstance(spec.transport, AllgatherTransport):
+        return f"its transport {spec.transport.name} is not allgather"
+    return None

@@ -1,0 +1,173 @@
+"""``device``: the compressed route of a pipeline whose every stage has a device form
+(`sparsecomm.device.support`): one pass over the bucket, in fixed sizes — the feedback proposes,
+a capacity's worth of entries is selected, one fixed-size buffer is packed and all-gathered, the
+ranks' buffers are summed — and the one host read of the call is the sum's check. The feedback's
+state is committed once the sum is known good, so a failed step leaves it as it was.
+
+Each bucket's feedback lives in flat buffers; each parameter's state in the pipeline is a view of
+its segment, under the names the host path uses, so a checkpoint is the same either way and
+follows a parameter into whatever bucket DDP puts it. A rank whose gradient is non-finite sends
+NaN under ``nonfinite="raise"`` (every rank's sum is then non-finite and every rank raises) and
+zeros under ``"skip"``, keeping its state; ``"zero"`` replaces those entries by 0."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sparsecomm.adaptive.config import Plan
+from sparsecomm.device.feedback import Proposal, buffer_names, commit, propose
+from sparsecomm.device.layout import BucketLayout
+from sparsecomm.device.selection import select
+from sparsecomm.device.wire import pack, unpack_sum, words
+from sparsecomm.errors import SparseCommError
+from sparsecomm.feedback.dgc_momentum import DGCMomentum
+from sparsecomm.pipeline import Segment, TensorState, key_hash, seeded_generator
+from sparsecomm.reducer.call import Call, Route, Summed
+from sparsecomm.reducer.paths.base import Path, Pending
+from sparsecomm.sparsify.base import CountedSparsifier
+from sparsecomm.transport.collectives import all_gather_single, on_wire
+
+
+@dataclass
+class Bucket:
+    """One stream's fixed parts: its layout, its feedback's flat buffers (each parameter's state a
+    view of them), and its send buffer."""
+
+    layout: BucketLayout
+    buffers: dict[str, torch.Tensor]
+    views: list[tuple[TensorState, str, torch.Tensor]]
+    wire: torch.Tensor | None = None
+
+    def current(self) -> bool:
+        """Whether every parameter's state still is this bucket's view (not after a checkpoint was
+        loaded, or the parameter moved to another bucket)."""
+        return all(state.feedback.get(name) is view for state, name, view in self.views)
+
+
+@dataclass
+class DeviceSent:
+    """What one call sent and proposed: the indices, the feedback's proposal, this rank's
+    finiteness (None: no check), the gathered buffers and their bytes."""
+
+    bucket: Bucket
+    indices: torch.Tensor
+    proposal: Proposal
+    finite: torch.Tensor | None
+    gathered: torch.Tensor
+    nbytes: int
+    agreed: torch.Tensor | None = field(default=None)
+
+
+class DevicePath(Path):
+    route = Route.DEVICE
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._buckets: dict[str, Bucket] = {}
+        """per stream: its fixed parts (rebuilt from the parameters' states when stale)"""
+
+    def post(self, call: Call, plan: Plan | None, start: float) -> Pending:
+        parts = self.parts
+        config, pipeline = parts.config, parts.pipeline
+        flat = call.tensor.detach().reshape(-1)
+        segments = call.segments or (Segment(call.key, 0, flat.numel()),)
+        bucket = self._bucket(call.key, segments, flat)
+        layout = bucket.layout
+        first = pipeline.states[segments[0].key]
+        sparsifier = config.spec.sparsifier.at_step(first.step)
+        assert isinstance(sparsifier, CountedSparsifier) and sparsifier.ratio is not None
+        grad, finite = self._screened(flat)
+        proposal = propose(config.spec.feedback, grad, bucket.buffers)
+        generator = seeded_generator(flat.device, config.seed, key_hash(call.key), first.step)
+        indices = select(proposal.accumulated, layout, sparsifier.ratio, generator)
+        values = proposal.accumulated[indices]
+        if layout.whole is not None:  # the parameters sent whole, every entry as it is
+            indices, values = torch.cat([indices, layout.whole]), torch.cat([values, grad[layout.whole]])
+        if finite is not None:  # a non-finite rank sends NaN (raise: every rank raises) or nothing (skip)
+            values = torch.where(finite, values, math.nan if config.nonfinite == "raise" else 0.0)
+        wire = pack(self._wire(bucket, indices.numel(), flat.device), layout.digest, indices, values)
+        posted = on_wire(wire, parts.wire_device)
+        parts.calls.session.drain()  # after the worker thread's collectives (a custom loop's plain calls), in order
+        gathered = torch.empty(config.world_size * wire.numel(), dtype=wire.dtype, device=posted.device)
+        work = all_gather_single(gathered, posted, group=parts.process_group, async_op=True)
+        sent = DeviceSent(bucket, indices, proposal, finite, gathered, wire.numel() * wire.element_size())
+        return Pending(work.get_future(), time.perf_counter(),
+                       finish_with_step=call.in_step and flat.device.type == "cpu", sent=sent)
+
+    def _screened(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The gradient to use and, unless the policy is ``zero``, whether it was finite: a 0-d bool
+        on the device, read by no one here (one reduction: a sum that overflows counts as
+        non-finite). What a non-finite gradient proposes is sent as the policy says, never kept."""
+        if self.parts.config.nonfinite == "zero":
+            return torch.nan_to_num(flat, nan=0.0, posinf=0.0, neginf=0.0), None
+        return flat, torch.isfinite(flat.sum())
+
+    def _bucket(self, key: str, segments: tuple[Segment, ...], flat: torch.Tensor) -> Bucket:
+        bucket = self._buckets.get(key)
+        if bucket is None or not bucket.current():
+            bucket = self._buckets[key] = self._build(segments, flat)
+        return bucket
+
+    def _build(self, segments: tuple[Segment, ...], flat: torch.Tensor) -> Bucket:
+        """A bucket's flat buffers from its parameters' states (zeros where they have none), each
+        parameter's state then a view of its segment."""
+        pipeline, feedback = self.parts.pipeline, self.parts.config.spec.feedback
+        states = [pipeline.states.setdefault(s.key, TensorState()) for s in segments]
+        buffers, views = {}, []
+        for name in buffer_names(feedback):
+            buffer = torch.zeros_like(flat)
+            for segment, state in zip(segments, states, strict=True):
+                if segment.whole:
+                    continue
+                view = buffer[segment.start:segment.start + segment.numel]
+                held = state.feedback.get(name)
+                if held is not None and held.numel() == segment.numel:
+                    view.copy_(held.reshape(-1))
+                state.feedback[name] = view
+                if isinstance(feedback, DGCMomentum):
+                    state.feedback["averaged"] = False  # this rank's own momentum, not the ranks' common one
+                views.append((state, name, view))
+            buffers[name] = buffer
+        return Bucket(BucketLayout.of(segments, flat.numel(), flat.device), buffers, views)
+
+    @staticmethod
+    def _wire(bucket: Bucket, capacity: int, device: torch.device) -> torch.Tensor:
+        """The bucket's send buffer for ``capacity`` entries (reused while the capacity holds)."""
+        if bucket.wire is None or bucket.wire.numel() != words(capacity):
+            bucket.wire = torch.empty(words(capacity), dtype=torch.int32, device=device)
+        return bucket.wire
+
+    def summed(self, call: Call, pending: Pending, done: torch.futures.Future) -> Summed:
+        done.wait()
+        sent: DeviceSent = pending.sent
+        layout = sent.bucket.layout
+        total, sent.agreed = unpack_sum(sent.gathered, self.parts.config.world_size, layout.numel, layout.digest,
+                                        call.tensor.device)
+        return Summed(total, sent.nbytes, owned=True)
+
+    def checked(self, call: Call, pending: Pending, summed: Summed) -> torch.Tensor:
+        """The sum, raising on every rank unless every rank's bucket had this layout and the sum is
+        finite: the call's one host read."""
+        sent: DeviceSent = pending.sent
+        assert sent.agreed is not None
+        if not bool(sent.agreed & torch.isfinite(summed.total.sum())):  # one reduction: overflow counts
+            if not bool(sent.agreed):
+                raise SparseCommError(f"the ranks' buckets differ in {call.key!r}: every rank must build the same "
+                                      "model and DDP the same buckets")
+            raise SparseCommError(f"a rank had a non-finite gradient (NaN or Inf) in {call.key!r}, or the sum "
+                                  "overflowed; no rank applied it")
+        return summed.total
+
+    def after_average(self, call: Call, pending: Pending, total: torch.Tensor) -> torch.Tensor:
+        sent: DeviceSent = pending.sent
+        commit(self.parts.config.spec.feedback, sent.bucket.buffers, sent.proposal, sent.indices,
+               sent.bucket.layout.whole, sent.finite)
+        states = self.parts.pipeline.states
+        for segment in call.segments or (Segment(call.key, 0, total.numel()),):
+            states[segment.key].step += 1
+        return self.parts.uncompressed.apply(total, call.key, call.segments, whole_only=True)

@@ -1,0 +1,160 @@
+"""The device route end to end on 2 gloo ranks: DDP and custom loops train through it with ranks
+alike, its buffer has the size its capacity says, a checkpoint resumes bit for bit (and reads the
+same as the host path's), a non-finite gradient keeps every state, and its host syncs per step do
+not grow with the number of tensors."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import sparsecomm as sc
+from sparsecomm.bench.op_counts import count_ops
+from sparsecomm.launch import run_local
+from test_training import batches, digest, full_loss, mlp
+
+DEVICE_SPEC = "dgc(ratio=0.01)+dgc_momentum(momentum=0.9)+raw+fp32+allgather"
+HOST_SPEC = "dgc(ratio=0.01)+dgc_momentum(momentum=0.9)+rle+fp32+allgather"
+
+
+def buffer_bytes(model: nn.Module, ratio: float) -> int:
+    """The device route's bytes per step for ``model`` in one bucket: a header word, then an index
+    and a value per entry — ceil(ratio·numel) of each matrix, every entry of each vector."""
+    entries = sum(math.ceil(ratio * p.numel()) if p.dim() > 1 else p.numel() for p in model.parameters())
+    return 4 * (1 + 2 * entries)
+
+
+def train(rank: int, world: int, spec: str, steps: int) -> dict:
+    model = DDP(mlp(0))
+    reducer = sc.register_ddp_hook(model, spec, seed=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for data, labels in batches(rank, world, steps):
+        optimizer.zero_grad()
+        F.cross_entropy(model(data), labels).backward()
+        optimizer.step()
+    routes = {stats.route for stats in reducer.stats.tensors.values()}
+    reducer.close()
+    return {"loss": full_loss(model), "digest": digest(model), "routes": routes,
+            "bytes": reducer.stats.summary()["bytes_sent"]}
+
+
+def test_ddp_trains_through_the_device_route_with_ranks_alike_and_the_bytes_its_capacity_says():
+    steps = 60
+    device = run_local(2, train, DEVICE_SPEC, steps)
+    host = run_local(2, train, HOST_SPEC, steps)
+    assert device[0]["routes"] == {"device"} and host[0]["routes"] == {"compressed"}
+    assert device[0]["digest"] == device[1]["digest"]
+    initial = full_loss(mlp(0))
+    assert device[0]["loss"] < 0.5 * initial
+    assert device[0]["loss"] <= host[0]["loss"] + 0.15, (device[0]["loss"], host[0]["loss"])
+    assert device[0]["bytes"] == steps * buffer_bytes(mlp(0), 0.01)
+
+
+def train_manual(rank: int, world: int, specs: tuple[str, str], steps: int, resume_at: int | None) -> str:
+    model = mlp(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    reducer = sc.GradientReducer(specs[0], seed=3)
+    for step, (data, labels) in enumerate(batches(rank, world, steps)):
+        if step == resume_at:
+            saved = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                     "reducer": reducer.state_dict()}
+            reducer.close()
+            model = mlp(99)
+            model.load_state_dict(saved["model"])
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+            reducer = sc.GradientReducer(specs[1], seed=3)
+            state = saved["reducer"]
+            if specs[1] != specs[0]:  # the same per-parameter state under another pipeline's name
+                state["pipeline"]["spec"] = reducer.state_dict()["pipeline"]["spec"]
+            reducer.load_state_dict(state)
+        optimizer.zero_grad()
+        F.cross_entropy(model(data), labels).backward()
+        reducer.allreduce_((n, p.grad) for n, p in model.named_parameters())
+        optimizer.step()
+    reducer.close()
+    return digest(model)
+
+
+def test_a_custom_loop_on_the_device_route_resumes_bit_identically_from_a_checkpoint():
+    straight = run_local(2, train_manual, (DEVICE_SPEC, DEVICE_SPEC), 10, None)
+    resumed = run_local(2, train_manual, (DEVICE_SPEC, DEVICE_SPEC), 10, 5)
+    assert straight[0] == straight[1] == resumed[0] == resumed[1]
+
+
+def test_the_device_routes_checkpoint_is_the_host_paths_state_by_name():
+    """The host path's state, loaded into a reducer on the device route, goes on from where it was:
+    the same momentum by name, so the run differs from a host-only run only in what it selects."""
+    host_then_device = run_local(2, train_manual, (HOST_SPEC, DEVICE_SPEC), 10, 5)
+    device_fresh = run_local(2, train_manual, (HOST_SPEC, DEVICE_SPEC), 10, 0)  # nothing carried over
+    assert host_then_device[0] == host_then_device[1]
+    assert host_then_device[0] != device_fresh[0]
+
+
+def nonfinite_step(rank: int, world: int, policy: str) -> dict:
+    model = mlp(0)
+    reducer = sc.GradientReducer(DEVICE_SPEC, nonfinite=policy)
+    outcome, before, after = "ok", None, None
+    for step, (data, labels) in enumerate(batches(rank, world, 3)):
+        model.zero_grad()
+        F.cross_entropy(model(data), labels).backward()
+        if step == 1:
+            if rank == 1:
+                model[0].weight.grad[0, 0] = float("nan")
+            before = {k: v.clone() for k, v in reducer.pipeline.states["0.weight"].feedback.items()
+                      if isinstance(v, torch.Tensor)}
+        try:
+            reducer.allreduce_((n, p.grad) for n, p in model.named_parameters())
+        except sc.SparseCommError as err:
+            outcome = str(err)
+        if step == 1:
+            after = {k: v.clone() for k, v in reducer.pipeline.states["0.weight"].feedback.items()
+                     if isinstance(v, torch.Tensor)}
+        if outcome != "ok":
+            break
+        assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+    reducer.close()
+    kept = all(torch.equal(before[k], after[k]) for k in before)
+    finite = all(bool(torch.isfinite(v).all()) for v in after.values())
+    return {"outcome": outcome, "kept": kept, "finite": finite}
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip", "zero"])
+def test_a_non_finite_gradient_on_the_device_route_keeps_every_state_and_raises_on_every_rank(policy):
+    results = run_local(2, nonfinite_step, policy, timeout=120)
+    assert all(r["finite"] for r in results)
+    if policy == "raise":
+        assert all("non-finite gradient" in r["outcome"] and r["kept"] for r in results)
+    else:
+        assert all(r["outcome"] == "ok" for r in results)
+    if policy == "skip":
+        assert results[1]["kept"] and not results[0]["kept"]  # only the rank with NaN keeps its old state
+
+
+def deep_mlp(layers: int) -> nn.Module:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return nn.Sequential(*[module for _ in range(layers) for module in (nn.Linear(64, 64), nn.ReLU())])
+
+
+def syncs_per_step(rank: int, world: int, layers: int) -> tuple[float, float]:
+    model = DDP(deep_mlp(layers), bucket_cap_mb=100)
+    sc.register_ddp_hook(model, DEVICE_SPEC)
+    data = torch.randn(16, 64, generator=torch.Generator().manual_seed(rank))
+
+    def step() -> None:
+        model.zero_grad()
+        model(data).square().mean().backward()
+
+    for _ in range(3):  # DDP rebuilds its buckets after the first step
+        step()
+    counts = count_ops(step, 5)
+    return counts.syncs, counts.ops
+
+
+def test_host_syncs_per_step_on_the_device_route_do_not_grow_with_the_number_of_tensors():
+    few = run_local(2, syncs_per_step, 6)  # 12 tensors
+    many = run_local(2, syncs_per_step, 24)  # 48 tensors
+    assert few[0][0] == many[0][0] <= 2, (few, many)
