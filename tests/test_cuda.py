@@ -22,6 +22,8 @@ EXACT = ["allgather", "dense", "auto", "sparse_allreduce(algorithm=ssar_rd)", "s
 LOSSY = ["sparse_allreduce(algorithm=dsar_sa,qsgd_bits=4)", "sketch_allreduce(ratio=2.0,block=16)",
          "dense(dtype=fp16)"]
 OVERLAPS = ["random", "full", "all_empty", "dense_result"]
+DEVICE_ROUTE = "dgc(ratio=0.01)+dgc_momentum(momentum=0.9)+raw+fp32+allgather"
+"""a pipeline on the device route (`sparsecomm.device`)"""
 
 
 def every_transport(rank: int, world: int, cpu_group_backend: str) -> dict:
@@ -113,12 +115,12 @@ def rank_disagreements(rank: int, world: int, preset: str, steps: int) -> int:
     return disagreements
 
 
-@pytest.mark.parametrize("preset", ["adaptive", "dense", "dgc"])
+@pytest.mark.parametrize("preset", ["adaptive", "dense", "dgc", DEVICE_ROUTE])
 def test_every_rank_applies_the_same_sum_on_every_step_when_gloo_carries_cuda_gradients(preset):
     assert run_local(2, rank_disagreements, preset, 30, timeout=240) == [0, 0]
 
 
-@pytest.mark.parametrize("preset", sc.available_presets())
+@pytest.mark.parametrize("preset", [*sc.available_presets(), DEVICE_ROUTE])
 def test_the_ddp_hook_runs_every_preset_on_nccl(preset):
     (gpu,) = run_local(1, ddp_steps, preset, "cuda", 4, backend="nccl", timeout=240)
     (cpu,) = run_local(1, ddp_steps, preset, "cpu", 4, backend="gloo", timeout=240)

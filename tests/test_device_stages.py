@@ -67,10 +67,21 @@ def test_each_tensor_sends_about_its_share_whatever_its_scale():
         shares += torch.bucketize(chosen, torch.tensor([200_000, 205_000, 205_700]), right=True).bincount(
             minlength=len(sizes))
     counts = torch.tensor([-(-numel // 100) for numel in sizes])
-    assert torch.allclose(shares / 10, counts.float(), rtol=0.35), shares / 10
-    chosen = select(values, layout, 0.01, torch.Generator().manual_seed(0))
-    large = chosen[chosen < 200_000]
-    assert values[large].abs().min() > values[:200_000].abs().quantile(0.98)  # its largest
+    assert torch.equal(shares / 10, counts.float()), shares / 10  # each its own count
+
+
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.2])
+def test_each_tensor_sends_its_own_top_k_as_dgc_does(ratio):
+    sizes = [2560, 131_072, 300, 40_000, 7]
+    layout = layout_of(sizes, whole=frozenset({2}))
+    values = torch.randn(layout.numel, generator=torch.Generator().manual_seed(8))
+    values[2560:133_632] *= 100
+    chosen = set(select(values, layout, ratio, torch.Generator().manual_seed(1)).tolist())
+    for segment in layout.segments:
+        if not segment.whole:
+            k = max(1, -(-int(segment.numel * ratio * 1e6) // 10**6))
+            top = torch.topk(values[segment.start:segment.start + segment.numel].abs(), k).indices + segment.start
+            assert set(top.tolist()) <= chosen, segment
 
 
 @pytest.mark.parametrize("feedback", [Residual(), DGCMomentum(momentum=0.9), DGCMomentum(momentum=0.9, nesterov=True),

@@ -16,10 +16,6 @@ from sparsecomm.transport.collectives import fingerprint
 SAMPLES = 1024
 """magnitudes sampled per tensor for its threshold (all of a smaller tensor's)"""
 
-DEPTH = 8
-"""the threshold is at least this many samples deep: a quantile estimated from the first one or two
-of a sample swings too far for one tensor's share to be fair to another's"""
-
 
 @dataclass(frozen=True)
 class SampleGrid:
@@ -48,14 +44,18 @@ class BucketLayout:
     """the indices of the entries sent whole (None: none are)"""
     sparsified: torch.Tensor = field(init=False)
     """the indices, among ``segments``, of those sparsified"""
+    starts: torch.Tensor = field(init=False)
+    """where each segment starts"""
     digest: int = field(init=False)
     _grids: dict[float, tuple[SampleGrid, int]] = field(init=False, default_factory=dict)
+    _counts: dict[tuple[str, float], torch.Tensor] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         device = self.device
         self.sizes = torch.tensor([s.numel for s in self.segments], dtype=torch.int64, device=device)
         whole = [torch.arange(s.start, s.start + s.numel, dtype=torch.int64) for s in self.segments if s.whole]
         self.whole = torch.cat(whole).to(device) if whole else None
+        self.starts = torch.tensor([s.start for s in self.segments], dtype=torch.int64, device=device)
         self.sparsified = torch.tensor([i for i, s in enumerate(self.segments) if not s.whole], dtype=torch.int64,
                                        device=device)
         self.digest = fingerprint(self.numel, [(s.start, s.numel, s.whole) for s in self.segments])
@@ -72,6 +72,14 @@ class BucketLayout:
                                                         for s in self.segments if not s.whole)
         return self._grids[ratio]
 
+    def counts(self, ratio: float) -> torch.Tensor:
+        """Per segment, how many of its entries it sends at ``ratio`` (0 for those sent whole)."""
+        key = ("counts", ratio)
+        if key not in self._counts:
+            self._counts[key] = torch.tensor([0 if s.whole else count_from(s.numel, ratio, None)
+                                              for s in self.segments], dtype=torch.int64, device=self.device)
+        return self._counts[key]
+
     def _grid(self, ratio: float) -> SampleGrid:
         sparsified = [s for s in self.segments if not s.whole]
         counts = [min(s.numel, SAMPLES) for s in sparsified]
@@ -83,10 +91,9 @@ class BucketLayout:
             if sparsified else torch.zeros(0, width, dtype=torch.int64)
         padded = columns[None, :] >= torch.tensor(counts, dtype=torch.int64)[:, None] if sparsified \
             else torch.zeros(0, width, dtype=torch.bool)
-        # every tensor's threshold at one quantile, so that scores compare across tensors: the
-        # ratio's, or DEPTH samples deep where the ratio's would be shallower
-        quantile = max(ratio, DEPTH / SAMPLES)
-        ranks = [min(count, max(1, math.ceil(count * quantile - 1e-9))) for count in counts]
+        # the sample's share of the segment's count: about that many entries score 1 or more
+        ranks = [min(count, max(1, math.ceil(count * count_from(s.numel, ratio, None) / s.numel - 1e-9)))
+                 for s, count in zip(sparsified, counts, strict=True)]
         device = self.device
         return SampleGrid(base.to(device), torch.tensor(strides, dtype=torch.int64, device=device)[:, None],
                           padded.to(device), torch.tensor(ranks, dtype=torch.int64, device=device)[:, None] - 1,

@@ -1,11 +1,12 @@
 """`select`: a bucket's capacity's worth of entries, chosen on the device in a fixed number of ops.
 
-Each sparsified segment's threshold is DGC's: the sampled magnitude that about its count of
-entries pass. Every entry is scored by its magnitude over its segment's threshold, and the
-capacity's top scores go (the entries sent whole go besides, by their fixed indices). So each
-tensor sends about its own count, a rank's selection has the same size every step, and where more
-pass their thresholds than fit (or fewer), the ones furthest above (or nearest below) go, the rest
-staying in the feedback.
+Each sparsified segment's threshold is DGC's: a sampled magnitude near its count's. Every entry
+is scored by its magnitude over its segment's threshold, so scores compare across tensors, and
+the top `SLACK` times the capacity are the candidates. Among them each segment keeps its own top
+count — DGC's top-k per tensor, whenever a tensor's top entries are among the candidates — and
+what is left of the capacity (where a tensor had fewer candidates than its count) goes to the best
+of the rest. So a rank's selection has the same size every step; the entries sent whole go
+besides, by their fixed indices.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from sparsecomm.device.layout import BucketLayout
 
 TINY = 1e-30
 """the least threshold: a segment of zeros scores zero, not NaN"""
+
+SLACK = 4
+"""candidates per entry of the capacity: room for each tensor's top count when thresholds err"""
 
 
 def thresholds(magnitudes: torch.Tensor, layout: BucketLayout, ratio: float,
@@ -41,6 +45,17 @@ def select(accumulated: torch.Tensor, layout: BucketLayout, ratio: float,
     magnitudes = accumulated.abs()
     scale = thresholds(magnitudes, layout, ratio, generator).reciprocal_()
     scores = magnitudes.mul_(torch.repeat_interleave(scale, layout.sizes, output_size=layout.numel))
+    whole = 0
     if layout.whole is not None:
+        whole = layout.whole.numel()
         scores.index_fill_(0, layout.whole, -1.0)  # below every sparsified entry's score
-    return torch.topk(scores, capacity, sorted=False).indices
+    candidates = torch.topk(scores, min(SLACK * capacity, layout.numel - whole), sorted=False).indices
+    # by segment, best first: each entry's rank within its segment
+    best_first = candidates[torch.argsort(scores[candidates], descending=True, stable=True)]
+    segment = torch.searchsorted(layout.starts, best_first, right=True) - 1
+    by_segment = torch.argsort(segment, stable=True)
+    best_first, segment = best_first[by_segment], segment[by_segment]
+    rank = torch.arange(segment.numel(), device=segment.device) - torch.searchsorted(segment, segment)
+    kept = rank < layout.counts(ratio)[segment]
+    priority = torch.where(kept, float("inf"), scores[best_first])
+    return best_first[torch.topk(priority, capacity, sorted=False).indices]
