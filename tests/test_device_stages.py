@@ -132,3 +132,10 @@ def test_the_wire_sums_every_ranks_entries_and_flags_a_stranger():
     stranger[1] = 10**6  # out of range: clamped, never out of bounds
     _, agreed = unpack_sum(torch.cat([buffers[0], buffers[1], stranger]), 3, numel, digest, torch.device("cpu"))
     assert not bool(agreed)
+
+
+def test_an_empty_tensor_in_a_bucket_sends_nothing_and_breaks_nothing():
+    layout = layout_of([0, 500, 0])
+    chosen = select(torch.randn(500, generator=torch.Generator().manual_seed(9)), layout, 0.01,
+                    torch.Generator().manual_seed(0))
+    assert chosen.numel() == 5 and bool((chosen < 500).all())

@@ -48,7 +48,7 @@ class BucketLayout:
     """where each segment starts"""
     digest: int = field(init=False)
     _grids: dict[float, tuple[SampleGrid, int]] = field(init=False, default_factory=dict)
-    _counts: dict[tuple[str, float], torch.Tensor] = field(init=False, default_factory=dict)
+    _counts: dict[float, torch.Tensor] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         device = self.device
@@ -56,8 +56,8 @@ class BucketLayout:
         whole = [torch.arange(s.start, s.start + s.numel, dtype=torch.int64) for s in self.segments if s.whole]
         self.whole = torch.cat(whole).to(device) if whole else None
         self.starts = torch.tensor([s.start for s in self.segments], dtype=torch.int64, device=device)
-        self.sparsified = torch.tensor([i for i, s in enumerate(self.segments) if not s.whole], dtype=torch.int64,
-                                       device=device)
+        self.sparsified = torch.tensor([i for i, s in enumerate(self.segments) if not s.whole and s.numel],
+                                       dtype=torch.int64, device=device)
         self.digest = fingerprint(self.numel, [(s.start, s.numel, s.whole) for s in self.segments])
 
     @classmethod
@@ -74,14 +74,13 @@ class BucketLayout:
 
     def counts(self, ratio: float) -> torch.Tensor:
         """Per segment, how many of its entries it sends at ``ratio`` (0 for those sent whole)."""
-        key = ("counts", ratio)
-        if key not in self._counts:
-            self._counts[key] = torch.tensor([0 if s.whole else count_from(s.numel, ratio, None)
-                                              for s in self.segments], dtype=torch.int64, device=self.device)
-        return self._counts[key]
+        if ratio not in self._counts:
+            self._counts[ratio] = torch.tensor([0 if s.whole else count_from(s.numel, ratio, None)
+                                                for s in self.segments], dtype=torch.int64, device=self.device)
+        return self._counts[ratio]
 
     def _grid(self, ratio: float) -> SampleGrid:
-        sparsified = [s for s in self.segments if not s.whole]
+        sparsified = [s for s in self.segments if not s.whole and s.numel]  # an empty one has nothing to send
         counts = [min(s.numel, SAMPLES) for s in sparsified]
         width = max(counts, default=1)
         strides = [s.numel // count for s, count in zip(sparsified, counts, strict=True)]

@@ -35,13 +35,12 @@ from sparsecomm.transport.collectives import all_gather_single, on_wire
 
 @dataclass
 class Bucket:
-    """One stream's fixed parts: its layout, its feedback's flat buffers (each parameter's state a
-    view of them), and its send buffer."""
+    """One stream's fixed parts: its layout and its feedback's flat buffers (each parameter's state
+    a view of them)."""
 
     layout: BucketLayout
     buffers: dict[str, torch.Tensor]
     views: list[tuple[TensorState, str, torch.Tensor]]
-    wire: torch.Tensor | None = None
 
     def current(self) -> bool:
         """Whether every parameter's state still is this bucket's view (not after a checkpoint was
@@ -90,7 +89,9 @@ class DevicePath(Path):
             indices, values = torch.cat([indices, layout.whole]), torch.cat([values, grad[layout.whole]])
         if finite is not None:  # a non-finite rank sends NaN (raise: every rank raises) or nothing (skip)
             values = torch.where(finite, values, math.nan if config.nonfinite == "raise" else 0.0)
-        wire = pack(self._wire(bucket, indices.numel(), flat.device), layout.digest, indices, values)
+        # a new buffer per call: a stream's earlier call (reduce_async) may still be on the wire
+        wire = pack(torch.empty(words(indices.numel()), dtype=torch.int32, device=flat.device), layout.digest,
+                    indices, values)
         posted = on_wire(wire, parts.wire_device)
         parts.calls.session.drain()  # after the worker thread's collectives (a custom loop's plain calls), in order
         gathered = torch.empty(config.world_size * wire.numel(), dtype=wire.dtype, device=posted.device)
@@ -134,13 +135,6 @@ class DevicePath(Path):
                 views.append((state, name, view))
             buffers[name] = buffer
         return Bucket(BucketLayout.of(segments, flat.numel(), flat.device), buffers, views)
-
-    @staticmethod
-    def _wire(bucket: Bucket, capacity: int, device: torch.device) -> torch.Tensor:
-        """The bucket's send buffer for ``capacity`` entries (reused while the capacity holds)."""
-        if bucket.wire is None or bucket.wire.numel() != words(capacity):
-            bucket.wire = torch.empty(words(capacity), dtype=torch.int32, device=device)
-        return bucket.wire
 
     def summed(self, call: Call, pending: Pending, done: torch.futures.Future) -> Summed:
         done.wait()
