@@ -166,17 +166,8 @@ class GradientReducer:
                 f"seed={self.config.seed})")
 
     def check_matches(self, spec: str | PipelineSpec, seed: int, nonfinite: str, dense_below: int) -> None:
-        """Raise `SparseCommError` unless this reducer was built with these arguments.
-
-        Args:
-            spec: a preset name, a spec string or a parsed spec.
-            seed: the seed.
-            nonfinite: the non-finite policy.
-            dense_below: the plain route's size limit.
-
-        Raises:
-            SparseCommError: any of them differs from the reducer's own.
-        """
+        """Raise `SparseCommError` unless this reducer was built with this spec (a preset, a spec
+        string or a parsed spec), seed, non-finite policy and plain route's size limit."""
         self.config.check_matches(replace(self.config, spec=resolve(spec), seed=seed, nonfinite=nonfinite,
                                           dense_below=dense_below))
 
@@ -222,15 +213,9 @@ class GradientReducer:
                 tensor.copy_(averaged)
 
     def reduce_bucket_async(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """A DDP bucket, its parameters' state found by name (see `ddp_comm_hook`, which calls it).
-
-        Args:
-            bucket: DDP's bucket of gradients.
-
-        Returns:
-            A future of the bucket averaged over ranks, in DDP's layout. Errors reach the future;
-            `finish_step` raises the step's first.
-        """
+        """A future of DDP's ``bucket`` averaged over ranks, in DDP's layout, its parameters' state
+        found by name (`ddp_comm_hook` calls it). Errors reach the future; `finish_step` raises the
+        step's first."""
         layout = self.buckets.layout(bucket)
         reduced = self._submit(layout.key, layout.gathered(bucket), layout.segments, layout.stats_key,
                                last=bucket.is_last() and layout.ddp_offsets is None)
@@ -287,16 +272,9 @@ class GradientReducer:
         return future.wait()
 
     def reduce_async(self, key: str, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-        """Local stages now; the collective on the worker thread; a future of the average.
-
-        Args:
-            key: the stream's name; its state is kept under it.
-            tensor: this rank's tensor, dense or sparse COO.
-
-        Returns:
-            A future of the average over ranks; errors reach it. The call belongs to the open step:
-            `finish_step` waits for it.
-        """
+        """`reduce` without waiting: local stages now, the collective on the worker thread, a future
+        of the average (errors reach it). The call belongs to the open step: `finish_step` waits
+        for it."""
         return self._submit(key, tensor, in_step=False)
 
     def _submit(self, key: str, tensor: torch.Tensor, segments: tuple[Segment, ...] | None = None,
