@@ -5,18 +5,24 @@ A ```python block runs in this process; a page's blocks run in order in one name
 block may use what an earlier one defined (a docstring's blocks likewise). A ```python ranks=2 block
 runs on two local gloo ranks: every page's and docstring's two-rank blocks run in one pair of workers
 (one `run_local` call), each page in a namespace of its own, each rank in the test's temporary
-directory. Commands and other text go in ```bash or ```text fences, which are not run; any other
-fence is refused, so no example escapes its test."""
+directory. A ```python torchrun=2 block is a whole script, run as its user would start it:
+under torchrun, on two CPU ranks (a trainer's example: Lightning, Accelerate). Commands and other
+text go in ```bash or ```text fences, which are not run; any other fence is refused, so no example
+escapes its test."""
 
+import ast
 import contextlib
 import importlib
 import inspect
 import io
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import sparsecomm
 
@@ -24,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 REFERENCE = sorted((ROOT / "docs" / "reference").glob("*.md"))
-RUN_HERE, RUN_ON_TWO_RANKS = "python", "python ranks=2"
+RUN_HERE, RUN_ON_TWO_RANKS, RUN_WITH_TORCHRUN = "python", "python ranks=2", "python torchrun=2"
 NOT_RUN = ("bash", "text")
 FENCE = re.compile(r"^( *)```([^`\n]*)\n(.*?)^\1```[ \t]*$", flags=re.DOTALL | re.MULTILINE)
 README_SETUP = (
@@ -100,7 +106,7 @@ def test_the_readme_fits_a_screen_and_keeps_its_setup_commands():
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
 def test_every_fence_runs_or_is_plainly_not_python(page):
     kinds = {info for info, _ in fences(page)}
-    assert kinds <= {RUN_HERE, RUN_ON_TWO_RANKS, *NOT_RUN}, f"{page}: fences {sorted(kinds)}"
+    assert kinds <= {RUN_HERE, RUN_ON_TWO_RANKS, RUN_WITH_TORCHRUN, *NOT_RUN}, f"{page}: fences {sorted(kinds)}"
     assert page.read_text().count("```") == 2 * len(fences(page)), f"{page}: an unmatched fence"
 
 
@@ -165,3 +171,28 @@ def test_two_rank_examples_run_on_two_local_ranks(tmp_path):
     for rank_output in outputs:
         assert set(rank_output) == {page for page, _ in pages}
         assert "compression_ratio" in rank_output[str(README)], "the README's DDP example prints its summary"
+
+
+SAVE_PARAMETERS = """
+import os as _os
+torch.save([_p.detach() for _p in model.parameters()], f"parameters-{_os.environ['RANK']}.pt")
+"""
+"""appended to a torchrun example: each rank saves its ``model``'s parameters, for the ranks to be compared"""
+
+
+@pytest.mark.parametrize("page", [page for page in PAGES if blocks(page, RUN_WITH_TORCHRUN)],
+                         ids=lambda page: str(page.relative_to(ROOT)))
+def test_trainer_examples_train_under_torchrun(page, tmp_path):
+    """Each rank prints the reducer's summary after 30 steps: the hook ran and compressed, and the
+    ranks end with the same parameters."""
+    (source,) = blocks(page, RUN_WITH_TORCHRUN)
+    script = tmp_path / "train.py"
+    script.write_text(source + SAVE_PARAMETERS)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-6000:]
+    summaries = [ast.literal_eval(found) for found in re.findall(r"\{'steps': .*?\}", done.stdout)]
+    assert [summary["steps"] for summary in summaries] == [30, 30], done.stdout
+    assert all(summary["compression_ratio"] > 1 for summary in summaries), summaries
+    first, second = (torch.load(tmp_path / f"parameters-{rank}.pt") for rank in range(2))
+    assert len(first) == 4 and all(torch.equal(a, b) for a, b in zip(first, second, strict=True))

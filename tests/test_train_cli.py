@@ -58,14 +58,16 @@ def test_time_to_target_is_the_first_step_the_smoothed_loss_reaches_it():
     assert default_target({"dense": {"losses": falling}}) == pytest.approx(4.15 + 0.05 * (10.0 - 4.15))
 
 
-def test_train_reports_time_to_a_given_target_loss(tmp_path, capsys):
+def test_train_reports_time_to_a_given_target_loss_and_takes_specs_with_commas_as_presets(tmp_path, capsys):
     out = tmp_path / "t.json"
-    assert train_on_loopback(["--workers", "2", "--steps", "30", "--presets", "dense", "--baselines", "none",
+    spec = "dgc(ratio=0.01,warmup=2)+dgc_momentum(momentum=0.9,nesterov=true)+rle+fp32+allgather"
+    assert train_on_loopback(["--workers", "2", "--steps", "30", "--presets", spec, "--baselines", "none",
                  "--target-loss", "1.5", "--json", str(out)]) == 0
     assert "time to a smoothed training loss of 1.5" in capsys.readouterr().out
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row["target_loss"] == 1.5 and 1 <= row["steps_to_target"] <= 30
-    assert 0 < row["time_to_target_s"] <= row["wall_s"] and row["modeled_time_to_target_s"] > 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["preset"] for row in rows] == ["dense", spec]  # a comma inside parentheses belongs to its spec
+    assert rows[0]["target_loss"] == 1.5 and 1 <= rows[0]["steps_to_target"] <= 30
+    assert 0 < rows[0]["time_to_target_s"] <= rows[0]["wall_s"] and rows[0]["modeled_time_to_target_s"] > 0
 
 
 def test_several_seeds_report_the_metric_mean_and_spread(tmp_path, capsys):
@@ -81,14 +83,6 @@ def test_several_seeds_report_the_metric_mean_and_spread(tmp_path, capsys):
         assert row["final_metric"] == per_seed[0]
     dense, dgc = result["rows"]
     assert dgc["metric_vs_reference"] == pytest.approx(dgc["final_metric_mean"] - dense["final_metric_mean"])
-
-
-def test_presets_may_be_specs_with_commas_inside_parentheses(tmp_path):
-    out = tmp_path / "specs.json"
-    spec = "dgc(ratio=0.01,warmup=2)+dgc_momentum(momentum=0.9,nesterov=true)+rle+fp32+allgather"
-    assert train_on_loopback(["--workers", "2", "--steps", "8", "--presets", f"dgc,{spec}", "--baselines", "none",
-                 "--json", str(out)]) == 0
-    assert [row["preset"] for row in json.loads(out.read_text())["rows"]] == ["dense", "dgc", spec]
 
 
 def test_train_rejects_an_unknown_preset_before_starting_workers(capsys):
@@ -126,6 +120,11 @@ def test_pytorchs_own_hooks_run_as_rows_next_to_the_presets_and_are_the_referenc
     rows = {row["preset"]: row for row in result["rows"]}
     assert list(rows) == ["torch-allreduce", "torch-fp16", "torch-powersgd-r1", "torch-powersgd-r2", "dense", "dgc"]
     assert result["reference"] == "torch-allreduce" and "speed-up over torch-allreduce" in text
+    first_line = text.splitlines()[0]
+    assert first_line.startswith("sparsecomm train: which of 1 sparsecomm preset and 3 of PyTorch's DDP hooks")
+    assert "2 workers training digits for 30 steps on loopback" in first_line
+    assert "verdict on loopback: dgc reached the target loss in" in text or "no sparsecomm row reached" in text
+    assert text.rstrip().splitlines()[-1].startswith("use it: sparsecomm.register_ddp_hook(")  # the last word
     assert rows["torch-allreduce"]["bytes_per_step"] == rows["dense"]["bytes_per_step"] == 4 * 167_178
     assert rows["torch-fp16"]["compression_ratio"] == 2.0
     # PowerSGD sends rank-1 (or 2) factors after its two vanilla allreduce steps
@@ -142,13 +141,17 @@ def test_baselines_are_chosen_by_name_and_an_unknown_one_is_refused(capsys):
     assert "unknown baseline 'fp8'" in capsys.readouterr().err
 
 
-def test_the_default_link_gives_the_workload_resnet50s_ratio_on_1_gbit_ethernet():
-    from sparsecomm.train.runner import REGIME, format_rate, matching_rate
+def test_the_default_link_gives_the_workload_its_regimes_ratio():
+    from sparsecomm.train.regime import BREAK_EVEN, RESNET50_ON_1GBE, matching_rate
+    from sparsecomm.train.runner import format_rate
 
     # 668,712 bytes and 0.7 ms of compute: the link that makes the all_reduce take 15x the compute
-    rate = matching_rate(668_712, 0.0007)
-    assert 668_712 * 8 / rate / 0.0007 == pytest.approx(REGIME.ratio(), rel=0.01)
+    rate = matching_rate(668_712, 0.0007, RESNET50_ON_1GBE)
+    assert 668_712 * 8 / rate / 0.0007 == pytest.approx(RESNET50_ON_1GBE.ratio, rel=0.01)
+    assert 14 < RESNET50_ON_1GBE.ratio < 16
     assert format_rate(rate) == "510mbit" and format_rate(1.5e9) == "1.5gbit" and format_rate(2e4) == "20kbit"
+    # gpt's 8.2 MB and 0.1 s: the link that makes the all_reduce as long as the compute
+    assert format_rate(matching_rate(8_208_000, 0.1, BREAK_EVEN)) == "660mbit"
 
 
 def test_without_a_link_to_shape_the_job_says_why_and_trains_on_loopback(monkeypatch, capsys, tmp_path):
@@ -212,3 +215,51 @@ def test_the_deterministic_optimizer_step_restores_the_callers_setting():
     with identical_update():
         assert setting() == (True, True)
     assert setting() == before
+
+
+def result_with(times: dict[str, float | None], link: str = "100mbit") -> dict:
+    """A train result whose rows reach the target in these times (None: never)."""
+    rows = [{"preset": name, "metric_name": "accuracy", "final_metric": 96.0 + i / 10, "time_to_target_s": seconds}
+            for i, (name, seconds) in enumerate(times.items())]
+    return {"link": link, "steps": 300, "rows": rows}
+
+
+def test_the_verdict_names_the_fastest_preset_against_ddp_and_the_best_hook():
+    from sparsecomm.train.summary import verdict
+
+    said = verdict(result_with({"torch-allreduce": 6.0, "torch-fp16": 3.0, "torch-powersgd-r1": 1.5, "dense": 6.2,
+                                "adaptive": 1.2, "dgc": 2.5}))
+    assert said == ("verdict on 100mbit: adaptive reached the target loss in 1.2 s, 5x as fast as DDP's allreduce "
+                    "(6 s), 1.25x as fast as the best PyTorch hook (torch-powersgd-r1, 1.5 s), accuracy 96.4 "
+                    "against dense's 96.3")
+    slow = verdict(result_with({"torch-allreduce": 0.6, "dense": 0.62, "adaptive": 0.9, "dgc": None}, "loopback"))
+    assert slow.startswith("verdict on loopback: adaptive") and slow.endswith("compression does not pay on this link")
+    assert verdict(result_with({"dense": 1.0, "dgc": None})) == (
+        "verdict on 100mbit: no sparsecomm row reached the target loss in 300 steps")
+
+
+def test_the_estimate_counts_each_row_start_and_a_dense_rows_bytes_on_the_link():
+    from sparsecomm.train.summary import ROW_START_S, estimate_seconds, intro
+
+    seconds = estimate_seconds(["torch-allreduce", "dgc"], seeds=2, steps=100, compute_s=0.01, dense_bytes=1_250_000,
+                               link_bps=100e6)
+    assert seconds == pytest.approx(2 * (2 * ROW_START_S + 100 * (0.01 + 0.1) + 100 * 0.02))
+    line = intro("digits", ["torch-allreduce", "dense", "dgc"], 1, 300, 2, "loopback", 150)
+    assert line == ("sparsecomm train: which of 1 sparsecomm preset reaches the target loss first next to a dense "
+                    "allreduce, 2 workers training digits for 300 steps on loopback — about 2.5 min here")
+
+
+def test_the_gpt_workload_trains_every_row_under_adamw_with_dgcs_feedback_suited_to_it(tmp_path, capsys):
+    out = tmp_path / "gpt.json"
+    assert train_on_loopback(["--workload", "gpt", "--workers", "2", "--steps", "8", "--presets", "dgc",
+                              "--baselines", "none", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert (result["optimizer"], result["lr"], result["batch"]) == ("adamw", 1e-3, 8)
+    rows = {row["preset"]: row for row in result["rows"]}
+    assert list(rows) == ["dense", "dgc"]
+    for row in rows.values():
+        assert row["metric_name"] == "perplexity" and row["ranks_identical"] and row["final_metric"] < 256
+    assert "dgc under adamw: error feedback in place of its momentum correction" in rows["dgc"]["note"] and \
+        rows["dgc"]["note"] in text
+    assert rows["dgc"]["compression_ratio"] > 50  # every matrix at DGC's 99.9% sparsity; vectors whole

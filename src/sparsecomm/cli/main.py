@@ -122,8 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train a real workload with each preset next to dense")
     train.add_argument("--workload", default="digits",
-                       help="digits (default; scikit-learn's digits, MLP) or lm (word-level language model with a "
-                            "sparse embedding, on the Python standard library's docstrings)")
+                       help="digits (default; scikit-learn's digits, MLP, SGD), lm (word-level language model with a "
+                            "sparse embedding, on the Python standard library's docstrings, SGD), gpt (a "
+                            "2M-parameter GPT over the standard library's source bytes, AdamW) or gpt-large (57M "
+                            "parameters, for GPUs)")
     train.add_argument("--presets", default=None,
                        help="comma-separated presets or specs (default: every available preset)")
     train.add_argument("--baselines", default="all",
@@ -131,8 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "allreduce, fp16, powersgd-r1, powersgd-r2; 'all' (default) or 'none'")
     train.add_argument("--workers", type=_positive_int, default=None,
                        help="local workers (default: min(4, CPU cores))")
-    train.add_argument("--steps", type=_positive_int, default=300)
-    train.add_argument("--batch", type=_positive_int, default=32, help="per-worker batch size")
+    train.add_argument("--steps", type=_positive_int, default=None,
+                       help="steps per row (default: the workload's: 300, gpt 120)")
+    train.add_argument("--batch", type=_positive_int, default=None,
+                       help="per-worker batch size (default: the workload's: 32, gpt 8)")
+    train.add_argument("--optimizer", choices=("sgd", "adamw"), default=None,
+                       help="every row's optimizer (default: the workload's): sgd (Nesterov momentum 0.9) or adamw")
     train.add_argument("--lr", type=float, default=None, help="learning rate (default: the workload's)")
     train.add_argument("--seed", type=_seed_list, default=[0],
                        help="seed, or comma-separated seeds: the metric is then reported as mean ± std over them")
@@ -363,10 +369,15 @@ def _baselines(text: str) -> list[str]:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from sparsecomm.presets import available_presets
-    from sparsecomm.train import runner
+    from tqdm import tqdm
 
-    presets = _specs(args.presets) if args.presets else available_presets()
+    from sparsecomm.presets import available_presets
+    from sparsecomm.train import runner, summary
+    from sparsecomm.train.update_rule import UpdateRule
+    from sparsecomm.train.workloads import workload
+
+    task = workload(args.workload)
+    presets = _specs(args.presets) if args.presets else list(task.default_presets or available_presets())
     if "dense" not in presets:
         presets = ["dense", *presets]
     presets = [*(name for name in _baselines(args.baselines) if name not in presets), *presets]
@@ -377,6 +388,8 @@ def _train(args: argparse.Namespace) -> int:
     if in_job and shaped and args.shaped != "auto":
         raise SparseCommError("--shaped starts its own local workers; inside a torchrun job the job's network is used")
     why = ""
+    args.batch, args.steps = args.batch or task.default_batch, args.steps or task.default_steps
+    rule = UpdateRule.of(task, args.optimizer, args.lr)  # refused here, before any worker starts
     with contextlib.ExitStack() as stack:
         namespaces = None
         if shaped and not in_job:
@@ -384,7 +397,7 @@ def _train(args: argparse.Namespace) -> int:
 
             ok, unavailable = ShapedNetwork.available()
             if ok and shaped == "auto":
-                shaped, why = runner.default_link(args.workload, args.workers, args.batch, args.seed[0], args.device)
+                shaped, why = runner.default_link(task, args.workers, args.batch, args.seed[0], args.device)
             if ok:
                 namespaces = stack.enter_context(ShapedNetwork(args.workers, shaped)).namespaces
             else:
@@ -392,16 +405,26 @@ def _train(args: argparse.Namespace) -> int:
                       f"compression can pay; the modeled columns (at --bandwidth {args.bandwidth}) are the guide",
                       file=sys.stderr)
         bandwidth = shaped if namespaces and shaped else args.bandwidth  # modeled at the shaped rate
-        runs = [runner.run(args.workload, presets, args.workers, args.steps, args.batch, args.lr, seed,
-                           bandwidth, namespaces, args.target_loss, args.device)
-                for seed in args.seed]
+        link = str(shaped) if namespaces else ("the torchrun job's network" if in_job else "loopback")
+        reporting = runner.is_reporting_rank()
+        if reporting:
+            print(_intro(args, task, rule, presets, link, namespaces is not None and shaped is not None))
+        with tqdm(total=len(presets) * len(args.seed), unit="row", disable=None if reporting else True) as bar:
+            def done(row: str) -> None:
+                bar.set_postfix_str(row[:40])
+                bar.update()
+
+            runs = [runner.run(task, presets, args.workers, args.steps, args.batch, args.lr, seed,
+                               bandwidth, namespaces, args.target_loss, args.device, done, args.optimizer)
+                    for seed in args.seed]
     result = runner.over_seeds(runs, args.seed)
-    result["link"] = shaped if namespaces else ("the torchrun job's network" if in_job else "loopback")
+    result["link"] = link
     result["link_reason"] = why
-    if not runner.is_reporting_rank():
+    if not reporting:
         return 0  # in a torchrun job, rank 0 reports
     print(f"\ntrain {args.workload}: {result['workers']} workers ({args.device}) on {result['link']}, {args.steps} "
-          f"steps, same seed for every row; modeled communication at {result['bandwidth']}")
+          f"steps of {args.batch} per worker, {rule.optimizer} at lr {rule.lr:g}, same seed for every row; modeled "
+          f"communication at {result['bandwidth']}")
     if why:
         print(f"link {why}")
     print()
@@ -437,7 +460,28 @@ def _train(args: argparse.Namespace) -> int:
         _print_projection(projection)
         result["scaling"] = projection
         print("\n(`sparsecomm scaling --from RESULT.json` plots it, for every P from 1 to 256)")
-    return _save(args, result, runner.plot)
+    saved = _save(args, result, runner.plot)
+    if result["target_loss"] is not None:
+        print(f"\n{summary.verdict(result)}")
+    print(f"use it: {USAGE}")
+    return saved
+
+
+USAGE = 'sparsecomm.register_ddp_hook(ddp_model, "adaptive") on every rank, before the first step'
+"""the line the train job ends with: how to put what it measured to work"""
+
+
+def _intro(args: argparse.Namespace, task: Any, rule: Any, rows: list[str], link: str, shaped: bool) -> str:
+    """`summary.intro` with this run's estimate: the workload's compute per step, measured here."""
+    from sparsecomm.netns import bits_per_second
+    from sparsecomm.train import runner, summary
+
+    compute_s = runner.compute_seconds_per_step(task, args.batch, args.seed[0], rule=rule)
+    dense_bytes = 4 * sum(p.numel() for p in task.model(args.seed[0]).parameters())
+    seconds = summary.estimate_seconds(rows, len(args.seed), args.steps, compute_s, dense_bytes,
+                                       bits_per_second(link) if shaped else None)
+    where = f"a link shaped to {link}" if shaped else link
+    return summary.intro(task.name, rows, len(args.seed), args.steps, args.workers, where, seconds)
 
 
 def _print_projection(projection: dict[str, Any]) -> None:

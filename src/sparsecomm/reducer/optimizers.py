@@ -20,7 +20,16 @@ def suited_feedback(feedback: Feedback, optimizer: torch.optim.Optimizer) -> tup
     """(the feedback to use with ``optimizer``, why it differs from ``feedback``, or None)."""
     if not feedback.applies_momentum or not applies_momentum(optimizer):
         return feedback, None
-    name = type(optimizer).__name__
+    name = type(_unwrapped(optimizer)).__name__
     return Residual(), (f"{feedback.to_spec()} applies SGD's momentum itself and {name} applies its own: this "
                         f"reducer uses residual instead (error feedback on the gradient; {name} keeps the "
                         "momentum). For DGC's momentum correction, use SGD without momentum.")
+
+
+def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer a trainer's wrapper holds (Accelerate's ``optimizer``, Lightning's ``_optimizer``)."""
+    for attribute in ("optimizer", "_optimizer"):
+        inner = getattr(optimizer, attribute, None)
+        if isinstance(inner, torch.optim.Optimizer):
+            return _unwrapped(inner)
+    return optimizer

@@ -64,6 +64,8 @@ class GradientReducer:
     ``auto``'s measurements, the ``adaptive`` controller, a worker thread and a process group of its
     own — checkpoints it with `state_dict` and releases it with `close` (or ``with``). ``stats``
     counts what it sent (``stats.summary()``). Build one on every rank, with the same arguments.
+    Built before torch.distributed is initialised (a trainer such as Lightning initialises it), it
+    starts — joins the group and checks the ranks agree — at its first call.
 
     Args:
         spec: a preset name (``"dgc"``), a pipeline spec string, or a parsed `PipelineSpec`.
@@ -74,11 +76,12 @@ class GradientReducer:
         dense_below: tensors (and DDP buckets) with fewer elements take the plain route; inside a
             compressed bucket, parameters that small are sent whole.
         average: divide the sum by the world size.
-        model: the model (DDP or its module) whose parameter names key the per-parameter state;
+        model: the model whose parameters' names key the per-parameter state — the DDP model, the
+            module it wraps, or any module holding the same parameter objects (a LightningModule);
             needed as a DDP hook state.
 
     Raises:
-        SparseCommError: torch.distributed is not initialised, or the ranks' arguments differ.
+        SparseCommError: the ranks' arguments differ (when it starts), or an argument is invalid.
         SpecError: the spec is invalid.
 
     Example:
@@ -99,19 +102,36 @@ class GradientReducer:
     def __init__(self, spec: str | PipelineSpec, group: dist.ProcessGroup | None = None, seed: int = 0,
                  nonfinite: str = "raise", dense_below: int = DENSE_BELOW, average: bool = True,
                  model: nn.Module | None = None) -> None:
-        if not dist.is_initialized():
-            raise SparseCommError("torch.distributed is not initialised: call init_process_group first")
-        if group is None and model is not None:
-            group = getattr(model, "process_group", None)
-        self.group = group
-        world_size = dist.get_world_size(group)
-        config = self.config = ReducerConfig(resolve(spec), seed, nonfinite, dense_below, average, world_size)
-        self.pipeline = Pipeline(config.spec, seed=seed, nonfinite=nonfinite, world_size=world_size)
+        self.config = ReducerConfig(resolve(spec), seed, nonfinite, dense_below, average, world_size=0)
+        """what every rank agrees on (its world size is 0 until the reducer starts)"""
+        self.group, self._model = group, model
         self.stats = ReducerStats()
-        self.session = TransportSession()
-        self.buckets = BucketLayouts(model, config.sends_whole)
         self._counts: dict[str, int] = {}
         """per stream key: calls so far (the agreement step checks every rank is at the same call)"""
+        self._loaded: dict[str, Any] | None = None
+        """a checkpoint loaded before the reducer started, restored when it starts"""
+        if dist.is_initialized():
+            self._start()
+
+    @property
+    def started(self) -> bool:
+        """Whether the reducer has joined its process group: at construction when torch.distributed is
+        initialised, else at its first call (a trainer that initialises it, such as Lightning)."""
+        return self.config.world_size > 0
+
+    def _start(self) -> None:
+        """Join the process group: agree on the configuration, make the reducer's own groups and
+        state, and restore a checkpoint loaded before."""
+        if not dist.is_initialized():
+            raise SparseCommError("torch.distributed is not initialised: call init_process_group first")
+        model, group = self._model, self.group
+        if group is None and model is not None:
+            self.group = group = getattr(model, "process_group", None)
+        world_size = dist.get_world_size(group)
+        config = self.config = replace(self.config, world_size=world_size)
+        self.pipeline = Pipeline(config.spec, seed=config.seed, nonfinite=config.nonfinite, world_size=world_size)
+        self.session = TransportSession()
+        self.buckets = BucketLayouts(model, config.sends_whole)
         config.agree(group)
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world_size))
         self.async_group = dist.new_group(ranks=ranks)
@@ -126,6 +146,9 @@ class GradientReducer:
         self._calls = StepCalls(self.async_group, self.session)
         self._process_group, self._wire_device = process_group, device
         self._build_paths()
+        if self._loaded is not None:
+            self.load_state_dict(self._loaded)
+            self._loaded = None
 
     def _build_paths(self) -> None:
         """The paths of every route, over the reducer's current configuration and pipeline."""
@@ -149,6 +172,8 @@ class GradientReducer:
             raise SparseCommError(f"{why} — but this reducer has already reduced gradients: suit it to the "
                                   "optimizer before the first step")
         self.config = replace(self.config, spec=replace(self.spec, feedback=feedback))
+        if not self.started:
+            return why  # the ranks agree on it when the reducer starts
         self.config.agree(self.group)
         self.pipeline = Pipeline(self.spec, seed=self.config.seed, nonfinite=self.config.nonfinite,
                                  world_size=self.config.world_size)
@@ -162,8 +187,8 @@ class GradientReducer:
         return self.config.spec
 
     def __repr__(self) -> str:
-        return (f"GradientReducer({format_spec(self.spec)!r}, world_size={self.config.world_size}, "
-                f"seed={self.config.seed})")
+        world = f"world_size={self.config.world_size}" if self.started else "not started"
+        return f"GradientReducer({format_spec(self.spec)!r}, {world}, seed={self.config.seed})"
 
     def check_matches(self, spec: str | PipelineSpec, seed: int, nonfinite: str, dense_below: int) -> None:
         """Raise `SparseCommError` unless this reducer was built with this spec (a preset, a spec
@@ -199,6 +224,8 @@ class GradientReducer:
             print(reducer.stats.summary()["compression_ratio"])
             ```
         """
+        if not self.started:
+            self._start()
         named = sorted(named_gradients, key=lambda item: item[0])
         names = [name for name, _ in named]
         if len(set(names)) != len(names):
@@ -216,6 +243,8 @@ class GradientReducer:
         """A future of DDP's ``bucket`` averaged over ranks, in DDP's layout, its parameters' state
         found by name (`ddp_comm_hook` calls it). Errors reach the future; `finish_step` raises the
         step's first."""
+        if not self.started:
+            self._start()  # the first bucket: every rank is here, torch.distributed is initialised
         layout = self.buckets.layout(bucket)
         reduced = self._submit(layout.key, layout.gathered(bucket), layout.segments, layout.stats_key,
                                last=bucket.is_last() and layout.ddp_offsets is None)
@@ -275,6 +304,8 @@ class GradientReducer:
         """`reduce` without waiting: local stages now, the collective on the worker thread, a future
         of the average (errors reach it). The call belongs to the open step: `finish_step` waits
         for it."""
+        if not self.started:
+            self._start()
         return self._submit(key, tensor, in_step=False)
 
     def _submit(self, key: str, tensor: torch.Tensor, segments: tuple[Segment, ...] | None = None,
@@ -302,6 +333,8 @@ class GradientReducer:
     def close(self) -> None:
         """Wait for calls in flight, stop the worker thread and unhook the model. ``with
         GradientReducer(...) as reducer:`` calls it on leaving."""
+        if not self.started:
+            return
         if self.adaptive is not None:
             self.adaptive.close()
         self.session.close()
@@ -338,6 +371,11 @@ class GradientReducer:
             assert resumed.stats.steps == 1
             ```
         """
+        if not self.started:
+            if self._loaded is None:
+                raise SparseCommError("this reducer has not started (torch.distributed was not initialised at "
+                                      "its construction and it has reduced nothing): there is no state to save")
+            return self._loaded
         return {"format": FORMAT, "pipeline": self.pipeline.state_dict(), "calls": dict(self._counts),
                 "steps": self.stats.steps, "uncompressed": self._parts.uncompressed.state_dict(),
                 "session": self.session.state_dict(), "bucket_orders": self.buckets.state_dict(),
@@ -355,6 +393,10 @@ class GradientReducer:
                 cannot read.
         """
         state = migrate(state)
+        if not self.started:
+            self._loaded, self._counts = state, dict(state["calls"])  # restored when the reducer starts
+            self.stats.steps = state["steps"]
+            return
         self.pipeline.load_state_dict(state["pipeline"])
         self._counts = dict(state["calls"])
         self.stats.steps = state["steps"]

@@ -7,55 +7,25 @@ import hashlib
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
 from sparsecomm.errors import SparseCommError
 from sparsecomm.launch import run_local
 from sparsecomm.netns import bits_per_second
 from sparsecomm.presets import resolve
 from sparsecomm.reducer.ddp_hook import register_ddp_hook
+from sparsecomm.spec import format_spec
 from sparsecomm.train.baselines import BASELINES, has_sparse_gradients
+from sparsecomm.train.regime import matching_rate
+from sparsecomm.train.update_rule import UpdateRule
 from sparsecomm.train.workloads import Workload
 from sparsecomm.train.workloads import workload as load_workload
-
-MOMENTUM = 0.9
-
-
-@dataclass(frozen=True)
-class Regime:
-    """A real model on a real cluster network: what the default link imitates."""
-
-    model: str
-    gradient_bytes: float
-    step_s: float
-    link_bps: float
-    described: str
-
-    def ratio(self) -> float:
-        """Seconds a dense all_reduce's bytes take per second of compute (the ring's 2(P-1)/P
-        factor left out: both sides share it at equal P)."""
-        return self.gradient_bytes * 8 / self.link_bps / self.step_s
-
-
-REGIME = Regime("ResNet-50", 102.2e6, 0.055, 1e9,
-                "ResNet-50 (102 MB of fp32 gradient, ~55 ms per batch-64 step with mixed precision on a V100) "
-                "on 1 Gbit/s Ethernet")
-"""the default link gives the workload the communication-to-compute ratio of this"""
-
-
-def matching_rate(dense_bytes: float, compute_s: float, regime: Regime = REGIME) -> float:
-    """The link rate (bits/s) at which ``dense_bytes`` per ``compute_s`` of compute has ``regime``'s
-    communication-to-compute ratio, rounded to two significant digits."""
-    rate = dense_bytes * 8 / (regime.ratio() * compute_s)
-    return float(f"{rate:.2g}")
 
 
 def format_rate(bits_per_s: float) -> str:
@@ -66,15 +36,15 @@ def format_rate(bits_per_s: float) -> str:
     return f"{bits_per_s:g}"
 
 
-def default_link(workload_name: str, workers: int, batch: int, seed: int, device: str = "cpu") -> tuple[str, str]:
+def default_link(task: Workload, workers: int, batch: int, seed: int, device: str = "cpu") -> tuple[str, str]:
     """(rate, why) of the link the main job trains on when not told: the workload's dense bytes and
     its compute per step, measured on ``workers`` local workers at once, as training runs them."""
-    task = load_workload(workload_name)
     compute_s = max(run_local(workers, _compute_probe, task, batch, seed, device))
     dense_bytes = 4 * sum(p.numel() for p in task.model(seed).parameters())
-    rate = format_rate(matching_rate(dense_bytes, compute_s))
-    why = (f"{rate}: a dense all_reduce of {task.name}'s {dense_bytes / 1e3:,.0f} kB then takes {REGIME.ratio():.0f}x "
-           f"its {compute_s * 1e3:.1f} ms of compute per step here, as for {REGIME.described}")
+    regime = task.regime
+    rate = format_rate(matching_rate(dense_bytes, compute_s, regime))
+    why = (f"{rate}: a dense all_reduce of {task.name}'s {dense_bytes / 1e3:,.0f} kB then takes {regime.ratio:.0f}x "
+           f"its {compute_s * 1e3:.1f} ms of compute per step here, as for {regime.described}")
     return rate, why
 
 
@@ -130,11 +100,12 @@ def identical_update() -> Iterator[None]:
 
 
 def compute_seconds_per_step(task: Workload, batch: int, seed: int, trials: int = 5,
-                             device: torch.device | None = None) -> float:
-    """Forward + backward + SGD step of the workload's model alone (no communication), median."""
+                             device: torch.device | None = None, rule: UpdateRule | None = None) -> float:
+    """Forward + backward + optimizer step (``rule``'s, else the workload's) of the workload's model
+    alone (no communication), median."""
     device = device or torch.device("cpu")
     model = task.model(seed).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    optimizer, _ = (rule or UpdateRule.of(task)).build(model, None)
     times = []
     for batch_data in task.batches(0, 1, trials + 1, batch, seed + 1):
         tick = time.perf_counter()
@@ -146,24 +117,20 @@ def compute_seconds_per_step(task: Workload, batch: int, seed: int, trials: int 
     return sorted(times[1:])[len(times[1:]) // 2]
 
 
-def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: int, lr: float,
+def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: int, rule: UpdateRule,
            seed: int, device_name: str = "cpu") -> dict[str, Any]:
     """One rank's training run for one row: a sparsecomm preset (or spec) through its DDP hook, or
     one of PyTorch's own schemes (`BASELINES`)."""
     device = worker_device(device_name, rank)
-    compute_per_step = compute_seconds_per_step(task, batch, seed, device=device)
+    compute_per_step = compute_seconds_per_step(task, batch, seed, device=device, rule=rule)
     baseline = BASELINES.get(row)
     if baseline is not None:
         model, meter = baseline.wrap(task.model(seed).to(device))
-        reducer, applies_momentum = None, False
+        reducer = None
     else:
         model = DistributedDataParallel(task.model(seed).to(device))
         reducer = register_ddp_hook(model, row, seed=seed)
-        applies_momentum = reducer.spec.feedback.applies_momentum
-    # one update rule for every row: SGD with Nesterov momentum, applied by the optimizer or, for
-    # pipelines that correct momentum themselves (DGC's), by the pipeline with plain SGD after it
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0 if applies_momentum else MOMENTUM,
-                                nesterov=not applies_momentum)
+    optimizer, suited = rule.build(model, reducer)  # one update rule for every row
     losses, cumulative_bytes, elapsed = [], [], []
     start = time.perf_counter()
     for batch_data in task.batches(rank, world, steps, batch, seed):
@@ -205,6 +172,7 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
         "compute_s": compute_per_step * steps,
         "bytes_per_step": summary["bytes_per_step"], "metric": evaluation.metric,
         "test_loss": evaluation.loss, "parameters": numel, "adaptive": adaptive,
+        "suited_spec": None if suited is None or reducer is None else format_spec(reducer.spec),
         "digest": hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest(),
     }
 
@@ -214,38 +182,45 @@ def reference_row(names: list[str]) -> str | None:
     return next((name for name in ("torch-allreduce", "dense") if name in names), None)
 
 
-def run(workload_name: str, presets: list[str], workers: int, steps: int, batch: int = 32, lr: float | None = None,
-        seed: int = 0, bandwidth: str = "1gbit", namespaces: list[str] | None = None,
-        target_loss: float | None = None, device: str = "cpu") -> dict[str, Any]:
+def run(workload: str | Workload, presets: list[str], workers: int, steps: int, batch: int | None = None,
+        lr: float | None = None, seed: int = 0, bandwidth: str = "1gbit", namespaces: list[str] | None = None,
+        target_loss: float | None = None, device: str = "cpu",
+        done: Callable[[str], None] | None = None, optimizer: str | None = None) -> dict[str, Any]:
     """Train with each row — a preset, a spec, or one of PyTorch's schemes (`BASELINES`); rows carry
     the final metric, bytes, the time split and the time to ``target_loss`` (default: where the
     reference row, `reference_row`, has made 95% of its improvement), measured and modeled. A
     baseline that cannot run on this workload is a row saying why. ``device``: where each rank
-    trains (`worker_device`)."""
+    trains (`worker_device`); ``done(row)`` is called as each row ends (a progress bar). ``batch``,
+    ``lr`` and ``optimizer`` default to the workload's (`UpdateRule`)."""
     link = bits_per_second(bandwidth)
     check_device(device)  # fail before starting any worker
-    task = load_workload(workload_name)  # built once here, handed to every worker
-    lr = task.default_lr if lr is None else lr
+    task = load_workload(workload) if isinstance(workload, str) else workload  # handed to every worker
+    workload_name = task.name
+    rule = UpdateRule.of(task, optimizer, lr)
+    batch = task.default_batch if batch is None else batch
     for preset in presets:
         if preset not in BASELINES:
             resolve(preset)  # fail before starting any worker
     sparse_gradients = has_sparse_gradients(task.model(seed))
     refused = {name: why for name in presets if name in BASELINES
                and (why := BASELINES[name].why_not(sparse_gradients)) is not None}
-    rows, curves = [], {}
+    rows: list[dict[str, Any]] = []
+    curves: dict[str, dict[str, Any]] = {}
     in_job = launched_by_torchrun()
     joined_here = in_job and not dist.is_initialized()
     if in_job:
         workers = join_job()
-    for preset in tqdm(presets, desc=f"train {workload_name}", disable=None if is_reporting_rank() else True):
+    for preset in presets:
         if preset in refused:
             rows.append({"preset": preset, "workload": workload_name, "metric_name": task.metric_name,
                          "workers": workers, "steps": steps, "note": refused[preset]})
+            if done is not None:
+                done(preset)
             continue
         if in_job:
-            results = shared_view(worker(dist.get_rank(), workers, task, preset, steps, batch, lr, seed, device))
+            results = shared_view(worker(dist.get_rank(), workers, task, preset, steps, batch, rule, seed, device))
         else:
-            results = run_local(workers, worker, task, preset, steps, batch, lr, seed, device, timeout=3600,
+            results = run_local(workers, worker, task, preset, steps, batch, rule, seed, device, timeout=3600,
                                 namespaces=namespaces)
         first = results[0]
         identical = len({r["digest"] for r in results}) == 1
@@ -261,8 +236,13 @@ def run(workload_name: str, presets: list[str], workers: int, steps: int, batch:
             "modeled_s": first["compute_s"] + first["select_s"] + modeled_comm_s,
             "workers": workers, "steps": steps, "ranks_identical": identical, **first["adaptive"],
         })
+        if first["suited_spec"]:  # its own momentum correction would apply the optimizer's momentum twice
+            rows[-1]["note"] = f"{preset} under {rule.optimizer}: error feedback in place of its momentum " \
+                               f"correction ({first['suited_spec']})"
         curves[preset] = {"losses": first["losses"], "cumulative_bytes": first["cumulative_bytes"],
                           "elapsed_s": [max(times) for times in zip(*(r["elapsed_s"] for r in results), strict=True)]}
+        if done is not None:
+            done(preset)
     if joined_here:
         dist.barrier()
         dist.destroy_process_group()
@@ -284,7 +264,8 @@ def run(workload_name: str, presets: list[str], workers: int, steps: int, batch:
     for row in ran:
         seconds = row["time_to_target_s"]
         row["speedup_to_target"] = reference_time / seconds if seconds and reference_time else None
-    return {"benchmark": "train", "workload": workload_name, "workers": workers, "steps": steps, "lr": lr,
+    return {"benchmark": "train", "workload": workload_name, "workers": workers, "steps": steps, "lr": rule.lr,
+            "optimizer": rule.optimizer, "batch": batch,
             "device": device,
             "launcher": "torchrun" if in_job else "local", "reference": reference,
             "bandwidth": bandwidth, "target_loss": target, "rows": rows, "curves": curves}

@@ -1,9 +1,8 @@
-"""Training workloads with no download at run time: data shipped by a package."""
+"""Training workloads with no download at run time: data shipped by a package or with Python."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 
 import torch
@@ -11,12 +10,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparsecomm.errors import SparseCommError
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    metric: float
-    loss: float
+from sparsecomm.train.evaluation import Evaluation
+from sparsecomm.train.gpt import LARGE, StdlibGPT
+from sparsecomm.train.regime import RESNET50_ON_1GBE
 
 
 class Digits:
@@ -26,7 +22,11 @@ class Digits:
     name = "digits"
     metric_name = "accuracy"
     higher_is_better = True
-    default_lr = 0.05
+    optimizer = "sgd"
+    learning_rates = MappingProxyType({"sgd": 0.05, "adamw": 1e-3})
+    default_batch, default_steps = 32, 300
+    default_presets = None
+    regime = RESNET50_ON_1GBE
 
     def __init__(self) -> None:
         try:
@@ -81,7 +81,11 @@ class StdlibLanguageModel:
     name = "lm"
     metric_name = "perplexity"
     higher_is_better = False
-    default_lr = 0.1
+    optimizer = "sgd"
+    learning_rates = MappingProxyType({"sgd": 0.1})
+    default_batch, default_steps = 32, 300
+    default_presets = None
+    regime = RESNET50_ON_1GBE
     CONTEXT, VOCAB, MAX_WORDS = 4, 5000, 400_000
 
     def __init__(self) -> None:
@@ -163,8 +167,12 @@ class _NextWord(nn.Module):
         return self.output(torch.tanh(self.hidden(self.embedding(context).flatten(1))))
 
 
-Workload = Digits | StdlibLanguageModel
-WORKLOADS: Mapping[str, type[Workload]] = MappingProxyType({"digits": Digits, "lm": StdlibLanguageModel})
+Workload = Digits | StdlibLanguageModel | StdlibGPT
+WORKLOADS: Mapping[str, Callable[[], Workload]] = MappingProxyType({
+    "digits": Digits, "lm": StdlibLanguageModel, "gpt": StdlibGPT,
+    "gpt-large": lambda: StdlibGPT(LARGE, name="gpt-large", default_batch=32),
+})
+"""every workload by name: how to build it"""
 
 
 def workload(name: str) -> Workload:

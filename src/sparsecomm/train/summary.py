@@ -1,0 +1,72 @@
+"""What `sparsecomm train` says around its tables: before training, one line on what it is about to
+show and about how long it takes; at the end, the one-line verdict for the link it trained on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sparsecomm.train.baselines import BASELINES
+
+ROW_START_S = 9.0
+"""seconds a row costs beyond its steps — starting the workers, building the model and the reducer,
+evaluating — on 2 CPU cores (the default gpt job: its wall time less its rows' training times and
+the link probe, per row)"""
+
+DENSE_ROWS = ("dense", "torch-allreduce")
+"""rows that send every gradient in fp32: the estimate gives them the link's time per step"""
+
+
+def estimate_seconds(rows: list[str], seeds: int, steps: int, compute_s: float, dense_bytes: int,
+                     link_bps: float | None) -> float:
+    """About how long training ``rows`` takes: each row starts workers and trains ``steps``; a dense
+    row's step waits for its bytes on the link (``None``: loopback, nearly free), a compressed row's
+    for its compute and encoding (about twice the compute, as measured on digits and lm)."""
+    dense_step = compute_s + (dense_bytes * 8 / link_bps if link_bps else 0.0)
+    per_seed = sum(ROW_START_S + steps * (dense_step if row in DENSE_ROWS else 2 * compute_s) for row in rows)
+    return seeds * per_seed
+
+
+def intro(workload: str, rows: list[str], seeds: int, steps: int, workers: int, link: str, seconds: float) -> str:
+    """The line printed before training: what the tables will show, and about how long it takes."""
+    minutes = f"about {round(seconds / 30) / 2:g} min" if seconds >= 90 else f"about {seconds:.0f} s"
+    ours = [row for row in rows if row not in BASELINES and row not in DENSE_ROWS]
+    hooks = [row for row in rows if row in BASELINES and row not in DENSE_ROWS]
+    contenders = f"{len(ours)} sparsecomm preset{'s' * (len(ours) != 1)}"
+    if hooks:
+        contenders += f" and {len(hooks)} of PyTorch's DDP hooks"
+    return (f"sparsecomm train: which of {contenders} reaches the target loss first next to a dense allreduce, "
+            f"{workers} workers training {workload} for {steps} steps on {link}"
+            f"{f' ({seeds} seeds)' if seeds > 1 else ''} — {minutes} here")
+
+
+def verdict(result: dict[str, Any]) -> str:
+    """One line: the fastest sparsecomm row to the target loss, against DDP's allreduce and the best
+    of PyTorch's hooks, on the link trained on — or why there is no winner to name."""
+    link = result["link"]
+    times = {row["preset"]: _time_to_target(row) for row in result["rows"]}
+    reached = {name: seconds for name, seconds in times.items() if seconds is not None}
+    ours = {name: s for name, s in reached.items() if name not in BASELINES and name not in DENSE_ROWS}
+    hooks = {name: s for name, s in reached.items() if name in BASELINES and name != "torch-allreduce"}
+    plain = reached.get("torch-allreduce", reached.get("dense"))
+    if not ours:
+        return f"verdict on {link}: no sparsecomm row reached the target loss in {result['steps']} steps"
+    best = min(ours, key=ours.__getitem__)
+    metrics = {row["preset"]: row.get("final_metric_mean", row.get("final_metric")) for row in result["rows"]}
+    said = [f"verdict on {link}: {best} reached the target loss in {ours[best]:.3g} s"]
+    if plain is not None:
+        said.append(f"{plain / ours[best]:.3g}x as fast as DDP's allreduce ({plain:.3g} s)")
+    if hooks:
+        hook = min(hooks, key=hooks.__getitem__)
+        said.append(f"{hooks[hook] / ours[best]:.3g}x as fast as the best PyTorch hook ({hook}, {hooks[hook]:.3g} s)")
+    name = result["rows"][0].get("metric_name", "metric")
+    if metrics.get(best) is not None and metrics.get("dense") is not None:
+        said.append(f"{name} {metrics[best]:.4g} against dense's {metrics['dense']:.4g}")
+    if plain is not None and plain < ours[best]:
+        said.append("compression does not pay on this link")
+    return ", ".join(said)
+
+
+def _time_to_target(row: dict[str, Any]) -> float | None:
+    """The row's time to the target: the median over seeds where there are several."""
+    median = row.get("time_to_target_median_s")
+    return median if median is not None else row.get("time_to_target_s")

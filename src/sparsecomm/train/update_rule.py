@@ -1,0 +1,60 @@
+"""The update rule every row of a training run shares: SGD with Nesterov momentum, or AdamW — and,
+for a pipeline that applies SGD's momentum itself (DGC's), the form of it that suits the optimizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from sparsecomm.errors import SparseCommError
+from sparsecomm.reducer.reducer import GradientReducer
+from sparsecomm.train.baselines import has_sparse_gradients
+from sparsecomm.train.workloads import Workload
+
+MOMENTUM = 0.9
+"""SGD's Nesterov momentum, applied by the optimizer or by a pipeline that corrects it (DGC's)"""
+
+WEIGHT_DECAY = 0.01
+"""AdamW's decoupled weight decay (PyTorch's default)"""
+
+OPTIMIZERS = ("sgd", "adamw")
+
+
+@dataclass(frozen=True)
+class UpdateRule:
+    """The optimizer every row trains with, and its learning rate."""
+
+    optimizer: str
+    lr: float
+
+    @classmethod
+    def of(cls, task: Workload, optimizer: str | None = None, lr: float | None = None) -> UpdateRule:
+        """The rule for ``task``: its own optimizer and learning rate unless told otherwise.
+
+        Raises:
+            SparseCommError: an unknown optimizer, no known learning rate for the pair, or AdamW on
+                a model with sparse gradients (PyTorch's AdamW takes none)."""
+        optimizer = optimizer or task.optimizer
+        if optimizer not in OPTIMIZERS:
+            raise SparseCommError(f"unknown optimizer {optimizer!r}; use {' or '.join(OPTIMIZERS)}")
+        name, rates = task.name, task.learning_rates
+        if optimizer == "adamw" and has_sparse_gradients(task.model(0)):
+            raise SparseCommError(f"the {name} workload has sparse gradients, which PyTorch's AdamW does not take: "
+                                  "use --optimizer sgd")
+        if lr is None and optimizer not in rates:
+            raise SparseCommError(f"no default learning rate for {name} under {optimizer}: pass --lr")
+        return cls(optimizer, rates[optimizer] if lr is None else lr)
+
+    def build(self, model: nn.Module, reducer: GradientReducer | None) -> tuple[torch.optim.Optimizer, str | None]:
+        """The row's optimizer over ``model``, and why ``reducer``'s feedback changed to suit it
+        (None: it did not)."""
+        if self.optimizer == "adamw":
+            adamw = torch.optim.AdamW(model.parameters(), lr=self.lr, weight_decay=WEIGHT_DECAY)
+            return adamw, reducer.suit_optimizer(adamw) if reducer is not None else None
+        # SGD: the momentum applied by the optimizer or, for a pipeline that corrects it itself, by the
+        # pipeline with plain SGD after it
+        applies = reducer is not None and reducer.spec.feedback.applies_momentum
+        return torch.optim.SGD(model.parameters(), lr=self.lr, momentum=0.0 if applies else MOMENTUM,
+                               nesterov=not applies), None

@@ -1,0 +1,102 @@
+"""The gpt workload: a GPT over the standard library's source bytes — its size, its data, its
+causal attention, and an update rule (AdamW) that trains it; and the update rules every workload
+takes or refuses clearly."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sparsecomm.errors import SparseCommError
+from sparsecomm.train.update_rule import UpdateRule
+from sparsecomm.train.workloads import workload
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return workload("gpt")
+
+
+def test_the_cpu_size_has_about_two_million_parameters_in_a_hundred_tensors(gpt):
+    model = gpt.model(0)
+    parameters = list(model.parameters())
+    assert len(parameters) == 100 and 1.9e6 < sum(p.numel() for p in parameters) < 2.2e6
+    assert model.tokens.weight.shape == (256, 144)  # bytes are the tokens
+    large = workload("gpt-large").model(0)
+    assert sum(p.numel() for p in large.parameters()) > 50e6
+
+
+def test_the_model_is_seeded_and_leaves_the_callers_random_state_alone(gpt):
+    torch.manual_seed(5)
+    before = torch.rand(1)
+    torch.manual_seed(5)
+    first, second = gpt.model(0), gpt.model(0)
+    assert torch.rand(1) == before
+    assert all(torch.equal(a, b) for a, b in zip(first.parameters(), second.parameters(), strict=True))
+    assert not torch.equal(first.tokens.weight, gpt.model(1).tokens.weight)
+
+
+def test_held_out_text_is_every_tenth_block_and_never_trained_on(gpt):
+    from sparsecomm.train.gpt import _stdlib_source
+
+    text = torch.frombuffer(bytearray(_stdlib_source(4_000_000)), dtype=torch.uint8)
+    block = gpt.BLOCK
+    blocks = len(text) // block
+    assert len(gpt.test_tokens) == blocks // 10 * block and len(gpt.train_tokens) == (blocks - blocks // 10) * block
+    assert torch.equal(gpt.train_tokens[: 9 * block], text[: 9 * block])
+    assert torch.equal(gpt.test_tokens[:block], text[9 * block : 10 * block])
+    assert torch.equal(gpt.train_tokens[9 * block : 10 * block], text[10 * block : 11 * block])
+
+
+def test_batches_are_next_byte_targets_drawn_alike_for_a_seed_and_rank(gpt):
+    first = list(gpt.batches(rank=1, world=2, steps=3, batch=4, seed=7))
+    again = list(gpt.batches(rank=1, world=2, steps=3, batch=4, seed=7))
+    other_rank = next(iter(gpt.batches(rank=0, world=2, steps=1, batch=4, seed=7)))
+    for (inputs, targets), (inputs2, _) in zip(first, again, strict=True):
+        assert inputs.shape == targets.shape == (4, 64)
+        assert torch.equal(inputs[:, 1:], targets[:, :-1]) and torch.equal(inputs, inputs2)
+    assert not torch.equal(first[0][0], other_rank[0])
+
+
+def test_a_position_sees_no_later_byte(gpt):
+    model = gpt.model(0).eval()
+    inputs, _ = next(iter(gpt.batches(0, 1, 1, 2, 0)))
+    changed = inputs.clone()
+    changed[:, 40:] = (changed[:, 40:] + 1) % 256
+    with torch.no_grad():
+        assert torch.allclose(model(inputs)[:, :40], model(changed)[:, :40], atol=1e-5)
+        assert not torch.allclose(model(inputs)[:, 40:], model(changed)[:, 40:])
+
+
+def test_adamw_lowers_the_held_out_perplexity_in_a_few_steps(gpt):
+    model = gpt.model(0)
+    before = gpt.evaluate(model)
+    assert 30 < before.metric < 300  # near a uniform guess over 256 bytes at the start
+    optimizer, suited = UpdateRule.of(gpt).build(model, None)
+    assert isinstance(optimizer, torch.optim.AdamW) and suited is None
+    for batch in gpt.batches(0, 1, 30, 8, 0):
+        optimizer.zero_grad()
+        gpt.loss(model, batch).backward()
+        optimizer.step()
+    assert gpt.evaluate(model).metric < 0.7 * before.metric
+
+
+def test_each_workload_has_its_own_update_rule_and_refuses_one_it_cannot_take():
+    digits = workload("digits")
+    assert UpdateRule.of(digits) == UpdateRule("sgd", 0.05)
+    assert UpdateRule.of(digits, "adamw") == UpdateRule("adamw", 1e-3)
+    assert UpdateRule.of(digits, "adamw", lr=0.01).lr == 0.01
+    sparse = SimpleNamespace(name="lm", optimizer="sgd", learning_rates={"sgd": 0.1},
+                             model=lambda seed: torch.nn.Embedding(10, 2, sparse=True))  # as lm's model is
+    with pytest.raises(SparseCommError, match="sparse gradients, which PyTorch's AdamW does not take"):
+        UpdateRule.of(sparse, "adamw")
+    with pytest.raises(SparseCommError, match="no default learning rate for gpt under sgd: pass --lr"):
+        UpdateRule.of(workload("gpt"), "sgd")
+    with pytest.raises(SparseCommError, match="unknown optimizer 'lamb'"):
+        UpdateRule.of(digits, "lamb")
+
+
+def test_sgd_leaves_the_momentum_to_a_pipeline_that_corrects_it_itself():
+    model = torch.nn.Linear(4, 2)
+    optimizer, _ = UpdateRule("sgd", 0.1).build(model, None)
+    assert optimizer.param_groups[0]["momentum"] == 0.9 and optimizer.param_groups[0]["nesterov"]
