@@ -226,3 +226,48 @@ def test_sparse_embedding_updates_leave_every_rank_with_the_same_weights_on_the_
 
     result = run("lm", ["torch-allreduce", "dense"], workers=2, steps=8, device="cuda")
     assert [row["ranks_identical"] for row in result["rows"]] == [True, True]
+
+
+LIGHTNING_ON_A_GPU = """
+import lightning as L
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from torch.utils.data import DataLoader, TensorDataset
+
+import sparsecomm as sc
+
+
+class Classifier(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+
+    def training_step(self, batch, batch_index):
+        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+model = Classifier()
+reducer = sc.GradientReducer("dgc", model=model)  # before Lightning initialises torch.distributed
+trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=12, logger=False, enable_checkpointing=False,
+                    enable_progress_bar=False, enable_model_summary=False,
+                    strategy=DDPStrategy(ddp_comm_state=reducer, ddp_comm_hook=sc.ddp_comm_hook))
+trainer.fit(model, DataLoader(TensorDataset(torch.randn(512, 64), torch.randint(10, (512,))), batch_size=32))
+assert reducer.started and reducer.stats.steps == 12, reducer.stats.steps
+print("steps", reducer.stats.steps)
+"""
+
+
+def test_lightnings_ddp_strategy_registers_a_reducer_built_before_torch_distributed_on_a_gpu(tmp_path):
+    """Lightning registers a strategy's hook only on CUDA: the reducer it is given starts at its first
+    bucket and reduces every step."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "lightning_gpu.py"
+    script.write_text(LIGHTNING_ON_A_GPU)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", str(script)]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "steps 12" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]

@@ -263,3 +263,13 @@ def test_the_gpt_workload_trains_every_row_under_adamw_with_dgcs_feedback_suited
     assert "dgc under adamw: error feedback in place of its momentum correction" in rows["dgc"]["note"] and \
         rows["dgc"]["note"] in text
     assert rows["dgc"]["compression_ratio"] > 50  # every matrix at DGC's 99.9% sparsity; vectors whole
+
+
+def test_the_cnn_workload_trains_with_batch_normalisation_and_the_ranks_alike(tmp_path):
+    out = tmp_path / "cnn.json"
+    assert train_on_loopback(["--workload", "cnn", "--workers", "2", "--steps", "30", "--presets", "dgc",
+                              "--baselines", "none", "--json", str(out)]) == 0
+    rows = {row["preset"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["dense", "dgc"] and all(row["ranks_identical"] for row in rows.values())
+    assert rows["dense"]["metric_name"] == "accuracy" and rows["dense"]["final_metric"] > 50
+    assert rows["dgc"]["compression_ratio"] > 50  # every convolution at 99.9% sparsity; the norms whole

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -122,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train a real workload with each preset next to dense")
     train.add_argument("--workload", default="digits",
-                       help="digits (default; scikit-learn's digits, MLP, SGD), lm (word-level language model with a "
+                       help="digits (default; scikit-learn's digits, MLP, SGD), cnn (a ResNet with batch normalisation "
+                            "on the digits images, SGD), lm (word-level language model with a "
                             "sparse embedding, on the Python standard library's docstrings, SGD), gpt (a "
                             "2M-parameter GPT over the standard library's source bytes, AdamW) or gpt-large (57M "
                             "parameters, for GPUs)")
@@ -473,10 +475,17 @@ USAGE = 'sparsecomm.register_ddp_hook(ddp_model, "adaptive") on every rank, befo
 
 def _intro(args: argparse.Namespace, task: Any, rule: Any, rows: list[str], link: str, shaped: bool) -> str:
     """`summary.intro` with this run's estimate: the workload's compute per step, measured here."""
+    import torch
+
     from sparsecomm.netns import bits_per_second
     from sparsecomm.train import runner, summary
 
-    compute_s = runner.compute_seconds_per_step(task, args.batch, args.seed[0], rule=rule)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.workers))  # as each worker will have
+    try:
+        compute_s = runner.compute_seconds_per_step(task, args.batch, args.seed[0], rule=rule)
+    finally:
+        torch.set_num_threads(threads)
     dense_bytes = 4 * sum(p.numel() for p in task.model(args.seed[0]).parameters())
     seconds = summary.estimate_seconds(rows, len(args.seed), args.steps, compute_s, dense_bytes,
                                        bits_per_second(link) if shaped else None)
@@ -530,8 +539,6 @@ def _calibrate(args: argparse.Namespace) -> int:
             model = run_local(args.workers, calibrate_group, namespaces=network.namespaces)[0]
     else:
         model = run_local(args.workers, calibrate_group)[0]
-    import os
-
     path = args.output or os.environ.get("SPARSECOMM_COST_MODEL") or str(DEFAULT_PATH)
     model.save(path)
     print(f"alpha = {model.alpha * 1e6:.1f} us, beta = {1 / model.beta / 1e6:.0f} MB/s, "

@@ -7,7 +7,7 @@ from typing import Any
 
 from sparsecomm.train.baselines import BASELINES
 
-ROW_START_S = 9.0
+ROW_START_S = 9.5
 """seconds a row costs beyond its steps — starting the workers, building the model and the reducer,
 evaluating — on 2 CPU cores (the default gpt job: its wall time less its rows' training times and
 the link probe, per row)"""

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparsecomm.errors import SparseCommError
+from sparsecomm.train.cnn import DigitsResNet
 from sparsecomm.train.evaluation import Evaluation
 from sparsecomm.train.gpt import LARGE, StdlibGPT
 from sparsecomm.train.regime import RESNET50_ON_1GBE
@@ -167,9 +168,9 @@ class _NextWord(nn.Module):
         return self.output(torch.tanh(self.hidden(self.embedding(context).flatten(1))))
 
 
-Workload = Digits | StdlibLanguageModel | StdlibGPT
+Workload = Digits | StdlibLanguageModel | StdlibGPT | DigitsResNet
 WORKLOADS: Mapping[str, Callable[[], Workload]] = MappingProxyType({
-    "digits": Digits, "lm": StdlibLanguageModel, "gpt": StdlibGPT,
+    "digits": Digits, "cnn": lambda: DigitsResNet(Digits()), "lm": StdlibLanguageModel, "gpt": StdlibGPT,
     "gpt-large": lambda: StdlibGPT(LARGE, name="gpt-large", default_batch=32),
 })
 """every workload by name: how to build it"""

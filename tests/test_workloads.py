@@ -1,6 +1,6 @@
-"""The gpt workload: a GPT over the standard library's source bytes — its size, its data, its
-causal attention, and an update rule (AdamW) that trains it; and the update rules every workload
-takes or refuses clearly."""
+"""The workloads beyond digits: gpt, a GPT over the standard library's source bytes — its size, its
+data, its causal attention, and AdamW training it — and cnn, a ResNet with batch normalisation;
+and the update rules every workload takes or refuses clearly."""
 
 from types import SimpleNamespace
 
@@ -100,3 +100,18 @@ def test_sgd_leaves_the_momentum_to_a_pipeline_that_corrects_it_itself():
     model = torch.nn.Linear(4, 2)
     optimizer, _ = UpdateRule("sgd", 0.1).build(model, None)
     assert optimizer.param_groups[0]["momentum"] == 0.9 and optimizer.param_groups[0]["nesterov"]
+
+
+def test_the_cnn_normalises_every_convolution_and_evaluates_with_running_statistics():
+    cnn = workload("cnn")
+    model = cnn.model(0)
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    convolutions = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert len(norms) == len(convolutions) == 10 and len(list(model.parameters())) == 32
+    images, labels = next(iter(cnn.batches(0, 2, 1, 16, 0)))
+    assert images.shape == (16, 1, 8, 8) and labels.shape == (16,)
+    cnn.loss(model, (images, labels)).backward()  # a training step moves the running statistics
+    before = norms[0].running_mean.clone()
+    first = cnn.evaluate(model)
+    assert model.training and torch.equal(norms[0].running_mean, before)  # evaluation changes nothing
+    assert first == cnn.evaluate(model) and 0 <= first.metric <= 100
