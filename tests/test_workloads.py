@@ -109,7 +109,7 @@ def test_the_cnn_normalises_every_convolution_and_evaluates_with_running_statist
     convolutions = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
     assert len(norms) == len(convolutions) == 10 and len(list(model.parameters())) == 32
     images, labels = next(iter(cnn.batches(0, 2, 1, 16, 0)))
-    assert images.shape == (16, 1, 8, 8) and labels.shape == (16,)
+    assert images.shape == (16, 64) and labels.shape == (16,)  # the digits workload's, as 1x8x8 in the model
     cnn.loss(model, (images, labels)).backward()  # a training step moves the running statistics
     before = norms[0].running_mean.clone()
     first = cnn.evaluate(model)

@@ -7,63 +7,24 @@ trained. DDP broadcasts rank 0's normalisation statistics every step (its defaul
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from types import MappingProxyType
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsecomm.train.evaluation import Evaluation
-from sparsecomm.train.regime import RESNET50_ON_1GBE
-
-if TYPE_CHECKING:
-    from sparsecomm.train.workloads import Digits
+from sparsecomm.train.digits import Digits
 
 
-class DigitsResNet:
+class DigitsResNet(Digits):
     """scikit-learn's digits as 1×8×8 images through a small ResNet (170k parameters in 32 tensors,
-    20 of them normalisation weights and biases); metric: held-out accuracy."""
+    20 of them normalisation weights and biases): the digits workload's data, split, update rule
+    and metric (held-out accuracy), with a convolutional model."""
 
     name = "cnn"
-    metric_name = "accuracy"
-    higher_is_better = True
-    optimizer = "sgd"
-    learning_rates = MappingProxyType({"sgd": 0.05, "adamw": 1e-3})
-    default_batch, default_steps = 32, 300
-    default_presets = None
-    regime = RESNET50_ON_1GBE
-
-    def __init__(self, digits: Digits) -> None:
-        self.digits = digits
-        """the digits workload: its images, split and batches"""
 
     def model(self, seed: int) -> nn.Module:
         with torch.random.fork_rng():  # initialise from the run's seed without disturbing the caller's RNG
             torch.manual_seed(seed)
-            return ResNet(channels=(32, 64), classes=10)
-
-    def batches(self, rank: int, world: int, steps: int, batch: int, seed: int) -> Iterator[tuple[torch.Tensor, ...]]:
-        for images, labels in self.digits.batches(rank, world, steps, batch, seed):
-            yield images.view(-1, 1, 8, 8), labels
-
-    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        images, labels = batch
-        return F.cross_entropy(model(images), labels)
-
-    def evaluate(self, model: nn.Module) -> Evaluation:
-        device = next(model.parameters()).device
-        images, labels = self.digits.test_x.view(-1, 1, 8, 8).to(device), self.digits.test_y.to(device)
-        was_training = model.training
-        model.eval()  # normalise with the running statistics, as at inference
-        try:
-            with torch.no_grad():
-                logits = model(images)
-        finally:
-            model.train(was_training)
-        accuracy = float((logits.argmax(1) == labels).float().mean())
-        return Evaluation(100.0 * accuracy, float(F.cross_entropy(logits, labels)))
+            return nn.Sequential(nn.Unflatten(1, (1, 8, 8)), ResNet(channels=(32, 64), classes=10))
 
 
 class ResNet(nn.Module):
