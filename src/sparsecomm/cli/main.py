@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "2M-parameter GPT over the standard library's source bytes, AdamW) or gpt-large (57M "
                             "parameters, for GPUs)")
     train.add_argument("--presets", default=None,
-                       help="comma-separated presets or specs (default: every available preset)")
+                       help="comma-separated presets or specs (default: every available preset; gpt: adaptive, dgc)")
     train.add_argument("--baselines", default="all",
                        help="PyTorch's own DDP communication to run next to the presets, comma-separated: "
                             "allreduce, fp16, powersgd-r1, powersgd-r2; 'all' (default) or 'none'")
