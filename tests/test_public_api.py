@@ -6,6 +6,7 @@ from sparsecomm import components
 
 PUBLIC = [
     "GradientReducer", "register_ddp_hook", "ddp_comm_hook", "allreduce_gradients", "check_optimizer",  # training
+    "HierarchicalReducer", "Topology", "register_fsdp_hooks",  # over nodes
     "Pipeline", "PRESETS", "available_presets", "parse_spec",  # pipelines and presets
     "SPARSIFIERS", "FEEDBACKS", "INDEX_CODECS", "VALUE_CODECS", "TRANSPORTS",  # their components, by name
     "SparseGradient", "encode", "decode", "read_info",  # payloads

@@ -179,6 +179,27 @@ def test_by_default_the_job_trains_on_a_link_shaped_to_a_real_clusters_ratio(tmp
     assert "ResNet-50" in result["link_reason"] and result["link_reason"] in capsys.readouterr().out
 
 
+def test_on_two_nodes_each_preset_runs_flat_and_hierarchical_and_the_link_counts_what_crossed(tmp_path, capsys):
+    from sparsecomm.netns import ShapedNetwork
+
+    assert main(["train", "--nodes", "2", "--workers", "3", "--steps", "4"]) == 2
+    assert "--workers 3 do not fill --nodes 2" in capsys.readouterr().err
+    if not ShapedNetwork.available()[0]:
+        pytest.skip("this machine cannot shape a link")
+    out = tmp_path / "nodes.json"
+    assert main(["train", "--nodes", "2", "--workers", "4", "--shaped", "1gbit", "--steps", "10", "--presets", "dgc",
+                 "--baselines", "none", "--json", str(out)]) == 0
+    assert "what crossed the shaped link between nodes" in capsys.readouterr().out
+    rows = {row["preset"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["dense", "hier:dense", "dgc", "hier:dgc"]
+    assert all(row["ranks_identical"] for row in rows.values())
+    crossed = {name: row["link_bytes_per_step"] for name, row in rows.items()}
+    # dense: two ranks per node each send half the model once between nodes, not a ring of four
+    assert crossed["hier:dense"] < 0.8 * crossed["dense"]
+    assert crossed["hier:dgc"] < crossed["dgc"] < 0.2 * crossed["dense"]
+    assert rows["hier:dgc"]["bytes_per_step"] < rows["dgc"]["bytes_per_step"]
+
+
 def test_link_rates_are_read_or_refused_clearly(capsys):
     from sparsecomm.netns import bits_per_second
 

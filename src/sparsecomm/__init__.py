@@ -18,7 +18,10 @@ from sparsecomm.pipeline import Pipeline
 from sparsecomm.presets import PRESETS, available_presets
 from sparsecomm.reducer.custom_loop import allreduce_gradients, check_optimizer
 from sparsecomm.reducer.ddp_hook import ddp_comm_hook, register_ddp_hook
+from sparsecomm.reducer.fsdp_hook import register_fsdp_hooks
+from sparsecomm.reducer.hierarchical import HierarchicalReducer
 from sparsecomm.reducer.reducer import GradientReducer
+from sparsecomm.reducer.topology import Topology
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.sparsify.base import SPARSIFIERS
 from sparsecomm.spec import parse_spec
@@ -29,6 +32,9 @@ __version__ = "0.1.0"
 __all__ = [
     # training
     "GradientReducer",
+    "HierarchicalReducer",
+    "Topology",
+    "register_fsdp_hooks",
     "register_ddp_hook",
     "ddp_comm_hook",
     "allreduce_gradients",

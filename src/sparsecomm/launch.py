@@ -2,13 +2,16 @@
 
     results = run_local(4, my_function, arg1, arg2)   # my_function(rank, world_size, arg1, arg2)
 
-Workers are spawned (not forked), keep freed host memory (`keep_freed_host_memory`), join a gloo
-group through a file store in a private temporary directory, and send back their return value
-(pickled by value, so tensors survive the worker's exit) or their traceback. A worker that raises or
-dies makes `run_local` raise `WorkerError` naming the rank (one killed by a signal first prints every
-thread's Python stack on standard error); the others get ``FAILURE_GRACE_S`` to
-report, then are killed (they would otherwise wait in a collective for the failed rank). Workers
-still running after ``timeout`` are killed too.
+Workers are forked from a server process that has imported torch and sparsecomm once
+(multiprocessing's forkserver; spawned where there is none), so one starts in a fraction of a
+second rather than the seconds an import of torch takes; each takes the caller's environment,
+working directory and ``sys.path`` as they are at the call. They keep freed host memory
+(`keep_freed_host_memory`), join a gloo group through a file store in a private temporary
+directory, and send back their return value (pickled by value, so tensors survive the worker's
+exit) or their traceback. A worker that raises or dies makes `run_local` raise `WorkerError`
+naming the rank (one killed by a signal first prints every thread's Python stack on standard
+error); the others get ``FAILURE_GRACE_S`` to report, then are killed (they would otherwise wait in
+a collective for the failed rank). Workers still running after ``timeout`` are killed too.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import faulthandler
 import os
 import pickle
 import queue as queue_module
+import sys
 import tempfile
 import time
 import traceback
@@ -44,15 +48,16 @@ def run_local(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
               namespaces: list[str] | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return results by rank.
     With ``namespaces`` (see `sparsecomm.netns.ShapedNetwork`), rank r runs in namespaces[r]."""
-    context = mp.get_context("spawn")
+    context = _context()
     results: Any = context.Queue()
+    caller = (dict(os.environ), os.getcwd(), list(sys.path))
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory(prefix="sparsecomm-") as tmp:
         init = f"file://{os.path.join(tmp, 'store')}"
         processes = [
             context.Process(target=_worker, daemon=True,
                             args=(rank, world_size, init, backend, threads, timeout, fn, args, results,
-                                  namespaces[rank] if namespaces else None))
+                                  namespaces[rank] if namespaces else None, caller))
             for rank in range(world_size)
         ]
         for process in processes:
@@ -91,8 +96,27 @@ def run_local(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
         return [collected[rank] for rank in range(world_size)]
 
 
+PRELOADED = ("sparsecomm", "sparsecomm.launch")
+"""what the server that forks workers imports once (torch with them)"""
+
+
+def _context() -> Any:
+    """Forking from a server that has imported torch and sparsecomm, where the platform has one."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOADED))  # read when the server starts, on the first call
+    return context
+
+
 def _worker(rank: int, world_size: int, init: str, backend: str, threads: int, timeout: float,
-            fn: Callable[..., Any], args: tuple, results: Any, namespace: str | None) -> None:
+            fn: Callable[..., Any], args: tuple, results: Any, namespace: str | None,
+            caller: tuple[dict[str, str], str, list[str]]) -> None:
+    environment, directory, path = caller  # the server's own are as they were when it started
+    os.environ.clear()
+    os.environ.update(environment)
+    os.chdir(directory)
+    sys.path[:] = path
     faulthandler.enable(all_threads=True)  # a worker killed by a signal prints every thread's Python stack
     torch.set_num_threads(threads)
     keep_freed_host_memory()

@@ -13,6 +13,7 @@ speed once the link has idled, in a fraction of its wire time — which flatters
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import subprocess
@@ -54,7 +55,8 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 class ShapedNetwork:
-    """``with ShapedNetwork(workers=4, rate="1gbit") as net:`` — ``net.namespaces[r]`` for rank r."""
+    """``with ShapedNetwork(workers=4, rate="1gbit") as net:`` — ``net.namespaces[r]`` for rank r;
+    with several ranks per namespace, each namespace is a node (`ranks_on_nodes`)."""
 
     def __init__(self, workers: int, rate: str = "1gbit", burst: str | None = None, latency: str = "50ms") -> None:
         self.workers, self.rate, self.latency = workers, rate, latency
@@ -109,6 +111,23 @@ class ShapedNetwork:
                      "latency", self.latency]
             subprocess.run([*inside, *[a.replace("{}", INTERFACE) for a in shape]], check=True, capture_output=True)
             subprocess.run([*hub, *[a.replace("{}", port) for a in shape]], check=True, capture_output=True)
+
+    def ranks_on_nodes(self, ranks: int) -> list[str]:
+        """The namespace of each of ``ranks`` ranks laid out on the network's namespaces as nodes
+        (rank r on node r // (ranks / nodes)): ranks of one node reach each other over its
+        loopback, the other nodes over the shaped link."""
+        if ranks % self.workers:
+            raise SparseCommError(f"{ranks} ranks do not fill {self.workers} nodes of equal size")
+        return [self.namespaces[rank // (ranks // self.workers)] for rank in range(ranks)]
+
+    def bytes_sent(self) -> int:
+        """Bytes every namespace has sent onto the shaped link so far (its interfaces' own counters):
+        what crossed between nodes, headers included."""
+        total = 0
+        for namespace in self.namespaces:
+            shown = _ip("-j", "-s", "-n", namespace, "link", "show", "dev", INTERFACE)
+            total += json.loads(shown.stdout)[0]["stats64"]["tx"]["bytes"]
+        return total
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:

@@ -135,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "allreduce, fp16, powersgd-r1, powersgd-r2; 'all' (default) or 'none'")
     train.add_argument("--workers", type=_positive_int, default=None,
                        help="local workers (default: min(4, CPU cores))")
+    train.add_argument("--nodes", type=_positive_int, default=1,
+                       help="lay the workers out on this many nodes (default 1): with --shaped, each node a network "
+                            "namespace whose ranks share its loopback, the nodes joined by the shaped link; every "
+                            "preset also runs hierarchically (row hier:PRESET: dense inside each node, the preset "
+                            "between nodes), and each row reports the bytes that crossed the link"),
     train.add_argument("--steps", type=_positive_int, default=None,
                        help="steps per row (default: the workload's: 300, gpt 120)")
     train.add_argument("--batch", type=_positive_int, default=None,
@@ -382,8 +387,12 @@ def _train(args: argparse.Namespace) -> int:
     presets = _specs(args.presets) if args.presets else list(task.default_presets or available_presets())
     if "dense" not in presets:
         presets = ["dense", *presets]
+    if args.nodes > 1:  # each preset flat and hierarchical, side by side
+        presets = [row for preset in presets for row in (preset, runner.HIERARCHICAL + preset)]
     presets = [*(name for name in _baselines(args.baselines) if name not in presets), *presets]
     args.workers = args.workers or runner.default_workers()
+    if args.workers % args.nodes:
+        raise SparseCommError(f"--workers {args.workers} do not fill --nodes {args.nodes} of equal size")
     runner.check_device(args.device)
     in_job = runner.launched_by_torchrun()
     shaped = None if args.shaped == "none" else args.shaped
@@ -393,7 +402,7 @@ def _train(args: argparse.Namespace) -> int:
     args.batch, args.steps = args.batch or task.default_batch, args.steps or task.default_steps
     rule = UpdateRule.of(task, args.optimizer, args.lr)  # refused here, before any worker starts
     with contextlib.ExitStack() as stack:
-        namespaces = None
+        namespaces, link_bytes = None, None
         if shaped and not in_job:
             from sparsecomm.netns import ShapedNetwork
 
@@ -401,7 +410,10 @@ def _train(args: argparse.Namespace) -> int:
             if ok and shaped == "auto":
                 shaped, why = runner.default_link(task, args.workers, args.batch, args.seed[0], args.device)
             if ok:
-                namespaces = stack.enter_context(ShapedNetwork(args.workers, shaped)).namespaces
+                network = stack.enter_context(ShapedNetwork(args.nodes, shaped) if args.nodes > 1 else
+                                              ShapedNetwork(args.workers, shaped))
+                namespaces = network.ranks_on_nodes(args.workers)
+                link_bytes = network.bytes_sent if args.nodes > 1 else None
             else:
                 print(f"sparsecomm: cannot shape a link here ({unavailable}): training on loopback, where no "
                       f"compression can pay; the modeled columns (at --bandwidth {args.bandwidth}) are the guide",
@@ -417,23 +429,30 @@ def _train(args: argparse.Namespace) -> int:
                 bar.update()
 
             runs = [runner.run(task, presets, args.workers, args.steps, args.batch, args.lr, seed,
-                               bandwidth, namespaces, args.target_loss, args.device, done, args.optimizer)
+                               bandwidth, namespaces, args.target_loss, args.device, done, args.optimizer,
+                               args.nodes, link_bytes)
                     for seed in args.seed]
     result = runner.over_seeds(runs, args.seed)
     result["link"] = link
     result["link_reason"] = why
     if not reporting:
         return 0  # in a torchrun job, rank 0 reports
-    print(f"\ntrain {args.workload}: {result['workers']} workers ({args.device}) on {result['link']}, {args.steps} "
-          f"steps of {args.batch} per worker, {rule.optimizer} at lr {rule.lr:g}, same seed for every row; modeled "
-          f"communication at {result['bandwidth']}")
+    nodes = f" on {args.nodes} nodes" if args.nodes > 1 else ""
+    print(f"\ntrain {args.workload}: {result['workers']} workers ({args.device}){nodes} on {result['link']}, "
+          f"{args.steps} steps of {args.batch} per worker, {rule.optimizer} at lr {rule.lr:g}, same seed for every "
+          f"row; modeled communication at {result['bandwidth']}")
     if why:
         print(f"link {why}")
     print()
     print(format_table(result["rows"], [
         "preset", "metric_name", "final_metric", "test_loss", "bytes_per_step", "compression_ratio", "wall_s",
         "compute_s", "encode_s", "communicate_s", "decode_s", "modeled_s", "ranks_identical",
+        *(["link_bytes_per_step"] if link_bytes is not None else []),
     ]))
+    if args.nodes > 1:
+        print(f"  {runner.HIERARCHICAL}PRESET: dense inside each node, PRESET between nodes; its bytes_per_step "
+              "are what one rank sends between nodes" + ("; link_bytes_per_step: what crossed the shaped link "
+                                                        "between nodes, by its own counters" if link_bytes else ""))
     for row in result["rows"]:
         if row.get("note"):
             print(f"  {row['note']}")
@@ -455,7 +474,7 @@ def _train(args: argparse.Namespace) -> int:
             print(format_table(result["rows"], [
                 "preset", "time_to_target_by_seed", "time_to_target_median_s", "speedup_mean", "speedup_std",
             ]))
-    if any(row["preset"] in ("torch-allreduce", "dense") for row in result["rows"]):
+    if args.nodes == 1 and any(row["preset"] in ("torch-allreduce", "dense") for row in result["rows"]):
         from sparsecomm.train import scaling
 
         projection = scaling.project(result)

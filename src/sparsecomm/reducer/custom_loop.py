@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from sparsecomm.errors import SparseCommError
 from sparsecomm.reducer.config import DENSE_BELOW
+from sparsecomm.reducer.hierarchical import HierarchicalReducer
 from sparsecomm.reducer.reducer import GradientReducer
 from sparsecomm.spec import PipelineSpec
 
@@ -63,7 +64,7 @@ def allreduce_gradients(named_gradients: Iterable[tuple[str, torch.Tensor]], spe
     return state
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, reducer: GradientReducer) -> None:
+def check_optimizer(optimizer: torch.optim.Optimizer, reducer: GradientReducer | HierarchicalReducer) -> None:
     """Suit ``reducer`` to ``optimizer`` before the first step (`GradientReducer.suit_optimizer`):
     a pipeline that applies SGD's momentum itself (DGC's) under an optimizer with momentum of its
     own (SGD with momentum, AdamW) switches to error feedback on the gradient, with a warning that

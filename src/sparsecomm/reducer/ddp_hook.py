@@ -23,12 +23,16 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from sparsecomm.reducer.config import DENSE_BELOW
+from sparsecomm.reducer.hierarchical import HierarchicalReducer
 from sparsecomm.reducer.reducer import GradientReducer
+from sparsecomm.reducer.topology import Topology
 from sparsecomm.spec import PipelineSpec
 
 
-def ddp_comm_hook(state: GradientReducer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """A DDP communication hook whose state is a `GradientReducer` (built with ``model=``).
+def ddp_comm_hook(state: GradientReducer | HierarchicalReducer,
+                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP communication hook whose state is a `GradientReducer` or `HierarchicalReducer` (built
+    with ``model=``).
 
     DDP calls it once per bucket; it hands the bucket to `GradientReducer.reduce_bucket_async`, and
     on the step's last bucket waits for the step's calls (`GradientReducer.finish_step`), so an
@@ -67,9 +71,11 @@ def ddp_comm_hook(state: GradientReducer, bucket: dist.GradBucket) -> torch.futu
 
 
 def register_ddp_hook(ddp_model: DistributedDataParallel, spec_or_preset: str | PipelineSpec, seed: int = 0,
-                      nonfinite: str = "raise", dense_below: int = DENSE_BELOW) -> GradientReducer:
+                      nonfinite: str = "raise", dense_below: int = DENSE_BELOW,
+                      topology: Topology | None = None) -> GradientReducer | HierarchicalReducer:
     """``ddp_model.register_comm_hook(GradientReducer(spec, model=ddp_model, ...), ddp_comm_hook)``,
-    in one line.
+    in one line; with ``topology``, a `HierarchicalReducer` (dense inside each node, compressed
+    between nodes).
 
     Call it on every rank, before the first backward pass (DDP takes one hook, once).
 
@@ -79,6 +85,8 @@ def register_ddp_hook(ddp_model: DistributedDataParallel, spec_or_preset: str | 
         seed: seeds every random choice; every rank must pass the same.
         nonfinite: ``"raise"``, ``"skip"`` or ``"zero"`` (see `GradientReducer`).
         dense_below: tensors and buckets with fewer elements take a plain fp32 all_reduce.
+        topology: ranks per node (`Topology`; ``Topology.from_env()`` under torchrun); None: one
+            flat group, every rank a peer.
 
     Returns:
         The reducer: its ``stats``, and ``state_dict()`` / ``load_state_dict()`` for checkpoints.
@@ -104,7 +112,12 @@ def register_ddp_hook(ddp_model: DistributedDataParallel, spec_or_preset: str | 
         print(reducer.stats.steps, "steps,", reducer.stats.bytes_sent, "bytes sent")
         ```
     """
-    reducer = GradientReducer(spec_or_preset, seed=seed, nonfinite=nonfinite, dense_below=dense_below,
-                              model=ddp_model)
+    reducer: GradientReducer | HierarchicalReducer
+    if topology is None:
+        reducer = GradientReducer(spec_or_preset, seed=seed, nonfinite=nonfinite, dense_below=dense_below,
+                                  model=ddp_model)
+    else:
+        reducer = HierarchicalReducer(spec_or_preset, topology, seed=seed, nonfinite=nonfinite,
+                                      dense_below=dense_below, model=ddp_model)
     ddp_model.register_comm_hook(reducer, ddp_comm_hook)
     return reducer

@@ -134,7 +134,8 @@ class GradientReducer:
         self.buckets = BucketLayouts(model, config.sends_whole)
         config.agree(group)
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world_size))
-        self.async_group = dist.new_group(ranks=ranks)
+        # over a part of the world, only its ranks make the group (each part makes its own at once)
+        self.async_group = dist.new_group(ranks=ranks, use_local_synchronization=len(ranks) < dist.get_world_size())
         """the reducer's own group: its collectives never interleave with the caller's"""
         process_group = self.async_group if self.async_group is not None else _default_group()
         device = wire_device(process_group)
@@ -307,6 +308,14 @@ class GradientReducer:
         if not self.started:
             self._start()
         return self._submit(key, tensor, in_step=False)
+
+    def reduce_flat_async(self, key: str, flat: torch.Tensor, segments: tuple[Segment, ...], stats_key: str = "",
+                          last: bool = False) -> torch.futures.Future[torch.Tensor]:
+        """A step's call on one flat buffer of named tensors at ``segments`` (each keeps its state by
+        name), as a DDP bucket's: a future of its average; ``last``: the step's last call."""
+        if not self.started:
+            self._start()
+        return self._submit(key, flat, segments, stats_key, last)
 
     def _submit(self, key: str, tensor: torch.Tensor, segments: tuple[Segment, ...] | None = None,
                 stats_key: str = "", last: bool = False, in_step: bool = True) -> torch.futures.Future[torch.Tensor]:

@@ -20,6 +20,7 @@ from sparsecomm.launch import run_local
 from sparsecomm.netns import bits_per_second
 from sparsecomm.presets import resolve
 from sparsecomm.reducer.ddp_hook import register_ddp_hook
+from sparsecomm.reducer.topology import Topology
 from sparsecomm.spec import format_spec
 from sparsecomm.train.baselines import BASELINES, has_sparse_gradients
 from sparsecomm.train.regime import matching_rate
@@ -117,10 +118,16 @@ def compute_seconds_per_step(task: Workload, batch: int, seed: int, trials: int 
     return sorted(times[1:])[len(times[1:]) // 2]
 
 
+HIERARCHICAL = "hier:"
+"""a row name's prefix: its preset reduces hierarchically (`HierarchicalReducer`: dense inside each
+node, compressed between nodes)"""
+
+
 def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: int, rule: UpdateRule,
-           seed: int, device_name: str = "cpu") -> dict[str, Any]:
-    """One rank's training run for one row: a sparsecomm preset (or spec) through its DDP hook, or
-    one of PyTorch's own schemes (`BASELINES`)."""
+           seed: int, device_name: str = "cpu", nodes: int = 1) -> dict[str, Any]:
+    """One rank's training run for one row: a sparsecomm preset (or spec) through its DDP hook —
+    flat, or over ``nodes`` nodes when the row is `HIERARCHICAL` — or one of PyTorch's own schemes
+    (`BASELINES`)."""
     device = worker_device(device_name, rank)
     compute_per_step = compute_seconds_per_step(task, batch, seed, device=device, rule=rule)
     baseline = BASELINES.get(row)
@@ -129,7 +136,8 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
         reducer = None
     else:
         model = DistributedDataParallel(task.model(seed).to(device))
-        reducer = register_ddp_hook(model, row, seed=seed)
+        topology = Topology(world // nodes) if row.startswith(HIERARCHICAL) else None
+        reducer = register_ddp_hook(model, row.removeprefix(HIERARCHICAL), seed=seed, topology=topology)
     optimizer, suited = rule.build(model, reducer)  # one update rule for every row
     losses, cumulative_bytes, elapsed = [], [], []
     start = time.perf_counter()
@@ -185,13 +193,16 @@ def reference_row(names: list[str]) -> str | None:
 def run(workload: str | Workload, presets: list[str], workers: int, steps: int, batch: int | None = None,
         lr: float | None = None, seed: int = 0, bandwidth: str = "1gbit", namespaces: list[str] | None = None,
         target_loss: float | None = None, device: str = "cpu",
-        done: Callable[[str], None] | None = None, optimizer: str | None = None) -> dict[str, Any]:
+        done: Callable[[str], None] | None = None, optimizer: str | None = None, nodes: int = 1,
+        link_bytes: Callable[[], int] | None = None) -> dict[str, Any]:
     """Train with each row — a preset, a spec, or one of PyTorch's schemes (`BASELINES`); rows carry
     the final metric, bytes, the time split and the time to ``target_loss`` (default: where the
     reference row, `reference_row`, has made 95% of its improvement), measured and modeled. A
     baseline that cannot run on this workload is a row saying why. ``device``: where each rank
     trains (`worker_device`); ``done(row)`` is called as each row ends (a progress bar). ``batch``,
-    ``lr`` and ``optimizer`` default to the workload's (`UpdateRule`)."""
+    ``lr`` and ``optimizer`` default to the workload's (`UpdateRule`). Rows named `HIERARCHICAL`
+    reduce over ``nodes`` nodes; ``link_bytes()``, the bytes a shaped link has carried so far, gives
+    each row the bytes that crossed it per step."""
     link = bits_per_second(bandwidth)
     check_device(device)  # fail before starting any worker
     task = load_workload(workload) if isinstance(workload, str) else workload  # handed to every worker
@@ -200,7 +211,9 @@ def run(workload: str | Workload, presets: list[str], workers: int, steps: int, 
     batch = task.default_batch if batch is None else batch
     for preset in presets:
         if preset not in BASELINES:
-            resolve(preset)  # fail before starting any worker
+            resolve(preset.removeprefix(HIERARCHICAL))  # fail before starting any worker
+    if workers % nodes:
+        raise SparseCommError(f"{workers} workers do not fill {nodes} nodes of equal size")
     sparse_gradients = has_sparse_gradients(task.model(seed))
     refused = {name: why for name in presets if name in BASELINES
                and (why := BASELINES[name].why_not(sparse_gradients)) is not None}
@@ -217,11 +230,14 @@ def run(workload: str | Workload, presets: list[str], workers: int, steps: int, 
             if done is not None:
                 done(preset)
             continue
+        link_before = link_bytes() if link_bytes is not None else 0
         if in_job:
-            results = shared_view(worker(dist.get_rank(), workers, task, preset, steps, batch, rule, seed, device))
+            results = shared_view(worker(dist.get_rank(), workers, task, preset, steps, batch, rule, seed, device,
+                                         nodes))
         else:
-            results = run_local(workers, worker, task, preset, steps, batch, rule, seed, device, timeout=3600,
+            results = run_local(workers, worker, task, preset, steps, batch, rule, seed, device, nodes, timeout=3600,
                                 namespaces=namespaces)
+        link_per_step = (link_bytes() - link_before) / steps if link_bytes is not None else None
         first = results[0]
         identical = len({r["digest"] for r in results}) == 1
         modeled_comm_s = steps * first["bytes_per_step"] * 8 / link
@@ -236,6 +252,8 @@ def run(workload: str | Workload, presets: list[str], workers: int, steps: int, 
             "modeled_s": first["compute_s"] + first["select_s"] + modeled_comm_s,
             "workers": workers, "steps": steps, "ranks_identical": identical, **first["adaptive"],
         })
+        if link_per_step is not None:
+            rows[-1]["link_bytes_per_step"] = link_per_step
         if first["suited_spec"]:  # its own momentum correction would apply the optimizer's momentum twice
             rows[-1]["note"] = f"{preset} under {rule.optimizer}: error feedback in place of its momentum " \
                                f"correction ({first['suited_spec']})"

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from sparsecomm.errors import SparseCommError
+from sparsecomm.reducer.hierarchical import HierarchicalReducer
 from sparsecomm.reducer.reducer import GradientReducer
 from sparsecomm.train.baselines import has_sparse_gradients
 from sparsecomm.train.workloads import Workload
@@ -47,7 +48,8 @@ class UpdateRule:
             raise SparseCommError(f"no default learning rate for {name} under {optimizer}: pass --lr")
         return cls(optimizer, rates[optimizer] if lr is None else lr)
 
-    def build(self, model: nn.Module, reducer: GradientReducer | None) -> tuple[torch.optim.Optimizer, str | None]:
+    def build(self, model: nn.Module, reducer: GradientReducer | HierarchicalReducer | None
+              ) -> tuple[torch.optim.Optimizer, str | None]:
         """The row's optimizer over ``model``, and why ``reducer``'s feedback changed to suit it
         (None: it did not)."""
         if self.optimizer == "adamw":

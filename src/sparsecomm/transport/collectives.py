@@ -235,8 +235,9 @@ def all_reduce_or(bitmap: torch.Tensor, group: Group) -> torch.Tensor:
     return bitmap
 
 
-# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
+# torch 2.13 names these all_gather_single and reduce_scatter_single (the older names are deprecated)
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _global(peer: int, group: Group) -> int:

@@ -1,0 +1,178 @@
+"""Compression under FSDP2 (``torch.distributed.fsdp.fully_shard``), hybrid: each node shards the
+model over its own ranks (FSDP's dense reduce-scatter runs inside the node), and every shard is
+averaged across nodes through a sparsecomm pipeline — in place of the all-reduce FSDP's native HSDP
+would run over the slow link::
+
+    mesh = topology.device_mesh("cuda")               # nodes × ranks per node
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["node"])
+    fully_shard(model, mesh=mesh["node"])
+    compression = sparsecomm.register_fsdp_hooks(model, "adaptive", mesh)
+
+Each FSDP module's all-reduce hook (``FSDPModule.set_all_reduce_hook``) gets its reduce-scatter
+output — this rank's shard, averaged over its node — and replaces it by the average over nodes
+(`GradientReducer.reduce` over the ranks holding the same shard on every node, keyed by the
+module's name: its error feedback holds this rank's shard, 1/``local_size`` of the module). A step
+ends when every module has reported once (or one reports again).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+
+from sparsecomm.errors import SparseCommError
+from sparsecomm.reducer.config import DENSE_BELOW
+from sparsecomm.reducer.reducer import GradientReducer
+from sparsecomm.reducer.stats import ReducerStats
+from sparsecomm.reducer.topology import ACROSS, NODE
+from sparsecomm.spec import PipelineSpec
+
+FORMAT = 1
+"""the format of `FSDPCompression.state_dict`"""
+
+
+class FSDPCompression:
+    """The hooks `register_fsdp_hooks` set on every FSDP module of a model, and the reducer they
+    share: its ``stats`` (what crossed between nodes), ``state_dict`` / ``load_state_dict`` (each
+    rank's own) and ``close``.
+
+    Example:
+        ```python ranks=2
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        import sparsecomm as sc
+
+        model = torch.nn.Linear(64, 64)
+        mesh = sc.Topology(1).device_mesh("cpu")
+        fully_shard(model, mesh=mesh["node"])
+        compression = sc.register_fsdp_hooks(model, "dgc", mesh)
+        model(torch.randn(4, 64)).sum().backward()
+        torch.save(compression.state_dict(), f"compression-{dist.get_rank()}.pt")   # next to the model's
+        compression.load_state_dict(torch.load(f"compression-{dist.get_rank()}.pt"))
+        compression.close()
+        ```
+    """
+
+    def __init__(self, model: nn.Module, spec: str | PipelineSpec, mesh: DeviceMesh, seed: int = 0,
+                 nonfinite: str = "raise", dense_below: int = DENSE_BELOW) -> None:
+        if mesh.ndim != 2 or mesh.mesh_dim_names != (ACROSS, NODE):
+            raise SparseCommError(f"the mesh must have dimensions {(ACROSS, NODE)} (Topology.device_mesh), not "
+                                  f"{mesh.mesh_dim_names}")
+        modules = _reducing_modules(model)
+        if not modules:
+            raise SparseCommError("the model holds no FSDP module: call fully_shard(..., mesh=mesh['node']) first")
+        self.mesh = mesh
+        self.across = GradientReducer(spec, group=mesh[ACROSS].get_group(), seed=seed, nonfinite=nonfinite,
+                                      dense_below=dense_below)
+        """averages each shard over the nodes"""
+        self.modules = sorted(name or "<root>" for name in modules)
+        self._reported: set[str] = set()
+        for name, module in modules.items():
+            module.set_all_reduce_hook(self._hook_for(name or "<root>"))
+
+    def _hook_for(self, name: str) -> Any:
+        def average_over_nodes(shard: torch.Tensor) -> None:
+            if name in self._reported:  # a step that did not reach every module: it ends here
+                self.finish_step()
+            shard.copy_(self.across.reduce(name, shard))
+            self._reported.add(name)
+            if len(self._reported) == len(self.modules):
+                self.finish_step()
+
+        return average_over_nodes
+
+    @property
+    def stats(self) -> ReducerStats:
+        """What this rank sent between nodes, per FSDP module and in all."""
+        return self.across.stats
+
+    def finish_step(self) -> None:
+        """End the step (the hooks call it once every module has reported)."""
+        self._reported.clear()
+        self.across.finish_step()
+
+    def close(self) -> None:
+        if self._reported:
+            self.finish_step()
+        self.across.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state (format `FORMAT`): each module's shard state across nodes, by module name."""
+        return {"format": FORMAT, "mesh": list(self.mesh.shape), "modules": list(self.modules),
+                "across": self.across.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned on this rank.
+
+        Raises:
+            SparseCommError: another format, mesh shape or set of FSDP modules.
+        """
+        if state.get("format") != FORMAT:
+            raise SparseCommError(f"an FSDP compression checkpoint of format {state.get('format')!r}; this version "
+                                  f"reads format {FORMAT}")
+        if list(state["mesh"]) != list(self.mesh.shape) or list(state["modules"]) != self.modules:
+            raise SparseCommError(f"the checkpoint is for a mesh of {tuple(state['mesh'])} over modules "
+                                  f"{state['modules']}; this run has {tuple(self.mesh.shape)} over {self.modules}")
+        self.across.load_state_dict(state["across"])
+
+
+def _reducing_modules(model: nn.Module) -> dict[str, FSDPModule]:
+    """The FSDP modules that reduce gradients: those holding a parameter no FSDP module inside them
+    holds (an FSDP root over sharded blocks alone reduces nothing, and its hook is never called)."""
+    fsdp = {name: module for name, module in model.named_modules() if isinstance(module, FSDPModule)}
+
+    def parameters(name: str) -> set[int]:
+        return {id(p) for p in fsdp[name].parameters()}  # type: ignore[attr-defined]  # an nn.Module too
+
+    def inside(name: str, child: str) -> bool:
+        return child != name and (not name or child.startswith(f"{name}."))
+
+    return {name: module for name, module in fsdp.items()
+            if parameters(name) - {p for child in fsdp if inside(name, child) for p in parameters(child)}}
+
+
+def register_fsdp_hooks(model: nn.Module, spec_or_preset: str | PipelineSpec, mesh: DeviceMesh, seed: int = 0,
+                        nonfinite: str = "raise", dense_below: int = DENSE_BELOW) -> FSDPCompression:
+    """Compress FSDP2's gradient reduction between nodes: FSDP reduce-scatters inside each node,
+    and each shard is averaged across nodes through the pipeline. Call it on every rank, after
+    ``fully_shard(..., mesh=mesh["node"])`` on every module and the root, before the first backward.
+
+    Args:
+        model: the root module, after ``fully_shard``.
+        spec_or_preset: a preset name (``"adaptive"``, ``"dgc"``) or a pipeline spec string.
+        mesh: the nodes × ranks-per-node mesh (`Topology.device_mesh`).
+        seed, nonfinite, dense_below: as `GradientReducer`'s.
+
+    Returns:
+        The `FSDPCompression`: its ``stats``, and ``state_dict()`` / ``load_state_dict()`` for checkpoints.
+
+    Raises:
+        SparseCommError: the model holds no FSDP module, the mesh is not a topology's, or the ranks'
+            arguments differ.
+
+    Example:
+        ```python ranks=2
+        import torch
+        from torch.distributed.fsdp import fully_shard
+
+        import sparsecomm as sc
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 4))
+        mesh = sc.Topology(1).device_mesh("cpu")          # two nodes of one rank each
+        for layer in model:
+            fully_shard(layer, mesh=mesh["node"])
+        fully_shard(model, mesh=mesh["node"])
+        compression = sc.register_fsdp_hooks(model, "topk(ratio=0.1)+residual+rice+fp32", mesh)
+        model(torch.randn(8, 64)).square().mean().backward()
+        print(compression.stats.steps, "step,", compression.stats.bytes_sent, "bytes between nodes")
+        ```
+    """
+    return FSDPCompression(model, spec_or_preset, mesh, seed, nonfinite, dense_below)

@@ -1,0 +1,284 @@
+"""`HierarchicalReducer`: averages gradients over nodes of several ranks in three hops, so that only
+the slow link between nodes carries compressed traffic, and only once per node:
+
+1. inside each node, a dense reduce-scatter sums the buffer onto its ranks, each owning a shard
+   (`NodeShards`: slice ``l`` of every tensor belongs to local rank ``l``);
+2. each rank reduces its shard with the ranks that own it on the other nodes, through the
+   compressed pipeline (a `GradientReducer` over those ranks: its error feedback holds
+   1/``local_size`` of the model, its ``adaptive`` budgets the link between nodes);
+3. inside each node, an all-gather puts the averaged shards back together.
+
+A node of one rank (``Topology(1)``) is a flat group: the shard is the whole buffer and no node hop
+runs. Node hops happen on the caller's thread in call order, so every node's ranks meet in the
+same collectives; the all-gathers wait for the step's end (`finish_step`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sparsecomm.adaptive.controller import AdaptiveController
+from sparsecomm.errors import SparseCommError
+from sparsecomm.pipeline import Segment
+from sparsecomm.reducer.buckets import BucketLayouts
+from sparsecomm.reducer.completion import result_future
+from sparsecomm.reducer.config import DENSE_BELOW
+from sparsecomm.reducer.node_shards import NodeShards
+from sparsecomm.reducer.reducer import GradientReducer
+from sparsecomm.reducer.stats import ReducerStats
+from sparsecomm.reducer.topology import NodeGroups, Topology
+from sparsecomm.spec import PipelineSpec
+from sparsecomm.transport.agreement import agree
+from sparsecomm.transport.collectives import all_gather_single, fingerprint, on_wire, reduce_scatter_single, wire_device
+from sparsecomm.transport.request import Request
+
+FORMAT = 1
+"""the format of `HierarchicalReducer.state_dict`"""
+
+
+@dataclass
+class _Shard:
+    """One call between its reduce-scatter and its all-gather."""
+
+    shards: NodeShards
+    buffer: torch.Tensor
+    """this rank's shard, summed over its node (padded to the shard size)"""
+    across: torch.futures.Future[torch.Tensor]
+    """its average over nodes"""
+    result: torch.futures.Future
+    """the call's future (the average in the caller's layout)"""
+    finish: Callable[[torch.Tensor], torch.Tensor]
+    """the averaged buffer in the caller's layout"""
+
+
+class HierarchicalReducer:
+    """Averages gradients over ``group``'s ranks laid out on nodes (``topology``): dense inside each
+    node, through the pipeline named by ``spec`` between nodes. Used as `GradientReducer` is — a DDP
+    hook state (`ddp_comm_hook`, or `register_ddp_hook` with ``topology=``) or `allreduce_` in a
+    custom loop — and built on every rank with the same arguments, after torch.distributed starts.
+
+    Args:
+        spec: a preset name, a pipeline spec string, or a parsed `PipelineSpec`.
+        topology: ranks per node (default: torchrun's, `Topology.from_env`).
+        group: the process group (default: ``model``'s if it is a DDP model, else the world).
+        seed, nonfinite, dense_below, average: as `GradientReducer`'s, for the hop between nodes.
+        model: the model whose parameter names key each parameter's state (needed as a DDP hook state).
+
+    Raises:
+        SparseCommError: torch.distributed is not initialised, the world does not fill the nodes, or
+            the ranks' arguments or topologies differ.
+
+    Example:
+        ```python ranks=2
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        import sparsecomm as sc
+
+        model = DDP(torch.nn.Linear(128, 64))
+        reducer = sc.register_ddp_hook(model, "topk(ratio=0.05)+residual+rice+fp32", topology=sc.Topology(2))
+        model(torch.randn(4, 128)).sum().backward()
+        print(reducer.groups.nodes, "node:", reducer.stats.summary()["bytes_sent"], "bytes between nodes")
+        ```
+    """
+
+    def __init__(self, spec: str | PipelineSpec, topology: Topology | None = None,
+                 group: dist.ProcessGroup | None = None, seed: int = 0, nonfinite: str = "raise",
+                 dense_below: int = DENSE_BELOW, average: bool = True, model: nn.Module | None = None) -> None:
+        if not dist.is_initialized():
+            raise SparseCommError("torch.distributed is not initialised: call init_process_group first")
+        topology = topology if topology is not None else Topology.from_env()
+        if group is None and model is not None:
+            group = getattr(model, "process_group", None)
+        self.group = group
+        world_size = dist.get_world_size(group)
+        agree(group, Request(key="HierarchicalReducer topology"), world_size, fingerprint(topology.local_size))
+        self.groups = NodeGroups.make(topology, group)
+        self.across = GradientReducer(spec, group=self.groups.cross_group, seed=seed, nonfinite=nonfinite,
+                                      dense_below=dense_below, average=average, model=model)
+        """the compressed hop: this rank with the ranks owning the same shard on the other nodes"""
+        self.average = average
+        self.buckets = BucketLayouts(model, self.across.config.sends_whole)
+        self.node_bytes = 0
+        """bytes this rank sent to its node's ranks (reduce-scatter and all-gather, ring-counted)"""
+        self._shards: dict[tuple[str, int], NodeShards] = {}
+        self._open: list[_Shard] = []
+
+    @property
+    def stats(self) -> ReducerStats:
+        """What crossed between nodes (this rank's share), per stream and in all."""
+        return self.across.stats
+
+    @property
+    def spec(self) -> PipelineSpec:
+        return self.across.spec
+
+    @property
+    def adaptive(self) -> AdaptiveController | None:
+        """The ``adaptive`` sparsifier's controller of the hop between nodes (None for other pipelines)."""
+        return self.across.adaptive
+
+    def __repr__(self) -> str:
+        nodes, local_size = self.groups.nodes, self.groups.topology.local_size
+        return f"HierarchicalReducer({self.across!r} across {nodes} nodes × {local_size} ranks)"
+
+    def suit_optimizer(self, optimizer: torch.optim.Optimizer) -> str | None:
+        """`GradientReducer.suit_optimizer`, for the hop between nodes."""
+        return self.across.suit_optimizer(optimizer)
+
+    # -- one step ---------------------------------------------------------------------------------
+    def reduce_bucket_async(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """A future of DDP's ``bucket`` averaged over ranks (`ddp_comm_hook` calls it); it completes at
+        the step's end (`finish_step`)."""
+        if bucket.buffer().is_sparse:
+            raise SparseCommError("a HierarchicalReducer reduces dense gradients: a sparse embedding's gradient "
+                                  "needs a GradientReducer (or Embedding(sparse=False))")
+        layout = self.buckets.layout(bucket)
+        buffer = bucket.buffer()
+
+        def in_ddp_layout(total: torch.Tensor) -> torch.Tensor:
+            return total if layout.ddp_offsets is None else layout.to_ddp(total, buffer)
+
+        return self._post(layout.key, layout.gathered(bucket), layout.segments, layout.stats_key,
+                          bucket.is_last(), in_ddp_layout)
+
+    def allreduce_(self, named_gradients: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """One step of a custom loop: replace each gradient by its average over ranks, in place.
+        The gradients travel as one buffer (sorted by name), each keeping its state by name.
+
+        Raises:
+            SparseCommError: a name repeats, the ranks pass different names or shapes, a gradient
+                is sparse or of another dtype or device than the first, or non-finite under
+                ``nonfinite="raise"`` — on every rank.
+        """
+        named = sorted(named_gradients, key=lambda item: item[0])
+        names = [name for name, _ in named]
+        if len(set(names)) != len(names):
+            raise SparseCommError(f"gradient names repeat: {sorted({n for n in names if names.count(n) > 1})}")
+        if not named:
+            raise SparseCommError("allreduce_ needs at least one gradient")
+        first = named[0][1]
+        for name, tensor in named:
+            if tensor.is_sparse or tensor.dtype != first.dtype or tensor.device != first.device:
+                raise SparseCommError(f"{name}: a HierarchicalReducer reduces dense gradients of one dtype and "
+                                      f"device ({first.dtype} on {first.device}), not {tensor.layout} "
+                                      f"{tensor.dtype} on {tensor.device}")
+        segments, start = [], 0
+        for name, tensor in named:
+            segments.append(Segment(name, start, tensor.numel(), self.across.config.sends_whole(tensor.shape)))
+            start += tensor.numel()
+        layout = fingerprint(*((name, tuple(tensor.shape)) for name, tensor in named))
+        agree(self.group, Request(key="gradients " + ", ".join(names), call=self.stats.steps), start, layout)
+        flat = torch.cat([tensor.reshape(-1) for _, tensor in named])
+        future = self._post(f"gradients {layout:08x}", flat, tuple(segments), "gradients", True, lambda total: total)
+        self.finish_step()
+        averaged = future.wait()
+        for segment, (_, tensor) in zip(segments, named, strict=True):
+            tensor.copy_(averaged[segment.start:segment.start + segment.numel].view_as(tensor))
+
+    def _post(self, key: str, flat: torch.Tensor, segments: tuple[Segment, ...], stats_key: str, last: bool,
+              finish: Callable[[torch.Tensor], torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
+        """Reduce-scatter ``flat`` inside the node now, and post this rank's shard across nodes."""
+        local_size, local_rank = self.groups.topology.local_size, self.groups.local_rank
+        shards = self._shards.get((key, flat.numel()))
+        if shards is None:
+            shards = self._shards[key, flat.numel()] = NodeShards.of(segments, flat.numel(), local_size, flat.device)
+        if local_size == 1:
+            buffer = flat
+        else:
+            buffer = flat.new_empty(shards.shard_numel)
+            reduce_scatter_single(buffer, shards.to_shards(flat), group=self.groups.node_group)
+            self.node_bytes += (local_size - 1) * shards.shard_numel * flat.element_size()
+        if local_size == 1:
+            owned, mine = flat, segments
+        else:
+            owned, mine = buffer[:shards.owned_numel(local_rank)], shards.owned[local_rank]
+        across = self.across.reduce_flat_async(key, owned, mine, stats_key, last)
+        result = result_future(flat)
+        self._open.append(_Shard(shards, buffer, across, result, finish))
+        return result
+
+    def finish_step(self) -> None:
+        """Wait for the step's calls across nodes, put each call's shards back together inside the
+        node (in call order, on every rank), and complete their futures.
+
+        Raises:
+            SparseCommError: the first error any call met — on every rank.
+        """
+        open_calls, self._open = self._open, []
+        error: Exception | None = None
+        try:
+            self.across.finish_step()
+        except Exception as err:  # noqa: BLE001 - every rank of the node raises it, below
+            error = err
+        local_size = self.groups.topology.local_size
+        if local_size > 1 and self._failed_in_node(error is not None) and error is None:
+            error = SparseCommError("another rank of this node failed its reduction between nodes (its error says "
+                                    "why): no rank of the node puts this step's shards back together")
+        if error is not None:
+            for call in open_calls:
+                call.result.set_exception(error)
+            raise error
+        for call in open_calls:
+            averaged = call.across.wait()
+            if local_size == 1:
+                total = averaged
+            else:
+                call.buffer[:averaged.numel()].copy_(averaged)
+                gathered = call.buffer.new_empty(local_size * call.shards.shard_numel)
+                all_gather_single(gathered, call.buffer, group=self.groups.node_group)
+                self.node_bytes += (local_size - 1) * call.buffer.numel() * call.buffer.element_size()
+                total = call.shards.from_shards(gathered)
+                if self.average:
+                    total = total.div_(local_size)
+            call.result.set_result(call.finish(total))
+
+    def _failed_in_node(self, failed: bool) -> bool:
+        """Whether any rank of this node failed (each shard's ranks across nodes fail together, but
+        not with the node's other shards): then no rank of the node waits in the all-gather."""
+        flag = on_wire(torch.tensor([int(failed)], dtype=torch.int32), wire_device(self.groups.node_group))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.node_group)
+        return bool(flag.item())
+
+    # -- lifetime and checkpoints -----------------------------------------------------------------
+    def close(self) -> None:
+        """Wait for calls in flight and stop the hop between nodes (its worker thread)."""
+        self.across.close()
+
+    def __enter__(self) -> HierarchicalReducer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _where(self) -> list[int]:
+        return [self.groups.nodes, self.groups.topology.local_size, self.groups.local_rank]
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state (format `FORMAT`): its shards' state across nodes and where it sits.
+        Every rank saves its own; it resumes on the same topology."""
+        return {"format": FORMAT, "topology": self._where(), "bucket_orders": self.buckets.state_dict(),
+                "across": self.across.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned on this rank.
+
+        Raises:
+            SparseCommError: the checkpoint is of another format, or from another topology or place in it.
+        """
+        if state.get("format") != FORMAT:
+            raise SparseCommError(f"a HierarchicalReducer checkpoint of format {state.get('format')!r}; this version "
+                                  f"reads format {FORMAT}")
+        saved, here = list(state["topology"]), self._where()
+        if saved != here:
+            raise SparseCommError("the checkpoint is from {} nodes × {} ranks, local rank {}; this run is {} nodes × "
+                                  "{} ranks, local rank {}: each rank's feedback holds its own shard, so resume on "
+                                  "the same topology".format(*saved, *here))
+        self.across.load_state_dict(state["across"])
+        self.buckets.load_state_dict(state["bucket_orders"])

@@ -1,0 +1,87 @@
+"""Compression under FSDP2, hybrid: FSDP shards inside each node, sparsecomm averages each shard
+across nodes (`register_fsdp_hooks`). Four gloo ranks stand for two nodes of two ranks."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import sparsecomm as sc
+from sparsecomm.launch import run_local
+
+
+def layers(seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                               torch.nn.Linear(256, 3))
+
+
+def sharded(mesh) -> torch.nn.Sequential:
+    model = layers()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh["node"])
+    fully_shard(model, mesh=mesh["node"])
+    return model
+
+
+def batch(rank: int, number: int) -> torch.Tensor:
+    return torch.randn(8, 32, generator=torch.Generator().manual_seed(100 * number + rank))
+
+
+def full(tensors) -> torch.Tensor:
+    return torch.cat([t.full_tensor().reshape(-1) for t in tensors])
+
+
+def hybrid(rank: int, world: int, spec: str) -> dict:
+    mesh = sc.Topology(2).device_mesh("cpu")
+    model = sharded(mesh)
+    compression = sc.register_fsdp_hooks(model, spec, mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference = layers()
+    for number in range(3):
+        with torch.no_grad():  # the reference starts every step where the sharded model is
+            for mine, theirs in zip(reference.parameters(), model.parameters(), strict=True):
+                mine.copy_(theirs.full_tensor())
+        optimizer.zero_grad()
+        model(batch(rank, number)).square().mean().backward()
+        if spec == "dense":  # every rank's gradient averaged over all four, as DDP would
+            reference.zero_grad()
+            reference(batch(rank, number)).square().mean().backward()
+            expected = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+            dist.all_reduce(expected)
+            torch.testing.assert_close(full(p.grad for p in model.parameters()), expected / world)
+        optimizer.step()
+    params = full(p for p in model.parameters())
+    everyone = [torch.empty_like(params) for _ in range(world)]
+    dist.all_gather(everyone, params)
+    assert all(torch.equal(everyone[0], other) for other in everyone)
+    numel = sum(p.numel() for p in layers().parameters())
+    assert compression.stats.steps == 3
+    assert compression.stats.dense_bytes == pytest.approx(3 * 4 * numel / 2, rel=0.05)
+    saved = compression.state_dict()
+    compression.load_state_dict(saved)
+    with pytest.raises(sc.SparseCommError, match="mesh"):
+        compression.load_state_dict({**saved, "mesh": [4, 1]})
+    compression.close()
+    return {"ratio": compression.stats.compression_ratio}
+
+
+@pytest.mark.parametrize("spec", ["dense", "topk(ratio=0.05)+residual+rice+fp32"])
+def test_fsdp_inside_nodes_and_a_pipeline_between_them_keep_every_rank_alike(spec):
+    ratios = [result["ratio"] for result in run_local(4, hybrid, spec)]
+    assert all(ratio == 1.0 if spec == "dense" else ratio > 8 for ratio in ratios)  # top 5%, 32-bit values
+
+
+def test_a_model_without_fsdp_modules_or_a_flat_mesh_is_refused():
+    run_local(2, refused)
+
+
+def refused(rank: int, world: int) -> None:
+    mesh = sc.Topology(1).device_mesh("cpu")
+    with pytest.raises(sc.SparseCommError, match="no FSDP module"):
+        sc.register_fsdp_hooks(layers(), "dense", mesh)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with pytest.raises(sc.SparseCommError, match="dimensions"):
+        sc.register_fsdp_hooks(sharded(mesh), "dense", init_device_mesh("cpu", (world,)))

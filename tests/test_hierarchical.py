@@ -1,0 +1,159 @@
+"""Hierarchical reduction: dense inside each node, compressed between nodes (`HierarchicalReducer`).
+
+Four ranks stand for two nodes of two ranks. A lossless pipeline gives DDP's average; a node of one
+rank is a flat `GradientReducer`, bit for bit; a lossy one keeps every rank's gradients equal while
+only each rank's shard crosses between nodes; a checkpoint resumes bit for bit, and only on its own
+topology."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import sparsecomm as sc
+from sparsecomm.launch import run_local
+from sparsecomm.pipeline import Segment
+from sparsecomm.reducer.node_shards import NodeShards
+
+LOSSY = "topk(ratio=0.05)+residual+rice+fp32"
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 3))
+
+
+def gradients(ddp: DDP, rank: int, number: int) -> list[torch.Tensor]:
+    data = torch.randn(8, 64, generator=torch.Generator().manual_seed(1000 * number + rank))
+    ddp.zero_grad()
+    ddp(data).square().mean().backward()
+    return [p.grad.clone() for p in ddp.parameters()]
+
+
+def gathered(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every rank's flattened ``tensors``."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    out = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, flat)
+    return out
+
+
+def two_nodes(rank: int, world: int) -> dict[str, float]:
+    topology = sc.Topology(2)
+    # lossless: DDP's own average (to rounding: the sums run in another order)
+    plain, hierarchical = DDP(model()), DDP(model())
+    sc.register_ddp_hook(hierarchical, "dense", topology=topology)
+    for number in range(2):
+        for mine, ddps in zip(gradients(hierarchical, rank, number), gradients(plain, rank, number), strict=True):
+            torch.testing.assert_close(mine, ddps, rtol=1e-5, atol=1e-7)
+
+    # a custom loop, tensors of 1 to 6,144 elements: one buffer, every slice owned once
+    with sc.HierarchicalReducer("dense", topology) as reducer:
+        named = [("a", torch.full((1,), float(rank))), ("b", torch.arange(7.0) * rank), ("c", torch.randn(96, 64))]
+        expected = [sum(t for t in gathered([tensor])) / world for _, tensor in named]
+        reducer.allreduce_(named)
+        for (_, tensor), mean in zip(named, expected, strict=True):
+            torch.testing.assert_close(tensor.reshape(-1), mean)
+
+    # one non-finite entry on one rank reaches one shard's ranks across nodes: every rank raises
+    with sc.HierarchicalReducer(LOSSY, topology) as reducer:
+        gradient = torch.randn(96, 64)
+        gradient[0, 0] = float("nan") if rank == 3 else 0.0
+        with pytest.raises(sc.SparseCommError, match="non-finite|another rank of this node"):
+            reducer.allreduce_([("c", gradient)])
+
+    # lossy: the ranks agree; each rank sends its half of the model between nodes
+    lossy = DDP(model())
+    reducer = sc.register_ddp_hook(lossy, LOSSY, topology=topology)
+    for number in range(3):
+        gradients(lossy, rank, number)
+        first, *others = gathered([p.grad for p in lossy.parameters()])
+        assert all(torch.equal(first, other) for other in others)
+    numel = sum(p.numel() for p in lossy.parameters())
+    assert reducer.stats.dense_bytes == pytest.approx(3 * 4 * numel / 2, rel=0.01)
+    assert reducer.stats.compression_ratio > 3 and reducer.node_bytes > 0
+    reducer.close()
+    return {"nodes": reducer.groups.nodes, "local": reducer.groups.local_rank}
+
+
+def test_two_nodes_of_two_ranks_average_as_ddp_and_agree():
+    places = run_local(4, two_nodes)
+    assert [(p["nodes"], p["local"]) for p in places] == [(2, 0), (2, 1), (2, 0), (2, 1)]
+
+
+def resume_and_flat(rank: int, world: int, tmp: str) -> None:
+    # a node of one rank is the flat reducer, bit for bit
+    flat, one_rank_nodes = DDP(model()), DDP(model())
+    flat_reducer = sc.register_ddp_hook(flat, LOSSY)
+    sc.register_ddp_hook(one_rank_nodes, LOSSY, topology=sc.Topology(1))
+    for number in range(3):
+        for a, b in zip(gradients(flat, rank, number), gradients(one_rank_nodes, rank, number), strict=True):
+            assert torch.equal(a, b)
+    flat_reducer.close()
+
+    # a resumed run continues bit for bit; another topology is refused
+    going = DDP(model())
+    reducer = sc.register_ddp_hook(going, "dgc", topology=sc.Topology(2))
+    for number in range(2):
+        gradients(going, rank, number)
+    torch.save(reducer.state_dict(), f"{tmp}/reducer-{rank}.pt")
+    resumed = DDP(model())
+    resumed.load_state_dict(going.state_dict())
+    again = sc.HierarchicalReducer("dgc", sc.Topology(2), model=resumed)
+    again.load_state_dict(torch.load(f"{tmp}/reducer-{rank}.pt"))
+    resumed.register_comm_hook(again, sc.ddp_comm_hook)
+    for number in range(2, 4):
+        for a, b in zip(gradients(going, rank, number), gradients(resumed, rank, number), strict=True):
+            assert torch.equal(a, b)
+    elsewhere = sc.HierarchicalReducer("dgc", sc.Topology(1), model=DDP(model()))
+    with pytest.raises(sc.SparseCommError, match="same topology"):
+        elsewhere.load_state_dict(reducer.state_dict())
+    for each in (reducer, again, elsewhere):
+        each.close()
+
+
+def test_one_rank_nodes_are_flat_and_a_resume_continues_bit_for_bit(tmp_path):
+    run_local(4, resume_and_flat, str(tmp_path))
+
+
+def disagreeing_topologies(rank: int, world: int) -> str:
+    with pytest.raises(sc.SparseCommError, match="topology") as raised:
+        sc.HierarchicalReducer("dense", sc.Topology(1 + rank))
+    return str(raised.value)
+
+
+def test_ranks_with_different_topologies_all_raise():
+    assert len(run_local(2, disagreeing_topologies)) == 2
+
+
+@pytest.mark.parametrize("local_size", [1, 2, 3, 8])
+def test_node_shards_own_every_element_once_and_put_it_back(local_size):
+    segments = (Segment("one", 0, 1), Segment("seven", 3, 7, whole=True), Segment("big", 10, 1000))
+    shards = NodeShards.of(segments, 1012, local_size, torch.device("cpu"))
+    buffer = torch.randn(1012)
+    laid_out = shards.to_shards(buffer).view(local_size, shards.shard_numel)
+    owned = [laid_out[local, :shards.owned_numel(local)] for local in range(local_size)]
+    covered = torch.cat([shards.index.view(local_size, -1)[local, :o.numel()] for local, o in enumerate(owned)])
+    assert sorted(covered.tolist()) == [*range(1), *range(3, 10), *range(10, 1010)]  # each element once
+    assert all(seg.whole == (seg.key == "seven") for own in shards.owned for seg in own)
+    back = shards.from_shards(laid_out.reshape(-1))
+    assert torch.equal(back[:1], buffer[:1]) and torch.equal(back[3:1010], buffer[3:1010])
+
+
+def test_topology_comes_from_torchruns_environment(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "6")
+    monkeypatch.setenv("GROUP_RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    topology = sc.Topology.from_env()
+    assert topology == sc.Topology(4) and topology.describe(8) == "2 nodes × 4 ranks"
+    monkeypatch.setenv("RANK", "5")
+    with pytest.raises(sc.SparseCommError, match="local rank 2 of node 1"):
+        sc.Topology.from_env()
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    with pytest.raises(sc.SparseCommError, match="torchrun"):
+        sc.Topology.from_env()
+    with pytest.raises(sc.SparseCommError, match="do not fill"):
+        sc.Topology(3).nodes(8)
+    with pytest.raises(sc.SparseCommError, match="at least one"):
+        sc.Topology(0)
