@@ -179,7 +179,8 @@ def test_by_default_the_job_trains_on_a_link_shaped_to_a_real_clusters_ratio(tmp
     assert "ResNet-50" in result["link_reason"] and result["link_reason"] in capsys.readouterr().out
 
 
-def test_on_two_nodes_each_preset_runs_flat_and_hierarchical_and_the_link_counts_what_crossed(tmp_path, capsys):
+def test_on_two_nodes_each_preset_runs_flat_hierarchical_and_under_fsdp_and_the_link_counts_what_crossed(
+        tmp_path, capsys):
     from sparsecomm.netns import ShapedNetwork
 
     assert main(["train", "--nodes", "2", "--workers", "3", "--steps", "4"]) == 2
@@ -188,15 +189,16 @@ def test_on_two_nodes_each_preset_runs_flat_and_hierarchical_and_the_link_counts
         pytest.skip("this machine cannot shape a link")
     out = tmp_path / "nodes.json"
     assert main(["train", "--nodes", "2", "--workers", "4", "--shaped", "1gbit", "--steps", "10", "--presets", "dgc",
-                 "--baselines", "none", "--json", str(out)]) == 0
-    assert "what crossed the shaped link between nodes" in capsys.readouterr().out
+                 "--baselines", "hsdp", "--json", str(out)]) == 0
+    assert "all that crossed the shaped link between nodes" in capsys.readouterr().out
     rows = {row["preset"]: row for row in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["dense", "hier:dense", "dgc", "hier:dgc"]
+    assert list(rows) == ["torch-hsdp", "dense", "hier:dense", "fsdp:dense", "dgc", "hier:dgc", "fsdp:dgc"]
     assert all(row["ranks_identical"] for row in rows.values())
     crossed = {name: row["link_bytes_per_step"] for name, row in rows.items()}
-    # dense: two ranks per node each send half the model once between nodes, not a ring of four
-    assert crossed["hier:dense"] < 0.8 * crossed["dense"]
-    assert crossed["hier:dgc"] < crossed["dgc"] < 0.2 * crossed["dense"]
+    # dense: each node's two ranks send half the model each between nodes, not a ring over four
+    assert crossed["hier:dense"] < 0.8 * crossed["dense"] and crossed["fsdp:dense"] < 0.8 * crossed["dense"]
+    assert crossed["torch-hsdp"] < 0.8 * crossed["dense"]
+    assert crossed["hier:dgc"] < crossed["dgc"] < 0.1 * crossed["dense"] and crossed["fsdp:dgc"] < crossed["dgc"]
     assert rows["hier:dgc"]["bytes_per_step"] < rows["dgc"]["bytes_per_step"]
 
 

@@ -132,14 +132,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated presets or specs (default: every available preset; gpt: adaptive, dgc)")
     train.add_argument("--baselines", default="all",
                        help="PyTorch's own DDP communication to run next to the presets, comma-separated: "
-                            "allreduce, fp16, powersgd-r1, powersgd-r2; 'all' (default) or 'none'")
+                            "allreduce, fp16, powersgd-r1, powersgd-r2, and FSDP2's fsdp and hsdp; 'all' (default: "
+                            "its DDP hooks, and FSDP2's rows with --nodes) or 'none'")
     train.add_argument("--workers", type=_positive_int, default=None,
                        help="local workers (default: min(4, CPU cores))")
     train.add_argument("--nodes", type=_positive_int, default=1,
                        help="lay the workers out on this many nodes (default 1): with --shaped, each node a network "
                             "namespace whose ranks share its loopback, the nodes joined by the shaped link; every "
-                            "preset also runs hierarchically (row hier:PRESET: dense inside each node, the preset "
-                            "between nodes), and each row reports the bytes that crossed the link"),
+                            "preset also runs hierarchically under DDP (row hier:PRESET: dense inside each node, the "
+                            "preset between nodes) and FSDP2 (fsdp:PRESET), next to FSDP2's own rows, and each row "
+                            "reports the bytes that crossed the link"),
     train.add_argument("--steps", type=_positive_int, default=None,
                        help="steps per row (default: the workload's: 300, gpt 120)")
     train.add_argument("--batch", type=_positive_int, default=None,
@@ -361,18 +363,21 @@ def _bench_collectives(args: argparse.Namespace) -> int:
     return 0
 
 
-def _baselines(text: str) -> list[str]:
+def _baselines(text: str, nodes: int = 1) -> list[str]:
+    """PyTorch's rows by their short names; ``all``: its DDP hooks, and its FSDP2 rows over several nodes."""
     from sparsecomm.train.baselines import SHORT_NAMES
+    from sparsecomm.train.sharded import SHARDED_BASELINES
 
+    known = SHORT_NAMES | {name.removeprefix("torch-"): name for name in SHARDED_BASELINES}
     if text == "none":
         return []
     if text == "all":
-        return list(SHORT_NAMES.values())
+        return [*SHORT_NAMES.values(), *(SHARDED_BASELINES if nodes > 1 else ())]
     names = [part.strip().removeprefix("torch-") for part in text.split(",") if part.strip()]
-    unknown = [name for name in names if name not in SHORT_NAMES]
+    unknown = [name for name in names if name not in known]
     if unknown:
-        raise SparseCommError(f"unknown baseline {unknown[0]!r}; available: {', '.join(SHORT_NAMES)}, all, none")
-    return [SHORT_NAMES[name] for name in names]
+        raise SparseCommError(f"unknown baseline {unknown[0]!r}; available: {', '.join(known)}, all, none")
+    return [known[name] for name in names]
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -380,6 +385,7 @@ def _train(args: argparse.Namespace) -> int:
 
     from sparsecomm.presets import available_presets
     from sparsecomm.train import runner, summary
+    from sparsecomm.train.sharded import FSDP
     from sparsecomm.train.update_rule import UpdateRule
     from sparsecomm.train.workloads import workload
 
@@ -387,9 +393,9 @@ def _train(args: argparse.Namespace) -> int:
     presets = _specs(args.presets) if args.presets else list(task.default_presets or available_presets())
     if "dense" not in presets:
         presets = ["dense", *presets]
-    if args.nodes > 1:  # each preset flat and hierarchical, side by side
-        presets = [row for preset in presets for row in (preset, runner.HIERARCHICAL + preset)]
-    presets = [*(name for name in _baselines(args.baselines) if name not in presets), *presets]
+    if args.nodes > 1:  # each preset flat, hierarchical and under FSDP2, side by side
+        presets = [row for preset in presets for row in (preset, runner.HIERARCHICAL + preset, FSDP + preset)]
+    presets = [*(name for name in _baselines(args.baselines, args.nodes) if name not in presets), *presets]
     args.workers = args.workers or runner.default_workers()
     if args.workers % args.nodes:
         raise SparseCommError(f"--workers {args.workers} do not fill --nodes {args.nodes} of equal size")
@@ -402,7 +408,7 @@ def _train(args: argparse.Namespace) -> int:
     args.batch, args.steps = args.batch or task.default_batch, args.steps or task.default_steps
     rule = UpdateRule.of(task, args.optimizer, args.lr)  # refused here, before any worker starts
     with contextlib.ExitStack() as stack:
-        namespaces, link_bytes = None, None
+        namespaces = None
         if shaped and not in_job:
             from sparsecomm.netns import ShapedNetwork
 
@@ -413,7 +419,6 @@ def _train(args: argparse.Namespace) -> int:
                 network = stack.enter_context(ShapedNetwork(args.nodes, shaped) if args.nodes > 1 else
                                               ShapedNetwork(args.workers, shaped))
                 namespaces = network.ranks_on_nodes(args.workers)
-                link_bytes = network.bytes_sent if args.nodes > 1 else None
             else:
                 print(f"sparsecomm: cannot shape a link here ({unavailable}): training on loopback, where no "
                       f"compression can pay; the modeled columns (at --bandwidth {args.bandwidth}) are the guide",
@@ -430,7 +435,7 @@ def _train(args: argparse.Namespace) -> int:
 
             runs = [runner.run(task, presets, args.workers, args.steps, args.batch, args.lr, seed,
                                bandwidth, namespaces, args.target_loss, args.device, done, args.optimizer,
-                               args.nodes, link_bytes)
+                               args.nodes)
                     for seed in args.seed]
     result = runner.over_seeds(runs, args.seed)
     result["link"] = link
@@ -447,12 +452,14 @@ def _train(args: argparse.Namespace) -> int:
     print(format_table(result["rows"], [
         "preset", "metric_name", "final_metric", "test_loss", "bytes_per_step", "compression_ratio", "wall_s",
         "compute_s", "encode_s", "communicate_s", "decode_s", "modeled_s", "ranks_identical",
-        *(["link_bytes_per_step"] if link_bytes is not None else []),
+        *(["link_bytes_per_step"] if any("link_bytes_per_step" in row for row in result["rows"]) else []),
     ]))
     if args.nodes > 1:
-        print(f"  {runner.HIERARCHICAL}PRESET: dense inside each node, PRESET between nodes; its bytes_per_step "
-              "are what one rank sends between nodes" + ("; link_bytes_per_step: what crossed the shaped link "
-                                                        "between nodes, by its own counters" if link_bytes else ""))
+        print(f"  {runner.HIERARCHICAL}PRESET: DDP, dense inside each node, PRESET between nodes; {FSDP}PRESET: "
+              "FSDP2 sharded inside each node, PRESET between nodes: their bytes_per_step are what one rank sends "
+              "between nodes; torch-fsdp and torch-hsdp count their gradients' reduction only (FSDP all-gathers "
+              "parameters too)" + ("; link_bytes_per_step: all that crossed the shaped link between nodes, by its "
+                                   "own counters, from the second step" if namespaces else ""))
     for row in result["rows"]:
         if row.get("note"):
             print(f"  {row['note']}")

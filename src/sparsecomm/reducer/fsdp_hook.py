@@ -18,6 +18,8 @@ ends when every module has reported once (or one reports again).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,7 +27,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
+from sparsecomm.adaptive.controller import AdaptiveController
 from sparsecomm.errors import SparseCommError
+from sparsecomm.pipeline import Segment
 from sparsecomm.reducer.config import DENSE_BELOW
 from sparsecomm.reducer.reducer import GradientReducer
 from sparsecomm.reducer.stats import ReducerStats
@@ -74,19 +78,39 @@ class FSDPCompression:
         """averages each shard over the nodes"""
         self.modules = sorted(name or "<root>" for name in modules)
         self._reported: set[str] = set()
-        for name, module in modules.items():
-            module.set_all_reduce_hook(self._hook_for(name or "<root>"))
+        shards = mesh[NODE].size()
+        for name, (module, parameters) in modules.items():
+            segments = _segments(parameters, shards, self.across.config.sends_whole)
+            module.set_all_reduce_hook(self._hook_for(name or "<root>", segments))
 
-    def _hook_for(self, name: str) -> Any:
+    def _hook_for(self, name: str, segments: tuple[Segment, ...]) -> Any:
+        numel = sum(segment.numel for segment in segments)
+
         def average_over_nodes(shard: torch.Tensor) -> None:
+            if shard.numel() != numel:
+                raise SparseCommError(f"FSDP module {name!r} reduced {shard.numel()} elements where its parameters' "
+                                      f"shards hold {numel}: a sharding this hook does not know")
             if name in self._reported:  # a step that did not reach every module: it ends here
                 self.finish_step()
-            shard.copy_(self.across.reduce(name, shard))
+            shard.copy_(self.across.reduce(name, shard, segments))
             self._reported.add(name)
             if len(self._reported) == len(self.modules):
                 self.finish_step()
 
         return average_over_nodes
+
+    @property
+    def spec(self) -> PipelineSpec:
+        return self.across.spec
+
+    @property
+    def adaptive(self) -> AdaptiveController | None:
+        """The ``adaptive`` sparsifier's controller (None for other pipelines)."""
+        return self.across.adaptive
+
+    def suit_optimizer(self, optimizer: torch.optim.Optimizer) -> str | None:
+        """`GradientReducer.suit_optimizer`, for the hop between nodes."""
+        return self.across.suit_optimizer(optimizer)
 
     @property
     def stats(self) -> ReducerStats:
@@ -123,19 +147,33 @@ class FSDPCompression:
         self.across.load_state_dict(state["across"])
 
 
-def _reducing_modules(model: nn.Module) -> dict[str, FSDPModule]:
-    """The FSDP modules that reduce gradients: those holding a parameter no FSDP module inside them
-    holds (an FSDP root over sharded blocks alone reduces nothing, and its hook is never called)."""
+def _reducing_modules(model: nn.Module) -> dict[str, tuple[FSDPModule, list[tuple[str, nn.Parameter]]]]:
+    """The FSDP modules that reduce gradients, with the parameters each holds (by name in
+    ``model``, in FSDP's order): those holding a parameter no FSDP module inside them holds (an FSDP
+    root over sharded blocks alone reduces nothing, and its hook is never called)."""
     fsdp = {name: module for name, module in model.named_modules() if isinstance(module, FSDPModule)}
+    found = {}
+    for name, module in fsdp.items():
+        inner = {id(p) for child, other in fsdp.items() if child != name and (not name or child.startswith(f"{name}."))
+                 for p in other.parameters()}  # type: ignore[attr-defined]  # an nn.Module too
+        own = [(f"{name}.{key}" if name else key, p) for key, p in module.named_parameters()  # type: ignore[attr-defined]
+               if id(p) not in inner]
+        if own:
+            found[name] = (module, own)
+    return found
 
-    def parameters(name: str) -> set[int]:
-        return {id(p) for p in fsdp[name].parameters()}  # type: ignore[attr-defined]  # an nn.Module too
 
-    def inside(name: str, child: str) -> bool:
-        return child != name and (not name or child.startswith(f"{name}."))
-
-    return {name: module for name, module in fsdp.items()
-            if parameters(name) - {p for child in fsdp if inside(name, child) for p in parameters(child)}}
+def _segments(parameters: list[tuple[str, nn.Parameter]], shards: int,
+              sends_whole: Callable[[torch.Size], bool]) -> tuple[Segment, ...]:
+    """Where each parameter's shard lies in its FSDP module's reduce-scatter output: FSDP pads each
+    parameter's first dimension to a multiple of the shards and lays the shards end to end."""
+    segments, start = [], 0
+    for name, parameter in parameters:
+        shape = parameter.shape if parameter.dim() else torch.Size([1])
+        numel = -(-shape[0] // shards) * math.prod(shape[1:])
+        segments.append(Segment(name, start, numel, sends_whole(parameter.shape)))
+        start += numel
+    return tuple(segments)
 
 
 def register_fsdp_hooks(model: nn.Module, spec_or_preset: str | PipelineSpec, mesh: DeviceMesh, seed: int = 0,

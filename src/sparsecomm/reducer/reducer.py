@@ -270,13 +270,15 @@ class GradientReducer:
         if errors:
             raise errors[0]
 
-    def reduce(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+    def reduce(self, key: str, tensor: torch.Tensor, segments: tuple[Segment, ...] | None = None) -> torch.Tensor:
         """The average over ranks of ``tensor`` (same shape and kind), on this thread's return: never
         fused with a step's other calls (with the ``adaptive`` pipeline, it counts in the open step).
 
         Args:
             key: the stream's name; its state (residual, momentum) is kept under it.
             tensor: this rank's tensor, dense or sparse COO.
+            segments: named tensors laid out in a flat ``tensor``, each keeping its state under its
+                own name (as a DDP bucket's parameters do).
 
         Returns:
             The average over ranks, through the pipeline (lossy where its stages are).
@@ -297,17 +299,18 @@ class GradientReducer:
             assert torch.equal(average, torch.full((4,), 0.5))
             ```
         """
-        future = self.reduce_async(key, tensor)
+        future = self.reduce_async(key, tensor, segments)
         self._calls.in_flight.remove(future)
         return future.wait()
 
-    def reduce_async(self, key: str, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    def reduce_async(self, key: str, tensor: torch.Tensor,
+                     segments: tuple[Segment, ...] | None = None) -> torch.futures.Future[torch.Tensor]:
         """`reduce` without waiting: local stages now, the collective on the worker thread, a future
         of the average (errors reach it). The call belongs to the open step: `finish_step` waits
         for it."""
         if not self.started:
             self._start()
-        return self._submit(key, tensor, in_step=False)
+        return self._submit(key, tensor, segments, in_step=False)
 
     def reduce_flat_async(self, key: str, flat: torch.Tensor, segments: tuple[Segment, ...], stats_key: str = "",
                           last: bool = False) -> torch.futures.Future[torch.Tensor]:

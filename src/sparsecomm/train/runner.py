@@ -13,16 +13,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from sparsecomm.errors import SparseCommError
 from sparsecomm.launch import run_local
-from sparsecomm.netns import bits_per_second
+from sparsecomm.netns import bits_per_second, bytes_sent_here
 from sparsecomm.presets import resolve
 from sparsecomm.reducer.ddp_hook import register_ddp_hook
+from sparsecomm.reducer.fsdp_hook import FSDPCompression
+from sparsecomm.reducer.hierarchical import HierarchicalReducer
+from sparsecomm.reducer.reducer import GradientReducer
 from sparsecomm.reducer.topology import Topology
 from sparsecomm.spec import format_spec
-from sparsecomm.train.baselines import BASELINES, has_sparse_gradients
+from sparsecomm.train import sharded
+from sparsecomm.train.baselines import BASELINES, BytesMeter, has_sparse_gradients
 from sparsecomm.train.regime import matching_rate
 from sparsecomm.train.update_rule import UpdateRule
 from sparsecomm.train.workloads import Workload
@@ -123,6 +128,20 @@ HIERARCHICAL = "hier:"
 node, compressed between nodes)"""
 
 
+def _wrapped(row: str, module: nn.Module, world: int, nodes: int, seed: int
+             ) -> tuple[nn.Module, GradientReducer | HierarchicalReducer | FSDPCompression | None, BytesMeter | None]:
+    """The row's model, and what counts its bytes: its reducer, or a meter for PyTorch's rows."""
+    baseline = BASELINES.get(row)
+    if baseline is not None:
+        model, meter = baseline.wrap(module)
+        return model, None, meter
+    if sharded.is_sharded(row):
+        return sharded.build(row, module, nodes, seed)
+    model = DistributedDataParallel(module)
+    topology = Topology(world // nodes) if row.startswith(HIERARCHICAL) else None
+    return model, register_ddp_hook(model, row.removeprefix(HIERARCHICAL), seed=seed, topology=topology), None
+
+
 def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: int, rule: UpdateRule,
            seed: int, device_name: str = "cpu", nodes: int = 1) -> dict[str, Any]:
     """One rank's training run for one row: a sparsecomm preset (or spec) through its DDP hook —
@@ -130,18 +149,16 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
     (`BASELINES`)."""
     device = worker_device(device_name, rank)
     compute_per_step = compute_seconds_per_step(task, batch, seed, device=device, rule=rule)
-    baseline = BASELINES.get(row)
-    if baseline is not None:
-        model, meter = baseline.wrap(task.model(seed).to(device))
-        reducer = None
-    else:
-        model = DistributedDataParallel(task.model(seed).to(device))
-        topology = Topology(world // nodes) if row.startswith(HIERARCHICAL) else None
-        reducer = register_ddp_hook(model, row.removeprefix(HIERARCHICAL), seed=seed, topology=topology)
+    model, reducer, meter = _wrapped(row, task.model(seed).to(device), world, nodes, seed)
     optimizer, suited = rule.build(model, reducer)  # one update rule for every row
     losses, cumulative_bytes, elapsed = [], [], []
+    on_link = nodes > 1 and steps > 1 and bytes_sent_here() is not None  # the link between nodes: count it
+    link_start = 0
     start = time.perf_counter()
-    for batch_data in task.batches(rank, world, steps, batch, seed):
+    for number, batch_data in enumerate(task.batches(rank, world, steps, batch, seed)):
+        if number == 1 and on_link:  # counted from the second step: set-up (DDP's broadcast) is done
+            dist.barrier()
+            link_start = bytes_sent_here() or 0
         optimizer.zero_grad()
         loss = task.loss(model, on_device(batch_data, device))
         loss.backward()  # the hook's local stages run here, its collectives on their own thread
@@ -149,12 +166,16 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
             optimizer.step()
         # reading the loss copies it to the host after the step's queued kernels: on a GPU it waits for them
         losses.append(float(loss.detach()))
-        if reducer is None:
+        if meter is not None:
             meter.step()
-        cumulative_bytes.append(meter.bytes_sent if reducer is None else reducer.stats.bytes_sent)
+        cumulative_bytes.append(meter.bytes_sent if meter is not None else reducer.stats.bytes_sent)  # type: ignore[union-attr]
         elapsed.append(time.perf_counter() - start)
     wall_s = time.perf_counter() - start
-    evaluation = task.evaluate(model.module)
+    link_bytes = None
+    if on_link:
+        dist.barrier()
+        link_bytes = (bytes_sent_here() or 0) - link_start if rank % (world // nodes) == 0 else 0
+    evaluation = task.evaluate(getattr(model, "module", model))
     adaptive: dict[str, Any] = {}
     if reducer is None:
         summary = {"select_s": 0.0, "transport_s": 0.0, "decode_s": 0.0, "bytes_per_step": cumulative_bytes[-1] / steps}
@@ -181,7 +202,9 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
         "bytes_per_step": summary["bytes_per_step"], "metric": evaluation.metric,
         "test_loss": evaluation.loss, "parameters": numel, "adaptive": adaptive,
         "suited_spec": None if suited is None or reducer is None else format_spec(reducer.spec),
-        "digest": hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest(),
+        "link_bytes": link_bytes,
+        "digest": hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes()
+                                          for p in sharded.full_parameters(model))).hexdigest(),
     }
 
 
@@ -194,15 +217,15 @@ def run(workload: str | Workload, presets: list[str], workers: int, steps: int, 
         lr: float | None = None, seed: int = 0, bandwidth: str = "1gbit", namespaces: list[str] | None = None,
         target_loss: float | None = None, device: str = "cpu",
         done: Callable[[str], None] | None = None, optimizer: str | None = None, nodes: int = 1,
-        link_bytes: Callable[[], int] | None = None) -> dict[str, Any]:
+        ) -> dict[str, Any]:
     """Train with each row — a preset, a spec, or one of PyTorch's schemes (`BASELINES`); rows carry
     the final metric, bytes, the time split and the time to ``target_loss`` (default: where the
     reference row, `reference_row`, has made 95% of its improvement), measured and modeled. A
     baseline that cannot run on this workload is a row saying why. ``device``: where each rank
     trains (`worker_device`); ``done(row)`` is called as each row ends (a progress bar). ``batch``,
     ``lr`` and ``optimizer`` default to the workload's (`UpdateRule`). Rows named `HIERARCHICAL`
-    reduce over ``nodes`` nodes; ``link_bytes()``, the bytes a shaped link has carried so far, gives
-    each row the bytes that crossed it per step."""
+    reduce over ``nodes`` nodes; on a shaped network of several nodes, each row reports the bytes
+    that crossed the link per step."""
     link = bits_per_second(bandwidth)
     check_device(device)  # fail before starting any worker
     task = load_workload(workload) if isinstance(workload, str) else workload  # handed to every worker
@@ -210,13 +233,15 @@ def run(workload: str | Workload, presets: list[str], workers: int, steps: int, 
     rule = UpdateRule.of(task, optimizer, lr)
     batch = task.default_batch if batch is None else batch
     for preset in presets:
-        if preset not in BASELINES:
-            resolve(preset.removeprefix(HIERARCHICAL))  # fail before starting any worker
+        if preset not in BASELINES and preset not in sharded.SHARDED_BASELINES:
+            resolve(preset.removeprefix(HIERARCHICAL).removeprefix(sharded.FSDP))  # fail before starting any worker
     if workers % nodes:
         raise SparseCommError(f"{workers} workers do not fill {nodes} nodes of equal size")
     sparse_gradients = has_sparse_gradients(task.model(seed))
     refused = {name: why for name in presets if name in BASELINES
                and (why := BASELINES[name].why_not(sparse_gradients)) is not None}
+    refused |= {name: f"{name} cannot run here: FSDP2 does not take sparse gradients" for name in presets
+                if sharded.is_sharded(name) and sparse_gradients}
     rows: list[dict[str, Any]] = []
     curves: dict[str, dict[str, Any]] = {}
     in_job = launched_by_torchrun()
@@ -230,14 +255,12 @@ def run(workload: str | Workload, presets: list[str], workers: int, steps: int, 
             if done is not None:
                 done(preset)
             continue
-        link_before = link_bytes() if link_bytes is not None else 0
         if in_job:
             results = shared_view(worker(dist.get_rank(), workers, task, preset, steps, batch, rule, seed, device,
                                          nodes))
         else:
             results = run_local(workers, worker, task, preset, steps, batch, rule, seed, device, nodes, timeout=3600,
                                 namespaces=namespaces)
-        link_per_step = (link_bytes() - link_before) / steps if link_bytes is not None else None
         first = results[0]
         identical = len({r["digest"] for r in results}) == 1
         modeled_comm_s = steps * first["bytes_per_step"] * 8 / link
@@ -252,8 +275,8 @@ def run(workload: str | Workload, presets: list[str], workers: int, steps: int, 
             "modeled_s": first["compute_s"] + first["select_s"] + modeled_comm_s,
             "workers": workers, "steps": steps, "ranks_identical": identical, **first["adaptive"],
         })
-        if link_per_step is not None:
-            rows[-1]["link_bytes_per_step"] = link_per_step
+        if first["link_bytes"] is not None:  # each node's first rank counted its node's bytes
+            rows[-1]["link_bytes_per_step"] = sum(r["link_bytes"] for r in results) / (steps - 1)
         if first["suited_spec"]:  # its own momentum correction would apply the optimizer's momentum twice
             rows[-1]["note"] = f"{preset} under {rule.optimizer}: error feedback in place of its momentum " \
                                f"correction ({first['suited_spec']})"

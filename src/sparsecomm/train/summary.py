@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from sparsecomm.train.baselines import BASELINES
+from sparsecomm.train.sharded import SHARDED_BASELINES
 
 ROW_START_S = 9.5
 """seconds a row costs beyond its steps — starting the workers, building the model and the reducer,
@@ -29,14 +30,20 @@ def estimate_seconds(rows: list[str], seeds: int, steps: int, compute_s: float, 
 def intro(workload: str, rows: list[str], seeds: int, steps: int, workers: int, link: str, seconds: float) -> str:
     """The line printed before training: what the tables will show, and about how long it takes."""
     minutes = f"about {round(seconds / 30) / 2:g} min" if seconds >= 90 else f"about {seconds:.0f} s"
-    ours = [row for row in rows if row not in BASELINES and row not in DENSE_ROWS]
-    hooks = [row for row in rows if row in BASELINES and row not in DENSE_ROWS]
+    ours = [row for row in rows if not _pytorchs(row) and row not in DENSE_ROWS]
+    hooks = [row for row in rows if _pytorchs(row) and row not in DENSE_ROWS]
     contenders = f"{len(ours)} sparsecomm preset{'s' * (len(ours) != 1)}"
     if hooks:
-        contenders += f" and {len(hooks)} of PyTorch's DDP hooks"
+        kinds = "DDP hooks" if all(row in BASELINES for row in hooks) else "DDP hooks and FSDP2 layouts"
+        contenders += f" and {len(hooks)} of PyTorch's {kinds}"
     return (f"sparsecomm train: which of {contenders} reaches the target loss first next to a dense allreduce, "
             f"{workers} workers training {workload} for {steps} steps on {link}"
             f"{f' ({seeds} seeds)' if seeds > 1 else ''} — {minutes} here")
+
+
+def _pytorchs(row: str) -> bool:
+    """Whether a row is one of PyTorch's own (a DDP hook or an FSDP2 layout)."""
+    return row in BASELINES or row in SHARDED_BASELINES
 
 
 def verdict(result: dict[str, Any]) -> str:
@@ -45,8 +52,8 @@ def verdict(result: dict[str, Any]) -> str:
     link = result["link"]
     times = {row["preset"]: _time_to_target(row) for row in result["rows"]}
     reached = {name: seconds for name, seconds in times.items() if seconds is not None}
-    ours = {name: s for name, s in reached.items() if name not in BASELINES and name not in DENSE_ROWS}
-    hooks = {name: s for name, s in reached.items() if name in BASELINES and name != "torch-allreduce"}
+    ours = {name: s for name, s in reached.items() if not _pytorchs(name) and name not in DENSE_ROWS}
+    hooks = {name: s for name, s in reached.items() if _pytorchs(name) and name != "torch-allreduce"}
     plain = reached.get("torch-allreduce", reached.get("dense"))
     if not ours:
         return f"verdict on {link}: no sparsecomm row reached the target loss in {result['steps']} steps"

@@ -4,13 +4,13 @@ for a pipeline that applies SGD's momentum itself (DGC's), the form of it that s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from sparsecomm.errors import SparseCommError
-from sparsecomm.reducer.hierarchical import HierarchicalReducer
-from sparsecomm.reducer.reducer import GradientReducer
+from sparsecomm.spec import PipelineSpec
 from sparsecomm.train.baselines import has_sparse_gradients
 from sparsecomm.train.workloads import Workload
 
@@ -21,6 +21,15 @@ WEIGHT_DECAY = 0.01
 """AdamW's decoupled weight decay (PyTorch's default)"""
 
 OPTIMIZERS = ("sgd", "adamw")
+
+
+class Suitable(Protocol):
+    """What an update rule asks of a reducer (`GradientReducer`, `HierarchicalReducer`, `FSDPCompression`)."""
+
+    @property
+    def spec(self) -> PipelineSpec: ...
+
+    def suit_optimizer(self, optimizer: torch.optim.Optimizer) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -48,8 +57,7 @@ class UpdateRule:
             raise SparseCommError(f"no default learning rate for {name} under {optimizer}: pass --lr")
         return cls(optimizer, rates[optimizer] if lr is None else lr)
 
-    def build(self, model: nn.Module, reducer: GradientReducer | HierarchicalReducer | None
-              ) -> tuple[torch.optim.Optimizer, str | None]:
+    def build(self, model: nn.Module, reducer: Suitable | None) -> tuple[torch.optim.Optimizer, str | None]:
         """The row's optimizer over ``model``, and why ``reducer``'s feedback changed to suit it
         (None: it did not)."""
         if self.optimizer == "adamw":

@@ -1,0 +1,71 @@
+"""FSDP2 rows of `sparsecomm train` (``fully_shard``): PyTorch's own sharded data parallelism and
+sparsecomm's compression under it.
+
+- ``torch-fsdp``: one FSDP group over every rank (each rank holds 1/P of the model; parameters are
+  all-gathered for the forward and backward passes, gradients reduce-scattered).
+- ``torch-hsdp``: FSDP's native hybrid sharding: sharded inside each node, each shard's gradient
+  all-reduced densely across nodes.
+- ``fsdp:PRESET``: sharded inside each node as HSDP, each shard averaged across nodes through
+  PRESET (`register_fsdp_hooks`).
+
+Each direct child holding parameters is one FSDP module, and the root another.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from sparsecomm.reducer.fsdp_hook import FSDPCompression, register_fsdp_hooks
+from sparsecomm.reducer.topology import NODE, Topology
+from sparsecomm.train.baselines import BytesMeter
+
+SHARDED_BASELINES = {
+    "torch-fsdp": "FSDP2 over every rank (fully_shard): parameters all-gathered, gradients reduce-scattered",
+    "torch-hsdp": "FSDP2's hybrid sharding: sharded inside each node, shards all-reduced across nodes",
+}
+"""PyTorch's sharded rows, by name"""
+FSDP = "fsdp:"
+"""a row name's prefix: its preset averages each node's FSDP shards across nodes (`register_fsdp_hooks`)"""
+
+
+def is_sharded(row: str) -> bool:
+    return row in SHARDED_BASELINES or row.startswith(FSDP)
+
+
+def shard(module: nn.Module, mesh: Any) -> nn.Module:
+    """``module`` under FSDP2 on ``mesh``: each direct child holding parameters, then the root."""
+    for child in module.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    return module
+
+
+def build(row: str, module: nn.Module, nodes: int, seed: int
+          ) -> tuple[nn.Module, FSDPCompression | None, BytesMeter | None]:
+    """The row's sharded model, and what counts its bytes: the compression's stats (``fsdp:``) or a
+    meter of the gradient bytes each rank hands its reduction (PyTorch's rows; the parameters'
+    all-gathers are on the link's counters only)."""
+    world = dist.get_world_size()
+    device_type = next(module.parameters()).device.type
+    numel = sum(p.numel() for p in module.parameters())
+    if row == "torch-fsdp":
+        model = shard(module, init_device_mesh(device_type, (world,)))
+        return model, None, BytesMeter(lambda steps: 4 * numel * steps)
+    mesh = Topology(world // nodes).device_mesh(device_type)
+    if row == "torch-hsdp":
+        model = shard(module, mesh)  # a 2-D mesh: replicated across its first dimension, sharded in its second
+        return model, None, BytesMeter(lambda steps: 4 * numel * steps // (world // nodes))
+    model = shard(module, mesh[NODE])
+    return model, register_fsdp_hooks(model, row.removeprefix(FSDP), mesh, seed=seed), None
+
+
+def full_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """Every parameter whole (a sharded one gathered), for a digest the ranks compare."""
+    return [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
