@@ -67,10 +67,13 @@ def hybrid(rank: int, world: int, spec: str) -> dict:
     return {"ratio": compression.stats.compression_ratio}
 
 
-@pytest.mark.parametrize("spec", ["dense", "topk(ratio=0.05)+residual+rice+fp32"])
-def test_fsdp_inside_nodes_and_a_pipeline_between_them_keep_every_rank_alike(spec):
+@pytest.mark.parametrize(("spec", "least_ratio"), [
+    ("dense", 1.0), ("topk(ratio=0.05)+residual+rice+fp32", 8.0),  # top 5% in 32-bit values
+    ("adaptive", 1.0),  # its dense steps flush modules whose every parameter goes whole
+])
+def test_fsdp_inside_nodes_and_a_pipeline_between_them_keep_every_rank_alike(spec, least_ratio):
     ratios = [result["ratio"] for result in run_local(4, hybrid, spec)]
-    assert all(ratio == 1.0 if spec == "dense" else ratio > 8 for ratio in ratios)  # top 5%, 32-bit values
+    assert all(ratio == 1.0 if spec == "dense" else ratio >= least_ratio for ratio in ratios)
 
 
 def test_a_model_without_fsdp_modules_or_a_flat_mesh_is_refused():

@@ -80,5 +80,7 @@ def update_flushed(pipeline: Pipeline, averaged: torch.Tensor, key: str = "",
     slice of ``averaged`` (flat, in place; every rank passes the same)."""
     flat = averaged.view(-1)
     flushed = [segment for segment in segments or (Segment(key, 0, flat.numel()),) if not segment.whole]
+    if not flushed:  # every tensor went whole: no feedback to update
+        return
     pipeline.spec.feedback.update_flushed_([flat[s.start:s.start + s.numel] for s in flushed],
                                        [pipeline.states[s.key].feedback for s in flushed])

@@ -145,8 +145,8 @@ def _wrapped(row: str, module: nn.Module, world: int, nodes: int, seed: int
 def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: int, rule: UpdateRule,
            seed: int, device_name: str = "cpu", nodes: int = 1) -> dict[str, Any]:
     """One rank's training run for one row: a sparsecomm preset (or spec) through its DDP hook —
-    flat, or over ``nodes`` nodes when the row is `HIERARCHICAL` — or one of PyTorch's own schemes
-    (`BASELINES`)."""
+    flat, or over ``nodes`` nodes when the row is `HIERARCHICAL` —, under FSDP2 (`sharded`), or one
+    of PyTorch's own schemes (`BASELINES`, `sharded.SHARDED_BASELINES`)."""
     device = worker_device(device_name, rank)
     compute_per_step = compute_seconds_per_step(task, batch, seed, device=device, rule=rule)
     model, reducer, meter = _wrapped(row, task.model(seed).to(device), world, nodes, seed)
@@ -216,16 +216,16 @@ def reference_row(names: list[str]) -> str | None:
 def run(workload: str | Workload, presets: list[str], workers: int, steps: int, batch: int | None = None,
         lr: float | None = None, seed: int = 0, bandwidth: str = "1gbit", namespaces: list[str] | None = None,
         target_loss: float | None = None, device: str = "cpu",
-        done: Callable[[str], None] | None = None, optimizer: str | None = None, nodes: int = 1,
-        ) -> dict[str, Any]:
+        done: Callable[[str], None] | None = None, optimizer: str | None = None,
+        nodes: int = 1) -> dict[str, Any]:
     """Train with each row — a preset, a spec, or one of PyTorch's schemes (`BASELINES`); rows carry
     the final metric, bytes, the time split and the time to ``target_loss`` (default: where the
     reference row, `reference_row`, has made 95% of its improvement), measured and modeled. A
     baseline that cannot run on this workload is a row saying why. ``device``: where each rank
     trains (`worker_device`); ``done(row)`` is called as each row ends (a progress bar). ``batch``,
-    ``lr`` and ``optimizer`` default to the workload's (`UpdateRule`). Rows named `HIERARCHICAL`
-    reduce over ``nodes`` nodes; on a shaped network of several nodes, each row reports the bytes
-    that crossed the link per step."""
+    ``lr`` and ``optimizer`` default to the workload's (`UpdateRule`). `HIERARCHICAL` and FSDP2
+    rows lay the ranks out on ``nodes`` nodes; on a shaped network of several nodes, each row
+    reports the bytes that crossed the link per step."""
     link = bits_per_second(bandwidth)
     check_device(device)  # fail before starting any worker
     task = load_workload(workload) if isinstance(workload, str) else workload  # handed to every worker
@@ -240,8 +240,8 @@ def run(workload: str | Workload, presets: list[str], workers: int, steps: int, 
     sparse_gradients = has_sparse_gradients(task.model(seed))
     refused = {name: why for name in presets if name in BASELINES
                and (why := BASELINES[name].why_not(sparse_gradients)) is not None}
-    refused |= {name: f"{name} cannot run here: FSDP2 does not take sparse gradients" for name in presets
-                if sharded.is_sharded(name) and sparse_gradients}
+    refused |= {name: f"{name} cannot run here: FSDP2 and hierarchical reduction take dense gradients only"
+                for name in presets if (sharded.is_sharded(name) or name.startswith(HIERARCHICAL)) and sparse_gradients}
     rows: list[dict[str, Any]] = []
     curves: dict[str, dict[str, Any]] = {}
     in_job = launched_by_torchrun()
