@@ -17,11 +17,12 @@ def layers(seed: int = 0) -> torch.nn.Sequential:
 
 
 def sharded(mesh) -> torch.nn.Sequential:
+    """The layers, each sharded over ``mesh``, and the root."""
     model = layers()
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh["node"])
-    fully_shard(model, mesh=mesh["node"])
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -35,7 +36,7 @@ def full(tensors) -> torch.Tensor:
 
 def hybrid(rank: int, world: int, spec: str) -> dict:
     mesh = sc.Topology(2).device_mesh("cpu")
-    model = sharded(mesh)
+    model = sharded(mesh["node"])
     compression = sc.register_fsdp_hooks(model, spec, mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     reference = layers()
@@ -76,15 +77,60 @@ def test_fsdp_inside_nodes_and_a_pipeline_between_them_keep_every_rank_alike(spe
     assert all(ratio == 1.0 if spec == "dense" else ratio >= least_ratio for ratio in ratios)
 
 
-def test_a_model_without_fsdp_modules_or_a_flat_mesh_is_refused():
-    run_local(2, refused)
+def flat(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    # every entry of every range: FSDP's own average, to rounding
+    exact, plain = sharded(mesh), sharded(mesh)
+    sc.register_fsdp_hooks(exact, "topk(ratio=1.0)+residual+raw+fp32", mesh)
+    for model in (exact, plain):
+        model(batch(rank, 0)).square().mean().backward()
+    torch.testing.assert_close(full(p.grad for p in exact.parameters()), full(p.grad for p in plain.parameters()))
+
+    # a tenth of each range in fp16: the ranks stay alike, what is held back is kept, never a NaN
+    model = sharded(mesh)
+    compression = sc.register_fsdp_hooks(model, "topk(ratio=0.1)+residual+raw+fp16", mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for number in range(3):
+        optimizer.zero_grad()
+        model(batch(rank, number)).square().mean().backward()
+        optimizer.step()
+    params = full(p for p in model.parameters())
+    everyone = [torch.empty_like(params) for _ in range(world)]
+    dist.all_gather(everyone, params)
+    assert all(torch.equal(everyone[0], other) for other in everyone)
+    compression.finish_step()
+    assert compression.stats.steps == 3 and compression.stats.compression_ratio > 3
+    saved = compression.state_dict()
+    assert all(r.abs().sum() > 0 for r in saved["residuals"].values())  # the other 90% is held back
+    with torch.no_grad():
+        next(iter(model.parameters())).to_local().fill_(float("nan"))
+    model(batch(rank, 3)).square().mean().backward()
+    assert all(torch.isfinite(comm.residual).all() for comm in compression.comms.values())
+    compression.load_state_dict(saved)
+    with pytest.raises(sc.SparseCommError, match="FSDP modules"):
+        compression.load_state_dict({**saved, "residuals": {}})
+    with pytest.raises(sc.SparseCommError, match="topk"):
+        sc.register_fsdp_hooks(sharded(mesh), "dgc", mesh)
+    return {"ratio": compression.stats.compression_ratio}
+
+
+def test_over_one_flat_group_each_owner_gets_only_its_ranges_largest_entries():
+    ratios = [result["ratio"] for result in run_local(2, flat)]
+    assert ratios[0] == ratios[1]
 
 
 def refused(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
     mesh = sc.Topology(1).device_mesh("cpu")
     with pytest.raises(sc.SparseCommError, match="no FSDP module"):
         sc.register_fsdp_hooks(layers(), "dense", mesh)
-    from torch.distributed.device_mesh import init_device_mesh
-
+    other = init_device_mesh("cpu", (world, 1), mesh_dim_names=("a", "b"))
     with pytest.raises(sc.SparseCommError, match="dimensions"):
-        sc.register_fsdp_hooks(sharded(mesh), "dense", init_device_mesh("cpu", (world,)))
+        sc.register_fsdp_hooks(sharded(other["b"]), "dense", other)
+
+
+def test_a_model_without_fsdp_modules_or_a_mesh_of_other_dimensions_is_refused():
+    run_local(2, refused)

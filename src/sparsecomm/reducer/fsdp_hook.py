@@ -1,5 +1,8 @@
-"""Compression under FSDP2 (``torch.distributed.fsdp.fully_shard``), hybrid: each node shards the
-model over its own ranks (FSDP's dense reduce-scatter runs inside the node), and every shard is
+"""Compression under FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Over one flat group of every rank, each FSDP module's reduce-scatter sends each owner only the
+largest entries of its range (`sparsecomm.reducer.sparse_reduce_scatter`). Hybrid, each node shards
+the model over its own ranks (FSDP's dense reduce-scatter runs inside the node), and every shard is
 averaged across nodes through a sparsecomm pipeline — in place of the all-reduce FSDP's native HSDP
 would run over the slow link::
 
@@ -20,21 +23,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 
 from sparsecomm.adaptive.controller import AdaptiveController
 from sparsecomm.errors import SparseCommError
 from sparsecomm.pipeline import Segment
+from sparsecomm.presets import resolve
 from sparsecomm.reducer.config import DENSE_BELOW
 from sparsecomm.reducer.reducer import GradientReducer
 from sparsecomm.reducer.stats import ReducerStats
 from sparsecomm.reducer.topology import ACROSS, NODE
 from sparsecomm.spec import PipelineSpec
+
+if TYPE_CHECKING:  # FSDP2's hooks are imported where they are used: an older torch imports sparsecomm too
+    from torch.distributed.fsdp import FSDPModule
+
+    from sparsecomm.reducer.sparse_reduce_scatter import FlatFSDPCompression
 
 FORMAT = 1
 """the format of `FSDPCompression.state_dict`"""
@@ -64,14 +72,12 @@ class FSDPCompression:
         ```
     """
 
-    def __init__(self, model: nn.Module, spec: str | PipelineSpec, mesh: DeviceMesh, seed: int = 0,
-                 nonfinite: str = "raise", dense_below: int = DENSE_BELOW) -> None:
+    def __init__(self, modules: dict[str, tuple[FSDPModule, list[tuple[str, nn.Parameter]]]],
+                 spec: str | PipelineSpec, mesh: DeviceMesh, seed: int = 0, nonfinite: str = "raise",
+                 dense_below: int = DENSE_BELOW) -> None:
         if mesh.ndim != 2 or mesh.mesh_dim_names != (ACROSS, NODE):
-            raise SparseCommError(f"the mesh must have dimensions {(ACROSS, NODE)} (Topology.device_mesh), not "
-                                  f"{mesh.mesh_dim_names}")
-        modules = _reducing_modules(model)
-        if not modules:
-            raise SparseCommError("the model holds no FSDP module: call fully_shard(..., mesh=mesh['node']) first")
+            raise SparseCommError(f"a two-dimensional mesh must have dimensions {(ACROSS, NODE)} "
+                                  f"(Topology.device_mesh), not {mesh.mesh_dim_names}")
         self.mesh = mesh
         self.across = GradientReducer(spec, group=mesh[ACROSS].get_group(), seed=seed, nonfinite=nonfinite,
                                       dense_below=dense_below)
@@ -151,6 +157,8 @@ def _reducing_modules(model: nn.Module) -> dict[str, tuple[FSDPModule, list[tupl
     """The FSDP modules that reduce gradients, with the parameters each holds (by name in
     ``model``, in FSDP's order): those holding a parameter no FSDP module inside them holds (an FSDP
     root over sharded blocks alone reduces nothing, and its hook is never called)."""
+    from torch.distributed.fsdp import FSDPModule
+
     fsdp = {name: module for name, module in model.named_modules() if isinstance(module, FSDPModule)}
     found = {}
     for name, module in fsdp.items():
@@ -176,24 +184,32 @@ def _segments(parameters: list[tuple[str, nn.Parameter]], shards: int,
     return tuple(segments)
 
 
-def register_fsdp_hooks(model: nn.Module, spec_or_preset: str | PipelineSpec, mesh: DeviceMesh, seed: int = 0,
-                        nonfinite: str = "raise", dense_below: int = DENSE_BELOW) -> FSDPCompression:
-    """Compress FSDP2's gradient reduction between nodes: FSDP reduce-scatters inside each node,
-    and each shard is averaged across nodes through the pipeline. Call it on every rank, after
-    ``fully_shard(..., mesh=mesh["node"])`` on every module and the root, before the first backward.
+def register_fsdp_hooks(model: nn.Module, spec_or_preset: str | PipelineSpec, mesh: DeviceMesh | None = None,
+                        seed: int = 0, nonfinite: str = "raise", dense_below: int = DENSE_BELOW
+                        ) -> FSDPCompression | FlatFSDPCompression:
+    """Compress FSDP2's gradient reduction. Call it on every rank after ``fully_shard`` on every
+    module and the root, before the first backward.
+
+    - Hybrid, ``mesh`` a nodes × ranks-per-node mesh (`Topology.device_mesh`), modules sharded on
+      ``mesh["node"]``: FSDP reduce-scatters inside each node, and each shard is averaged across
+      nodes through the pipeline.
+    - Flat, ``mesh`` one-dimensional or None (modules sharded over every rank): each module's
+      reduce-scatter sends each owner only the largest entries of its range
+      (`sparsecomm.reducer.sparse_reduce_scatter`); the spec is ``topk(ratio=R)+residual`` with
+      ``fp32``, ``fp16`` or ``bf16`` values.
 
     Args:
         model: the root module, after ``fully_shard``.
         spec_or_preset: a preset name (``"adaptive"``, ``"dgc"``) or a pipeline spec string.
-        mesh: the nodes × ranks-per-node mesh (`Topology.device_mesh`).
-        seed, nonfinite, dense_below: as `GradientReducer`'s.
+        mesh: the mesh the modules are sharded over, as above.
+        seed, nonfinite, dense_below: as `GradientReducer`'s (hybrid).
 
     Returns:
-        The `FSDPCompression`: its ``stats``, and ``state_dict()`` / ``load_state_dict()`` for checkpoints.
+        Its ``stats``, and ``state_dict()`` / ``load_state_dict()`` for checkpoints (each rank's own).
 
     Raises:
-        SparseCommError: the model holds no FSDP module, the mesh is not a topology's, or the ranks'
-            arguments differ.
+        SparseCommError: the model holds no FSDP module, the mesh is not a topology's, the spec does
+            not suit a flat group, or the ranks' arguments differ.
 
     Example:
         ```python ranks=2
@@ -213,4 +229,12 @@ def register_fsdp_hooks(model: nn.Module, spec_or_preset: str | PipelineSpec, me
         print(compression.stats.steps, "step,", compression.stats.bytes_sent, "bytes between nodes")
         ```
     """
-    return FSDPCompression(model, spec_or_preset, mesh, seed, nonfinite, dense_below)
+    modules = _reducing_modules(model)
+    if not modules:
+        raise SparseCommError("the model holds no FSDP module: call fully_shard on its blocks and root first")
+    if mesh is None or mesh.ndim == 1:
+        from sparsecomm.reducer.sparse_reduce_scatter import FlatFSDPCompression
+
+        return FlatFSDPCompression({name or "<root>": module for name, (module, _) in modules.items()},
+                                   resolve(spec_or_preset))
+    return FSDPCompression(modules, spec_or_preset, mesh, seed, nonfinite, dense_below)

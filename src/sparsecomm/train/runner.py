@@ -24,6 +24,7 @@ from sparsecomm.reducer.ddp_hook import register_ddp_hook
 from sparsecomm.reducer.fsdp_hook import FSDPCompression
 from sparsecomm.reducer.hierarchical import HierarchicalReducer
 from sparsecomm.reducer.reducer import GradientReducer
+from sparsecomm.reducer.sparse_reduce_scatter import FlatFSDPCompression
 from sparsecomm.reducer.topology import Topology
 from sparsecomm.spec import format_spec
 from sparsecomm.train import sharded
@@ -128,8 +129,12 @@ HIERARCHICAL = "hier:"
 node, compressed between nodes)"""
 
 
+Reducer = GradientReducer | HierarchicalReducer | FSDPCompression | FlatFSDPCompression
+"""what a sparsecomm row reduces its gradients with"""
+
+
 def _wrapped(row: str, module: nn.Module, world: int, nodes: int, seed: int
-             ) -> tuple[nn.Module, GradientReducer | HierarchicalReducer | FSDPCompression | None, BytesMeter | None]:
+             ) -> tuple[nn.Module, Reducer | None, BytesMeter | None]:
     """The row's model, and what counts its bytes: its reducer, or a meter for PyTorch's rows."""
     baseline = BASELINES.get(row)
     if baseline is not None:

@@ -13,7 +13,7 @@ Each direct child holding parameters is one FSDP module, and the root another.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,9 @@ from torch.distributed.fsdp import fully_shard
 from sparsecomm.reducer.fsdp_hook import FSDPCompression, register_fsdp_hooks
 from sparsecomm.reducer.topology import NODE, Topology
 from sparsecomm.train.baselines import BytesMeter
+
+if TYPE_CHECKING:
+    from sparsecomm.reducer.sparse_reduce_scatter import FlatFSDPCompression
 
 SHARDED_BASELINES = {
     "torch-fsdp": "FSDP2 over every rank (fully_shard): parameters all-gathered, gradients reduce-scattered",
@@ -48,7 +51,7 @@ def shard(module: nn.Module, mesh: Any) -> nn.Module:
 
 
 def build(row: str, module: nn.Module, nodes: int, seed: int
-          ) -> tuple[nn.Module, FSDPCompression | None, BytesMeter | None]:
+          ) -> tuple[nn.Module, FSDPCompression | FlatFSDPCompression | None, BytesMeter | None]:
     """The row's sharded model, and what counts its bytes: the compression's stats (``fsdp:``) or a
     meter of the gradient bytes each rank hands its reduction (PyTorch's rows; the parameters'
     all-gathers are on the link's counters only)."""

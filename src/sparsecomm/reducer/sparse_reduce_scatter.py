@@ -1,0 +1,146 @@
+"""FSDP2's reduce-scatter, compressed, over one flat group: SparCML's split phase on the device.
+
+FSDP lays a module's unsharded gradient out as P equal ranges, range ``r`` the shard rank ``r``
+keeps. `SparseReduceScatter` adds this rank's held-back error to it, picks the ``k`` entries of
+largest magnitude in every range (a fixed ``k`` = ``ratio`` × range: fixed sizes, no host reads),
+and sends each owner only its range's picks — indices in 32 bits, values in the spec's value
+dtype — with one ``all_to_all_single`` each; the owner sums what it receives into its shard. What
+was not sent, and what the values' rounding lost, stays in the error feedback: as large as the
+module's unsharded gradient, on every rank (FSDP itself holds that only during the backward pass).
+A non-finite entry is sent as it is (the optimizer or a gradient scaler sees it) and never kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # set_custom_reduce_scatter's type
+
+from sparsecomm.encode.value.floats import FloatValues
+from sparsecomm.errors import SparseCommError
+from sparsecomm.feedback.residual import Residual
+from sparsecomm.reducer.stats import ReducerStats, TensorStats
+from sparsecomm.sparsify.topk import TopK
+from sparsecomm.spec import PipelineSpec, format_spec
+
+FORMAT = 1
+"""the format of `FlatFSDPCompression.state_dict`"""
+
+
+class SparseReduceScatter(ReduceScatter):
+    """One FSDP module's reduce-scatter (``FSDPModule.set_custom_reduce_scatter``), keeping the
+    ``ratio`` of largest entries of each rank's range, values sent as ``values``."""
+
+    def __init__(self, ratio: float, values: torch.dtype, stats: TensorStats) -> None:
+        self.ratio, self.values, self.stats = ratio, values, stats
+        self.residual: torch.Tensor | None = None
+        """what this rank has held back, by range (the error feedback)"""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False) -> dist.Work | None:
+        if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            raise SparseCommError(f"a compressed reduce-scatter sums or averages, not {op} (FSDP's "
+                                  "gradient_divide_factor is not supported)")
+        ranks, numel = group.size(), output_tensor.numel()
+        ranges = input_tensor.view(ranks, numel)
+        if self.residual is None or self.residual.shape != ranges.shape:
+            self.residual = torch.zeros_like(ranges)
+        corrected = self.residual.add_(ranges)
+        k = max(1, min(numel, round(self.ratio * numel)))
+        picked = corrected.abs().topk(k, dim=1, sorted=False).indices
+        values = corrected.gather(1, picked)
+        sent = values.to(self.values)
+        corrected.scatter_(1, picked, values - sent.to(values.dtype))  # held back: all but what arrives
+        corrected.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        indices = picked.to(torch.int32)
+        received_indices, received = torch.empty_like(indices), torch.empty_like(sent)
+        dist.all_to_all_single(received_indices, indices, group=group)
+        dist.all_to_all_single(received, sent, group=group)
+        output_tensor.zero_().index_add_(0, received_indices.view(-1).long(), received.view(-1).to(output_tensor.dtype))
+        if op == dist.ReduceOp.AVG:
+            output_tensor.div_(ranks)
+        self.stats.steps += 1
+        self.stats.bytes_sent += (ranks - 1) * k * (indices.element_size() + sent.element_size())
+        self.stats.dense_bytes += (ranks - 1) * numel * input_tensor.element_size()  # a dense ring's share
+        return None
+
+
+class FlatFSDPCompression:
+    """A `SparseReduceScatter` on every FSDP module of a model that holds parameters, by module name:
+    their ``stats`` and their error feedback (``state_dict``, each rank's own). Built by
+    `register_fsdp_hooks` over a flat mesh.
+
+    Example:
+        ```python ranks=2
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        import sparsecomm as sc
+
+        model = torch.nn.Linear(256, 64)
+        fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+        compression = sc.register_fsdp_hooks(model, "topk(ratio=0.05)+residual+raw+bf16")
+        model(torch.randn(4, 256)).sum().backward()
+        torch.save(compression.state_dict(), f"feedback-{dist.get_rank()}.pt")   # next to the model's
+        compression.load_state_dict(torch.load(f"feedback-{dist.get_rank()}.pt"))
+        ```
+    """
+
+    def __init__(self, modules: dict[str, FSDPModule], spec: PipelineSpec) -> None:
+        sparsifier, values = spec.sparsifier, spec.value_codec
+        if not (isinstance(sparsifier, TopK) and sparsifier.ratio is not None and not sparsifier.warmup
+                and isinstance(spec.feedback, Residual) and isinstance(values, FloatValues)):
+            raise SparseCommError("over one flat FSDP group the reduce-scatter takes topk(ratio=R)+residual with fp32, "
+                                  f"fp16 or bf16 values (indices go as 32-bit integers), not {format_spec(spec)!r}")
+        self.spec = spec
+        self.stats = ReducerStats()
+        self.comms = {name: SparseReduceScatter(sparsifier.ratio, values.wire_dtype,
+                                                self.stats.tensors.setdefault(name, TensorStats()))
+                      for name in modules}
+        for name, module in modules.items():
+            module.set_custom_reduce_scatter(self.comms[name])
+        self.world_size = dist.get_world_size()
+
+    adaptive = None
+    """no ``adaptive`` controller: the flat reduce-scatter keeps a fixed ratio"""
+
+    def suit_optimizer(self, optimizer: torch.optim.Optimizer) -> str | None:
+        """Nothing to suit: its residual feedback leaves momentum to the optimizer."""
+        return None
+
+    def finish_step(self) -> None:
+        self.stats.steps = max(t.steps for t in self.stats.tensors.values())
+
+    def close(self) -> None:
+        """Nothing runs in the background."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's error feedback by FSDP module (format `FORMAT`)."""
+        self.finish_step()
+        return {"format": FORMAT, "world_size": self.world_size, "steps": self.stats.steps,
+                "residuals": {name: comm.residual for name, comm in self.comms.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned on this rank.
+
+        Raises:
+            SparseCommError: another format, world size or set of FSDP modules.
+        """
+        if state.get("format") != FORMAT or state.get("world_size") != self.world_size:
+            raise SparseCommError(f"the checkpoint is of format {state.get('format')!r} over "
+                                  f"{state.get('world_size')} ranks; this run reads format {FORMAT} over "
+                                  f"{self.world_size}")
+        if set(state["residuals"]) != set(self.comms):
+            raise SparseCommError(f"the checkpoint is over FSDP modules {sorted(state['residuals'])}; this model "
+                                  f"has {sorted(self.comms)}")
+        for name, residual in state["residuals"].items():
+            self.comms[name].residual = residual
+        self.stats.steps = state["steps"]
