@@ -29,13 +29,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from sparsecomm.adaptive.controller import AdaptiveController
 from sparsecomm.errors import SparseCommError
 from sparsecomm.pipeline import Segment
 from sparsecomm.presets import resolve
+from sparsecomm.reducer.across_nodes import AcrossNodes
 from sparsecomm.reducer.config import DENSE_BELOW
 from sparsecomm.reducer.reducer import GradientReducer
-from sparsecomm.reducer.stats import ReducerStats
 from sparsecomm.reducer.topology import ACROSS, NODE
 from sparsecomm.spec import PipelineSpec
 
@@ -48,7 +47,7 @@ FORMAT = 1
 """the format of `FSDPCompression.state_dict`"""
 
 
-class FSDPCompression:
+class FSDPCompression(AcrossNodes):
     """The hooks `register_fsdp_hooks` set on every FSDP module of a model, and the reducer they
     share: its ``stats`` (what crossed between nodes), ``state_dict`` / ``load_state_dict`` (each
     rank's own) and ``close``.
@@ -104,24 +103,6 @@ class FSDPCompression:
                 self.finish_step()
 
         return average_over_nodes
-
-    @property
-    def spec(self) -> PipelineSpec:
-        return self.across.spec
-
-    @property
-    def adaptive(self) -> AdaptiveController | None:
-        """The ``adaptive`` sparsifier's controller (None for other pipelines)."""
-        return self.across.adaptive
-
-    def suit_optimizer(self, optimizer: torch.optim.Optimizer) -> str | None:
-        """`GradientReducer.suit_optimizer`, for the hop between nodes."""
-        return self.across.suit_optimizer(optimizer)
-
-    @property
-    def stats(self) -> ReducerStats:
-        """What this rank sent between nodes, per FSDP module and in all."""
-        return self.across.stats
 
     def finish_step(self) -> None:
         """End the step (the hooks call it once every module has reported)."""

@@ -23,15 +23,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sparsecomm.adaptive.controller import AdaptiveController
 from sparsecomm.errors import SparseCommError
 from sparsecomm.pipeline import Segment
+from sparsecomm.reducer.across_nodes import AcrossNodes
 from sparsecomm.reducer.buckets import BucketLayouts
 from sparsecomm.reducer.completion import result_future
 from sparsecomm.reducer.config import DENSE_BELOW
 from sparsecomm.reducer.node_shards import NodeShards
 from sparsecomm.reducer.reducer import GradientReducer
-from sparsecomm.reducer.stats import ReducerStats
 from sparsecomm.reducer.topology import NodeGroups, Topology
 from sparsecomm.spec import PipelineSpec
 from sparsecomm.transport.agreement import agree
@@ -57,7 +56,7 @@ class _Shard:
     """the averaged buffer in the caller's layout"""
 
 
-class HierarchicalReducer:
+class HierarchicalReducer(AcrossNodes):
     """Averages gradients over ``group``'s ranks laid out on nodes (``topology``): dense inside each
     node, through the pipeline named by ``spec`` between nodes. Used as `GradientReducer` is — a DDP
     hook state (`ddp_comm_hook`, or `register_ddp_hook` with ``topology=``) or `allreduce_` in a
@@ -110,27 +109,9 @@ class HierarchicalReducer:
         self._shards: dict[tuple[str, int], NodeShards] = {}
         self._open: list[_Shard] = []
 
-    @property
-    def stats(self) -> ReducerStats:
-        """What crossed between nodes (this rank's share), per stream and in all."""
-        return self.across.stats
-
-    @property
-    def spec(self) -> PipelineSpec:
-        return self.across.spec
-
-    @property
-    def adaptive(self) -> AdaptiveController | None:
-        """The ``adaptive`` sparsifier's controller of the hop between nodes (None for other pipelines)."""
-        return self.across.adaptive
-
     def __repr__(self) -> str:
         nodes, local_size = self.groups.nodes, self.groups.topology.local_size
         return f"HierarchicalReducer({self.across!r} across {nodes} nodes × {local_size} ranks)"
-
-    def suit_optimizer(self, optimizer: torch.optim.Optimizer) -> str | None:
-        """`GradientReducer.suit_optimizer`, for the hop between nodes."""
-        return self.across.suit_optimizer(optimizer)
 
     # -- one step ---------------------------------------------------------------------------------
     def reduce_bucket_async(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

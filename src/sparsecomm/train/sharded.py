@@ -13,6 +13,7 @@ Each direct child holding parameters is one FSDP module, and the root another.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,10 +29,10 @@ from sparsecomm.train.baselines import BytesMeter
 if TYPE_CHECKING:
     from sparsecomm.reducer.sparse_reduce_scatter import FlatFSDPCompression
 
-SHARDED_BASELINES = {
+SHARDED_BASELINES = MappingProxyType({
     "torch-fsdp": "FSDP2 over every rank (fully_shard): parameters all-gathered, gradients reduce-scattered",
     "torch-hsdp": "FSDP2's hybrid sharding: sharded inside each node, shards all-reduced across nodes",
-}
+})
 """PyTorch's sharded rows, by name"""
 FSDP = "fsdp:"
 """a row name's prefix: its preset averages each node's FSDP shards across nodes (`register_fsdp_hooks`)"""

@@ -1,0 +1,36 @@
+"""`AcrossNodes`: what a reducer over nodes passes through to its hop between nodes — a
+`GradientReducer` over the ranks that hold the same shard on every node."""
+
+from __future__ import annotations
+
+import torch
+
+from sparsecomm.adaptive.controller import AdaptiveController
+from sparsecomm.reducer.reducer import GradientReducer
+from sparsecomm.reducer.stats import ReducerStats
+from sparsecomm.spec import PipelineSpec
+
+
+class AcrossNodes:
+    """The hop between nodes (``across``): its pipeline, counts and ``adaptive`` controller."""
+
+    across: GradientReducer
+    """averages each shard over the nodes"""
+
+    @property
+    def spec(self) -> PipelineSpec:
+        return self.across.spec
+
+    @property
+    def stats(self) -> ReducerStats:
+        """What this rank sent between nodes, per stream and in all."""
+        return self.across.stats
+
+    @property
+    def adaptive(self) -> AdaptiveController | None:
+        """The ``adaptive`` sparsifier's controller of the hop between nodes (None for other pipelines)."""
+        return self.across.adaptive
+
+    def suit_optimizer(self, optimizer: torch.optim.Optimizer) -> str | None:
+        """`GradientReducer.suit_optimizer`, for the hop between nodes."""
+        return self.across.suit_optimizer(optimizer)
