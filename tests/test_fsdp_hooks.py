@@ -1,9 +1,14 @@
-"""Compression under FSDP2, hybrid: FSDP shards inside each node, sparsecomm averages each shard
-across nodes (`register_fsdp_hooks`). Four gloo ranks stand for two nodes of two ranks."""
+"""Compression under FSDP2 (`register_fsdp_hooks`). Hybrid: FSDP shards inside each node,
+sparsecomm averages each shard across nodes (four gloo ranks stand for two nodes of two ranks).
+Flat: each module's reduce-scatter sends each owner its range's largest entries. Both keep every
+rank alike and checkpoint each rank's state through torch.distributed.checkpoint."""
+
+import copy
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import fully_shard
 
 import sparsecomm as sc
@@ -34,7 +39,7 @@ def full(tensors) -> torch.Tensor:
     return torch.cat([t.full_tensor().reshape(-1) for t in tensors])
 
 
-def hybrid(rank: int, world: int, spec: str) -> dict:
+def hybrid(rank: int, world: int, spec: str, tmp: str) -> dict:
     mesh = sc.Topology(2).device_mesh("cpu")
     model = sharded(mesh["node"])
     compression = sc.register_fsdp_hooks(model, spec, mesh)
@@ -60,24 +65,39 @@ def hybrid(rank: int, world: int, spec: str) -> dict:
     numel = sum(p.numel() for p in layers().parameters())
     assert compression.stats.steps == 3
     assert compression.stats.dense_bytes == pytest.approx(3 * 4 * numel / 2, rel=0.05)
-    saved = compression.state_dict()
-    compression.load_state_dict(saved)
+    saved = copy.deepcopy(compression.state_dict())
+    dcp.save({"compression": compression.for_checkpoint()}, checkpoint_id=f"{tmp}/{spec}")
+    fresh = sc.register_fsdp_hooks(sharded(mesh["node"]), spec, mesh)
+    dcp.load({"compression": fresh.for_checkpoint()}, checkpoint_id=f"{tmp}/{spec}")
+    assert same(fresh.state_dict(), saved)  # every rank its own
     with pytest.raises(sc.SparseCommError, match="mesh"):
         compression.load_state_dict({**saved, "mesh": [4, 1]})
     compression.close()
+    fresh.close()
     return {"ratio": compression.stats.compression_ratio}
+
+
+def same(a, b) -> bool:
+    """Whether two states hold the same values (tensors bit for bit)."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[key], b[key]) for key in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same, a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b
 
 
 @pytest.mark.parametrize(("spec", "least_ratio"), [
     ("dense", 1.0), ("topk(ratio=0.05)+residual+rice+fp32", 8.0),  # top 5% in 32-bit values
     ("adaptive", 1.0),  # its dense steps flush modules whose every parameter goes whole
 ])
-def test_fsdp_inside_nodes_and_a_pipeline_between_them_keep_every_rank_alike(spec, least_ratio):
-    ratios = [result["ratio"] for result in run_local(4, hybrid, spec)]
+def test_fsdp_inside_nodes_and_a_pipeline_between_them_keep_every_rank_alike(spec, least_ratio, tmp_path):
+    ratios = [result["ratio"] for result in run_local(4, hybrid, spec, str(tmp_path))]
     assert all(ratio == 1.0 if spec == "dense" else ratio >= least_ratio for ratio in ratios)
 
 
-def flat(rank: int, world: int) -> dict:
+def flat(rank: int, world: int, tmp: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
@@ -102,13 +122,16 @@ def flat(rank: int, world: int) -> dict:
     assert all(torch.equal(everyone[0], other) for other in everyone)
     compression.finish_step()
     assert compression.stats.steps == 3 and compression.stats.compression_ratio > 3
-    saved = compression.state_dict()
+    saved = copy.deepcopy(compression.state_dict())
     assert all(r.abs().sum() > 0 for r in saved["residuals"].values())  # the other 90% is held back
+    dcp.save({"compression": compression.for_checkpoint()}, checkpoint_id=f"{tmp}/flat")
+    fresh = sc.register_fsdp_hooks(sharded(mesh), "topk(ratio=0.1)+residual+raw+fp16", mesh)
+    dcp.load({"compression": fresh.for_checkpoint()}, checkpoint_id=f"{tmp}/flat")
+    assert same(fresh.state_dict(), saved)  # every rank its own
     with torch.no_grad():
         next(iter(model.parameters())).to_local().fill_(float("nan"))
     model(batch(rank, 3)).square().mean().backward()
     assert all(torch.isfinite(comm.residual).all() for comm in compression.comms.values())
-    compression.load_state_dict(saved)
     with pytest.raises(sc.SparseCommError, match="FSDP modules"):
         compression.load_state_dict({**saved, "residuals": {}})
     with pytest.raises(sc.SparseCommError, match="topk"):
@@ -116,8 +139,8 @@ def flat(rank: int, world: int) -> dict:
     return {"ratio": compression.stats.compression_ratio}
 
 
-def test_over_one_flat_group_each_owner_gets_only_its_ranges_largest_entries():
-    ratios = [result["ratio"] for result in run_local(2, flat)]
+def test_over_one_flat_group_each_owner_gets_only_its_ranges_largest_entries(tmp_path):
+    ratios = [result["ratio"] for result in run_local(2, flat, str(tmp_path))]
     assert ratios[0] == ratios[1]
 
 

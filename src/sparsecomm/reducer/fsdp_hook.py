@@ -34,6 +34,7 @@ from sparsecomm.pipeline import Segment
 from sparsecomm.presets import resolve
 from sparsecomm.reducer.across_nodes import AcrossNodes
 from sparsecomm.reducer.config import DENSE_BELOW
+from sparsecomm.reducer.rank_state import RankState
 from sparsecomm.reducer.reducer import GradientReducer
 from sparsecomm.reducer.topology import ACROSS, NODE
 from sparsecomm.spec import PipelineSpec
@@ -118,6 +119,11 @@ class FSDPCompression(AcrossNodes):
         """This rank's state (format `FORMAT`): each module's shard state across nodes, by module name."""
         return {"format": FORMAT, "mesh": list(self.mesh.shape), "modules": list(self.modules),
                 "across": self.across.state_dict()}
+
+    def for_checkpoint(self) -> RankState:
+        """This rank's state for ``torch.distributed.checkpoint``: put it in the state dict that
+        ``dcp.save`` and ``dcp.load`` take, next to the model's (`RankState`)."""
+        return RankState(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned on this rank.

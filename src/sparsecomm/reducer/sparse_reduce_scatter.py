@@ -22,6 +22,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # set_c
 from sparsecomm.encode.value.floats import FloatValues
 from sparsecomm.errors import SparseCommError
 from sparsecomm.feedback.residual import Residual
+from sparsecomm.reducer.rank_state import RankState
 from sparsecomm.reducer.stats import ReducerStats, TensorStats
 from sparsecomm.sparsify.topk import TopK
 from sparsecomm.spec import PipelineSpec, format_spec
@@ -117,6 +118,7 @@ class FlatFSDPCompression:
         return None
 
     def finish_step(self) -> None:
+        """Count the steps: the calls of the module called most (every module, each step)."""
         self.stats.steps = max(t.steps for t in self.stats.tensors.values())
 
     def close(self) -> None:
@@ -127,6 +129,11 @@ class FlatFSDPCompression:
         self.finish_step()
         return {"format": FORMAT, "world_size": self.world_size, "steps": self.stats.steps,
                 "residuals": {name: comm.residual for name, comm in self.comms.items()}}
+
+    def for_checkpoint(self) -> RankState:
+        """This rank's state for ``torch.distributed.checkpoint``: put it in the state dict that
+        ``dcp.save`` and ``dcp.load`` take, next to the model's (`RankState`)."""
+        return RankState(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned on this rank.
@@ -143,4 +150,5 @@ class FlatFSDPCompression:
                                   f"has {sorted(self.comms)}")
         for name, residual in state["residuals"].items():
             self.comms[name].residual = residual
+            self.stats.tensors[name].steps = state["steps"]  # each module's calls go on from there
         self.stats.steps = state["steps"]
