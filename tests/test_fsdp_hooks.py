@@ -157,3 +157,20 @@ def refused(rank: int, world: int) -> None:
 
 def test_a_model_without_fsdp_modules_or_a_mesh_of_other_dimensions_is_refused():
     run_local(2, refused)
+
+
+def transformer_rows(rank: int, world: int) -> int:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from sparsecomm.train import sharded
+    from sparsecomm.train.workloads import workload
+
+    task = workload("gpt")
+    model = sharded.shard(task.model(0), init_device_mesh("cpu", (world,)))  # its blocks sit in a ModuleList
+    batch = next(iter(task.batches(rank, world, 1, 2, 0)))
+    task.loss(model, batch).backward()
+    return sum(1 for module in model.modules() if hasattr(module, "set_all_reduce_hook"))
+
+
+def test_the_train_jobs_fsdp_rows_shard_each_block_of_a_transformer():
+    assert run_local(2, transformer_rows)[0] == 9  # its 8 blocks, and the root with the (tied) embeddings

@@ -8,7 +8,7 @@ sparsecomm's compression under it.
 - ``fsdp:PRESET``: sharded inside each node as HSDP, each shard averaged across nodes through
   PRESET (`register_fsdp_hooks`).
 
-Each direct child holding parameters is one FSDP module, and the root another.
+A transformer's blocks (or else each child holding parameters) are FSDP modules, and the root another.
 """
 
 from __future__ import annotations
@@ -43,10 +43,12 @@ def is_sharded(row: str) -> bool:
 
 
 def shard(module: nn.Module, mesh: Any) -> nn.Module:
-    """``module`` under FSDP2 on ``mesh``: each direct child holding parameters, then the root."""
-    for child in module.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child, mesh=mesh)
+    """``module`` under FSDP2 on ``mesh``, then its root: a transformer's blocks (the entries of its
+    ``ModuleList``s; the embeddings stay with the root, where a tied output head uses them), or
+    else each child holding parameters."""
+    blocks = [block for child in module.modules() if isinstance(child, nn.ModuleList) for block in child]
+    for part in blocks or [child for child in module.children() if any(True for _ in child.parameters())]:
+        fully_shard(part, mesh=mesh)
     fully_shard(module, mesh=mesh)
     return module
 
