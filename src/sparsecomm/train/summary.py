@@ -8,10 +8,10 @@ from typing import Any
 from sparsecomm.train.baselines import BASELINES
 from sparsecomm.train.sharded import SHARDED_BASELINES
 
-ROW_START_S = 9.5
+ROW_START_S = 2.6
 """seconds a row costs beyond its steps — starting the workers, building the model and the reducer,
-evaluating — on 2 CPU cores (the default gpt job: its wall time less its rows' training times and
-the link probe, per row)"""
+evaluating — on 2 CPU cores (the default digits job: its wall time less its rows' training times,
+per row)"""
 
 DENSE_ROWS = ("dense", "torch-allreduce")
 """rows that send every gradient in fp32: the estimate gives them the link's time per step"""
