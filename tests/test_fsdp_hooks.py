@@ -74,6 +74,18 @@ def hybrid(rank: int, world: int, spec: str, tmp: str) -> dict:
         compression.load_state_dict({**saved, "mesh": [4, 1]})
     compression.close()
     fresh.close()
+
+    # a NaN on one rank in one shard's rows reaches one group across nodes: every rank raises
+    broken = sharded(mesh["node"])
+    failing = sc.register_fsdp_hooks(broken, spec, mesh)
+
+    def poison(module, inputs, output):  # the first unit's gradient, on rank 3: row 0 of the first layer
+        if rank == 3:
+            output.register_hook(lambda grad: grad.index_fill(1, torch.tensor([0]), float("nan")))
+
+    broken[0].register_forward_hook(poison)
+    with pytest.raises(sc.SparseCommError, match="non-finite|another rank of this node"):
+        broken(batch(rank, 9)).square().mean().backward()
     return {"ratio": compression.stats.compression_ratio}
 
 

@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from sparsecomm.errors import SparseCommError
 from sparsecomm.pipeline import Segment
 from sparsecomm.presets import resolve
-from sparsecomm.reducer.across_nodes import AcrossNodes
+from sparsecomm.reducer.across_nodes import AcrossNodes, failed_in_node
 from sparsecomm.reducer.config import DENSE_BELOW
 from sparsecomm.reducer.rank_state import RankState
 from sparsecomm.reducer.reducer import GradientReducer
@@ -98,7 +98,15 @@ class FSDPCompression(AcrossNodes):
                                       f"shards hold {numel}: a sharding this hook does not know")
             if name in self._reported:  # a step that did not reach every module: it ends here
                 self.finish_step()
-            shard.copy_(self.across.reduce(name, shard, segments))
+            averaged, error = shard, None
+            try:
+                averaged = self.across.reduce(name, shard, segments)
+            except SparseCommError as err:
+                error = err
+            if failed_in_node(error is not None, self.mesh[NODE].get_group()):
+                raise error or SparseCommError(f"another rank of this node failed to reduce FSDP module {name!r} "
+                                               "between nodes (its error says why)")
+            shard.copy_(averaged)
             self._reported.add(name)
             if len(self._reported) == len(self.modules):
                 self.finish_step()

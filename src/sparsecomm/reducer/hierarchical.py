@@ -25,7 +25,7 @@ from torch import nn
 
 from sparsecomm.errors import SparseCommError
 from sparsecomm.pipeline import Segment
-from sparsecomm.reducer.across_nodes import AcrossNodes
+from sparsecomm.reducer.across_nodes import AcrossNodes, failed_in_node
 from sparsecomm.reducer.buckets import BucketLayouts
 from sparsecomm.reducer.completion import result_future
 from sparsecomm.reducer.config import DENSE_BELOW
@@ -34,7 +34,7 @@ from sparsecomm.reducer.reducer import GradientReducer
 from sparsecomm.reducer.topology import NodeGroups, Topology
 from sparsecomm.spec import PipelineSpec
 from sparsecomm.transport.agreement import agree
-from sparsecomm.transport.collectives import all_gather_single, fingerprint, on_wire, reduce_scatter_single, wire_device
+from sparsecomm.transport.collectives import all_gather_single, fingerprint, reduce_scatter_single
 from sparsecomm.transport.request import Request
 
 FORMAT = 1
@@ -199,7 +199,7 @@ class HierarchicalReducer(AcrossNodes):
         except Exception as err:  # noqa: BLE001 - every rank of the node raises it, below
             error = err
         local_size = self.groups.topology.local_size
-        if local_size > 1 and self._failed_in_node(error is not None) and error is None:
+        if local_size > 1 and failed_in_node(error is not None, self.groups.node_group) and error is None:
             error = SparseCommError("another rank of this node failed its reduction between nodes (its error says "
                                     "why): no rank of the node puts this step's shards back together")
         if error is not None:
@@ -219,13 +219,6 @@ class HierarchicalReducer(AcrossNodes):
                 if self.average:
                     total = total.div_(local_size)
             call.result.set_result(call.finish(total))
-
-    def _failed_in_node(self, failed: bool) -> bool:
-        """Whether any rank of this node failed (each shard's ranks across nodes fail together, but
-        not with the node's other shards): then no rank of the node waits in the all-gather."""
-        flag = on_wire(torch.tensor([int(failed)], dtype=torch.int32), wire_device(self.groups.node_group))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.node_group)
-        return bool(flag.item())
 
     # -- lifetime and checkpoints -----------------------------------------------------------------
     def close(self) -> None:
