@@ -77,7 +77,7 @@ def hybrid(rank: int, world: int, spec: str, tmp: str) -> dict:
 
     # a NaN on one rank in one shard's rows reaches one group across nodes: every rank raises
     broken = sharded(mesh["node"])
-    failing = sc.register_fsdp_hooks(broken, spec, mesh)
+    sc.register_fsdp_hooks(broken, spec, mesh)
 
     def poison(module, inputs, output):  # the first unit's gradient, on rank 3: row 0 of the first layer
         if rank == 3:

@@ -72,7 +72,7 @@ class FSDPCompression(AcrossNodes):
         ```
     """
 
-    def __init__(self, modules: dict[str, tuple[FSDPModule, list[tuple[str, nn.Parameter]]]],
+    def __init__(self, model: nn.Module, modules: dict[str, tuple[FSDPModule, list[tuple[str, nn.Parameter]]]],
                  spec: str | PipelineSpec, mesh: DeviceMesh, seed: int = 0, nonfinite: str = "raise",
                  dense_below: int = DENSE_BELOW) -> None:
         if mesh.ndim != 2 or mesh.mesh_dim_names != (ACROSS, NODE):
@@ -80,8 +80,8 @@ class FSDPCompression(AcrossNodes):
                                   f"(Topology.device_mesh), not {mesh.mesh_dim_names}")
         self.mesh = mesh
         self.across = GradientReducer(spec, group=mesh[ACROSS].get_group(), seed=seed, nonfinite=nonfinite,
-                                      dense_below=dense_below)
-        """averages each shard over the nodes"""
+                                      dense_below=dense_below, model=model)
+        """averages each shard over the nodes (the model's forward starts ``adaptive``'s clock)"""
         self.modules = sorted(name or "<root>" for name in modules)
         self._reported: set[str] = set()
         shards = mesh[NODE].size()
@@ -232,4 +232,4 @@ def register_fsdp_hooks(model: nn.Module, spec_or_preset: str | PipelineSpec, me
 
         return FlatFSDPCompression({name or "<root>": module for name, (module, _) in modules.items()},
                                    resolve(spec_or_preset))
-    return FSDPCompression(modules, spec_or_preset, mesh, seed, nonfinite, dense_below)
+    return FSDPCompression(model, modules, spec_or_preset, mesh, seed, nonfinite, dense_below)
