@@ -34,7 +34,7 @@ from sparsecomm.pipeline import Segment
 from sparsecomm.presets import resolve
 from sparsecomm.reducer.across_nodes import AcrossNodes, failed_in_node
 from sparsecomm.reducer.config import DENSE_BELOW
-from sparsecomm.reducer.rank_state import RankState
+from sparsecomm.reducer.rank_state import CheckpointsPerRank
 from sparsecomm.reducer.reducer import GradientReducer
 from sparsecomm.reducer.topology import ACROSS, NODE
 from sparsecomm.spec import PipelineSpec
@@ -48,7 +48,7 @@ FORMAT = 1
 """the format of `FSDPCompression.state_dict`"""
 
 
-class FSDPCompression(AcrossNodes):
+class FSDPCompression(AcrossNodes, CheckpointsPerRank):
     """The hooks `register_fsdp_hooks` set on every FSDP module of a model, and the reducer they
     share: its ``stats`` (what crossed between nodes), ``state_dict`` / ``load_state_dict`` (each
     rank's own) and ``close``.
@@ -127,11 +127,6 @@ class FSDPCompression(AcrossNodes):
         """This rank's state (format `FORMAT`): each module's shard state across nodes, by module name."""
         return {"format": FORMAT, "mesh": list(self.mesh.shape), "modules": list(self.modules),
                 "across": self.across.state_dict()}
-
-    def for_checkpoint(self) -> RankState:
-        """This rank's state for ``torch.distributed.checkpoint``: put it in the state dict that
-        ``dcp.save`` and ``dcp.load`` take, next to the model's (`RankState`)."""
-        return RankState(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned on this rank.

@@ -41,3 +41,12 @@ class RankState:
         blob = state[self._key()]
         blob.seek(0)
         self.owner.load_state_dict(torch.load(blob, weights_only=True))
+
+
+class CheckpointsPerRank:
+    """``for_checkpoint()``, for an owner of per-rank state (``state_dict`` / ``load_state_dict``)."""
+
+    def for_checkpoint(self: HasState) -> RankState:
+        """This rank's state for ``torch.distributed.checkpoint``: put it in the state dict that
+        ``dcp.save`` and ``dcp.load`` take, next to the model's (`RankState`)."""
+        return RankState(self)

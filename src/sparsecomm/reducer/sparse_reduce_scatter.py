@@ -22,7 +22,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # set_c
 from sparsecomm.encode.value.floats import FloatValues
 from sparsecomm.errors import SparseCommError
 from sparsecomm.feedback.residual import Residual
-from sparsecomm.reducer.rank_state import RankState
+from sparsecomm.reducer.rank_state import CheckpointsPerRank
 from sparsecomm.reducer.stats import ReducerStats, TensorStats
 from sparsecomm.sparsify.topk import TopK
 from sparsecomm.spec import PipelineSpec, format_spec
@@ -72,7 +72,7 @@ class SparseReduceScatter(ReduceScatter):
         return None
 
 
-class FlatFSDPCompression:
+class FlatFSDPCompression(CheckpointsPerRank):
     """A `SparseReduceScatter` on every FSDP module of a model that holds parameters, by module name:
     their ``stats`` and their error feedback (``state_dict``, each rank's own). Built by
     `register_fsdp_hooks` over a flat mesh.
@@ -129,11 +129,6 @@ class FlatFSDPCompression:
         self.finish_step()
         return {"format": FORMAT, "world_size": self.world_size, "steps": self.stats.steps,
                 "residuals": {name: comm.residual for name, comm in self.comms.items()}}
-
-    def for_checkpoint(self) -> RankState:
-        """This rank's state for ``torch.distributed.checkpoint``: put it in the state dict that
-        ``dcp.save`` and ``dcp.load`` take, next to the model's (`RankState`)."""
-        return RankState(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned on this rank.
