@@ -84,9 +84,9 @@ class FSDPCompression(AcrossNodes, CheckpointsPerRank):
         """averages each shard over the nodes (the model's forward starts ``adaptive``'s clock)"""
         self.modules = sorted(name or "<root>" for name in modules)
         self._reported: set[str] = set()
-        shards = mesh[NODE].size()
+        self._node_ranks = mesh[NODE].size()
         for name, (module, parameters) in modules.items():
-            segments = _segments(parameters, shards, self.across.config.sends_whole)
+            segments = _segments(parameters, self._node_ranks, self.across.config.sends_whole)
             module.set_all_reduce_hook(self._hook_for(name or "<root>", segments))
 
     def _hook_for(self, name: str, segments: tuple[Segment, ...]) -> Any:
@@ -103,7 +103,10 @@ class FSDPCompression(AcrossNodes, CheckpointsPerRank):
                 averaged = self.across.reduce(name, shard, segments)
             except SparseCommError as err:
                 error = err
-            if failed_in_node(error is not None, self.mesh[NODE].get_group()):
+            failed = error is not None
+            if self._node_ranks > 1:  # a node's shards fail apart: its ranks raise together
+                failed = failed_in_node(failed, self.mesh[NODE].get_group())
+            if failed:
                 raise error or SparseCommError(f"another rank of this node failed to reduce FSDP module {name!r} "
                                                "between nodes (its error says why)")
             shard.copy_(averaged)

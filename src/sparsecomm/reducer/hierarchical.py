@@ -30,7 +30,7 @@ from sparsecomm.reducer.buckets import BucketLayouts
 from sparsecomm.reducer.completion import result_future
 from sparsecomm.reducer.config import DENSE_BELOW
 from sparsecomm.reducer.node_shards import NodeShards
-from sparsecomm.reducer.reducer import GradientReducer
+from sparsecomm.reducer.reducer import GradientReducer, by_name
 from sparsecomm.reducer.topology import NodeGroups, Topology
 from sparsecomm.spec import PipelineSpec
 from sparsecomm.transport.agreement import agree
@@ -45,7 +45,8 @@ FORMAT = 1
 class _Shard:
     """One call between its reduce-scatter and its all-gather."""
 
-    shards: NodeShards
+    shards: NodeShards | None
+    """how the node splits the buffer (None: a node of one rank)"""
     buffer: torch.Tensor
     """this rank's shard, summed over its node (padded to the shard size)"""
     across: torch.futures.Future[torch.Tensor]
@@ -138,10 +139,8 @@ class HierarchicalReducer(AcrossNodes):
                 is sparse or of another dtype or device than the first, or non-finite under
                 ``nonfinite="raise"`` — on every rank.
         """
-        named = sorted(named_gradients, key=lambda item: item[0])
+        named = by_name(named_gradients)
         names = [name for name, _ in named]
-        if len(set(names)) != len(names):
-            raise SparseCommError(f"gradient names repeat: {sorted({n for n in names if names.count(n) > 1})}")
         if not named:
             raise SparseCommError("allreduce_ needs at least one gradient")
         first = named[0][1]
@@ -167,18 +166,17 @@ class HierarchicalReducer(AcrossNodes):
               finish: Callable[[torch.Tensor], torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
         """Reduce-scatter ``flat`` inside the node now, and post this rank's shard across nodes."""
         local_size, local_rank = self.groups.topology.local_size, self.groups.local_rank
-        shards = self._shards.get((key, flat.numel()))
-        if shards is None:
-            shards = self._shards[key, flat.numel()] = NodeShards.of(segments, flat.numel(), local_size, flat.device)
-        if local_size == 1:
-            buffer = flat
+        shards: NodeShards | None = None
+        if local_size == 1:  # the shard is the whole buffer
+            buffer, owned, mine = flat, flat, segments
         else:
+            shards = self._shards.get((key, flat.numel()))
+            if shards is None:
+                shards = self._shards[key, flat.numel()] = NodeShards.of(segments, flat.numel(), local_size,
+                                                                         flat.device)
             buffer = flat.new_empty(shards.shard_numel)
             reduce_scatter_single(buffer, shards.to_shards(flat), group=self.groups.node_group)
             self.node_bytes += (local_size - 1) * shards.shard_numel * flat.element_size()
-        if local_size == 1:
-            owned, mine = flat, segments
-        else:
             owned, mine = buffer[:shards.owned_numel(local_rank)], shards.owned[local_rank]
         across = self.across.reduce_flat_async(key, owned, mine, stats_key, last)
         result = result_future(flat)
@@ -208,7 +206,7 @@ class HierarchicalReducer(AcrossNodes):
             raise error
         for call in open_calls:
             averaged = call.across.wait()
-            if local_size == 1:
+            if call.shards is None:
                 total = averaged
             else:
                 call.buffer[:averaged.numel()].copy_(averaged)

@@ -30,6 +30,10 @@ class NodeShards:
     index: torch.Tensor
     """for each element of the ``local_size`` shards laid end to end, where it is in the buffer
     (``numel``: padding)"""
+    gathered: torch.Tensor
+    """``index`` with the padding pointing at the buffer's first element (zeroed after the gather)"""
+    padding: torch.Tensor
+    """where the padding sits in the shards laid end to end"""
 
     @classmethod
     def of(cls, segments: tuple[Segment, ...], numel: int, local_size: int, device: torch.device) -> NodeShards:
@@ -52,15 +56,17 @@ class NodeShards:
         for local, parts in enumerate(positions):
             if parts:
                 index[local, :filled[local]] = torch.cat(parts)
-        return cls(numel, shard_numel, tuple(map(tuple, owned)), index.view(-1).to(device))
+        index = index.view(-1)
+        padding = index == numel
+        return cls(numel, shard_numel, tuple(map(tuple, owned)), index.to(device),
+                   index.masked_fill(padding, 0).to(device), padding.nonzero().view(-1).to(device))
 
     def owned_numel(self, local_rank: int) -> int:
         return sum(segment.numel for segment in self.owned[local_rank])
 
     def to_shards(self, buffer: torch.Tensor) -> torch.Tensor:
         """``buffer`` as ``local_size`` shards end to end (padding zero): a reduce-scatter's input."""
-        padded = torch.cat((buffer.reshape(-1), buffer.new_zeros(1)))
-        return padded.index_select(0, self.index)
+        return buffer.reshape(-1).index_select(0, self.gathered).index_fill_(0, self.padding, 0)
 
     def from_shards(self, shards: torch.Tensor) -> torch.Tensor:
         """The buffer the ``local_size`` shards (an all-gather's output) hold."""

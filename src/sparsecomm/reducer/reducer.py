@@ -227,10 +227,8 @@ class GradientReducer:
         """
         if not self.started:
             self._start()
-        named = sorted(named_gradients, key=lambda item: item[0])
+        named = by_name(named_gradients)
         names = [name for name, _ in named]
-        if len(set(names)) != len(names):
-            raise SparseCommError(f"gradient names repeat: {sorted({n for n in names if names.count(n) > 1})}")
         agree(self.group, Request(key="gradients " + ", ".join(names), call=self.stats.steps), len(names), 0)
         pending = [(tensor, self._submit(name, tensor, last=i == len(named) - 1))
                    for i, (name, tensor) in enumerate(named)]
@@ -418,6 +416,18 @@ class GradientReducer:
         self.buckets.load_state_dict(state["bucket_orders"])
         if self.adaptive is not None and state["adaptive"] is not None:
             self.adaptive.load_state_dict(state["adaptive"])
+
+
+def by_name(named_gradients: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """A step's (name, gradient) pairs sorted by name, the order every rank reduces them in.
+
+    Raises:
+        SparseCommError: a name repeats."""
+    named = sorted(named_gradients, key=lambda item: item[0])
+    names = [name for name, _ in named]
+    if len(set(names)) != len(names):
+        raise SparseCommError(f"gradient names repeat: {sorted({n for n in names if names.count(n) > 1})}")
+    return named
 
 
 def _default_group() -> dist.ProcessGroup:

@@ -155,6 +155,8 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
     device = worker_device(device_name, rank)
     compute_per_step = compute_seconds_per_step(task, batch, seed, device=device, rule=rule)
     model, reducer, meter = _wrapped(row, task.model(seed).to(device), world, nodes, seed)
+    counted = meter if meter is not None else reducer.stats if reducer is not None else None
+    assert counted is not None, "every row counts its bytes: a meter or a reducer's stats"
     optimizer, suited = rule.build(model, reducer)  # one update rule for every row
     losses, cumulative_bytes, elapsed = [], [], []
     on_link = nodes > 1 and steps > 1 and bytes_sent_here() is not None  # the link between nodes: count it
@@ -173,7 +175,7 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
         losses.append(float(loss.detach()))
         if meter is not None:
             meter.step()
-        cumulative_bytes.append(meter.bytes_sent if meter is not None else reducer.stats.bytes_sent)  # type: ignore[union-attr]
+        cumulative_bytes.append(counted.bytes_sent)
         elapsed.append(time.perf_counter() - start)
     wall_s = time.perf_counter() - start
     link_bytes = None
