@@ -157,12 +157,15 @@ def test_dgc_dense_steps_send_the_gradient_itself_and_apply_sgds_momentum_to_the
         assert torch.allclose(before - parameter.detach(), updates[0], rtol=1e-5, atol=1e-5), f"step {step}"
 
 
+@pytest.mark.parametrize("shaped", [False, True], ids=["flat", "shaped"])
 @pytest.mark.parametrize("feedback", MOMENTA, ids=lambda f: f.to_spec())
-def test_dgc_momentum_delivers_every_gradient_in_full_across_switches_between_sparse_and_dense(feedback):
+def test_dgc_momentum_delivers_every_gradient_in_full_across_switches_between_sparse_and_dense(feedback, shaped):
     """SGD's momentum delivers a gradient g over all later steps as g/(1−m) in total. Sparse steps
     (each rank's own momentum and residual) and exact dense steps (the common momentum, which takes
     over what the ranks held at the switch) in turn, then zero gradients until the momentum has
-    died out: what every step applied adds up to the gradients fed in, over (1−m)."""
+    died out: what every step applied adds up to the gradients fed in, over (1−m). ``shaped``:
+    sparse steps see the tensor in its shape (a custom loop's), dense steps flat (a flush) — one
+    state for both."""
     ranks, numel = 2, 3000
     states = [{} for _ in range(ranks)]
     fed, delivered = torch.zeros(numel, dtype=torch.float64), torch.zeros(numel, dtype=torch.float64)
@@ -177,12 +180,30 @@ def test_dgc_momentum_delivers_every_gradient_in_full_across_switches_between_sp
             continue
         sent = torch.zeros(numel)
         for grad, state in zip(grads, states, strict=True):
-            accumulated = feedback.accumulate(grad, state)
+            accumulated = feedback.accumulate(grad.view(60, 50) if shaped else grad, state)
             selection = sc.SPARSIFIERS.create("topk", {"k": 150}).sparsify(accumulated)
             feedback.update(accumulated, selection, state)
             sent += selection.to_dense().reshape(-1) / ranks
         delivered += sent.double()
     assert torch.allclose(delivered, fed / (1 - feedback.momentum), rtol=1e-4, atol=1e-4)
+
+
+def test_a_residual_held_by_sparse_steps_in_the_tensors_shape_goes_with_a_flat_dense_step():
+    """A custom loop's sparse step keeps the residual in the tensor's shape; the dense step's flush
+    sees the tensor flat. It must send what was held, not start a new residual."""
+    feedback, state = Residual(), {}
+    fed, delivered = torch.zeros(3000), torch.zeros(3000)
+    for step in range(3):
+        grad = laplace(3000, seed=step)
+        fed += grad
+        accumulated = feedback.accumulate(grad.view(60, 50), state)
+        selection = sc.SPARSIFIERS.create("topk", {"k": 100}).sparsify(accumulated)
+        feedback.update(accumulated, selection, state)
+        delivered += selection.to_dense().reshape(-1)
+    out = torch.empty(3000)
+    feedback.flush(torch.zeros(3000), state, out)
+    assert torch.allclose(delivered + out, fed, atol=1e-5)  # everything held went with the dense step
+    assert float(state["residual"].abs().max()) == 0.0
 
 
 def test_a_dense_step_that_fails_before_its_sum_arrives_changes_no_momentum():

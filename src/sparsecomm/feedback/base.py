@@ -76,6 +76,27 @@ class Feedback(Component):
                 tensor.copy_(updated)
 
 
+def held(state: dict[str, Any], name: str, like: torch.Tensor) -> torch.Tensor:
+    """The state's buffer ``name`` in ``like``'s shape, made (zeros) where it holds none of ``like``'s
+    size, dtype and device. A view of the one buffer a tensor keeps, whichever route last made
+    it: a tensor in its own shape (a custom loop's sparse step) or a flat slice (a bucket, a
+    dense step's flush) — a route must never find another's state of another shape and start
+    over."""
+    if not holds(state, name, like):
+        state[name] = torch.zeros_like(like, memory_format=torch.contiguous_format)
+    elif not state[name].is_contiguous():
+        state[name] = state[name].contiguous()
+    buffer: torch.Tensor = state[name]
+    return buffer.view(like.shape)
+
+
+def holds(state: dict[str, Any], name: str, like: torch.Tensor) -> bool:
+    """Whether the state keeps a buffer ``name`` of ``like``'s size, dtype and device (`held`)."""
+    buffer = state.get(name)
+    return (isinstance(buffer, torch.Tensor) and buffer.numel() == like.numel() and buffer.dtype == like.dtype
+            and buffer.device == like.device)
+
+
 def flush_into(whole: torch.Tensor, out: torch.Tensor, scale: float) -> bool:
     """Write ``whole`` (a feedback's accumulator) times ``scale`` into ``out`` and leave in ``whole``
     what ``out`` lost, in ``whole``'s units; return whether that is nothing (same dtype, no scaling:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from sparsecomm.errors import SparseCommError
-from sparsecomm.feedback.base import FEEDBACKS, Feedback, subtract_sent
+from sparsecomm.feedback.base import FEEDBACKS, Feedback, held, holds, subtract_sent
 from sparsecomm.host_memory import clear_
 from sparsecomm.sparse_gradient import SparseGradient
 
@@ -64,7 +64,7 @@ class DGCMomentum(Feedback):
         state["averaged"] = False  # the common buffer B, if it was one, is this rank's own b from here on
         grad = self._clipped(grad, state)
         torch.add(grad, buffer, alpha=self.momentum, out=buffer)
-        accumulated = state["accumulated"]
+        accumulated = held(state, "accumulated", grad)
         if self.nesterov:  # v + g + m·b
             accumulated.add_(grad).add_(buffer, alpha=self.momentum)
         else:
@@ -162,18 +162,16 @@ class DGCMomentum(Feedback):
 
 def momentum_buffer(state: dict[str, Any], like: torch.Tensor, momentum: float, nesterov: bool,
                     accumulator: bool = True) -> torch.Tensor:
-    """The state's momentum buffer b (and, with ``accumulator``, its v), zeros of ``like``'s shape
-    and dtype when missing or of another shape. A state that holds u as ``"momentum"`` instead is
+    """The state's momentum buffer b (and, with ``accumulator``, its v) in ``like``'s shape, zeros
+    where it holds none of ``like``'s size (`held`). A state that holds u as ``"momentum"`` instead is
     converted: plain momentum's u is b, Nesterov's is m·b."""
     saved = state.pop("momentum", None)
     if saved is not None and "momentum_buffer" not in state:
         state["momentum_buffer"] = saved / momentum if nesterov and momentum > 0 else saved
-    buffer: torch.Tensor | None = state.get("momentum_buffer")
-    accumulated = state.get("accumulated")
-    if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
-        buffer = state["momentum_buffer"] = torch.zeros_like(like)
-        if accumulator:  # nothing held: zeros serve as the ranks' common buffer as well
-            state["accumulated"], state["averaged"] = torch.zeros_like(like), True
-    elif accumulator and (accumulated is None or accumulated.shape != like.shape or accumulated.dtype != like.dtype):
-        state["accumulated"] = torch.zeros_like(like)
+    if accumulator and not holds(state, "momentum_buffer", like):
+        state.pop("accumulated", None)
+        state["averaged"] = True  # nothing held: zeros serve as the ranks' common buffer as well
+    buffer = held(state, "momentum_buffer", like)
+    if accumulator:
+        held(state, "accumulated", like)
     return buffer

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from sparsecomm.feedback.base import FEEDBACKS, Feedback, flush_into, subtract_sent
+from sparsecomm.feedback.base import FEEDBACKS, Feedback, flush_into, held, subtract_sent
 from sparsecomm.sparse_gradient import SparseGradient
 
 
@@ -22,12 +22,7 @@ from sparsecomm.sparse_gradient import SparseGradient
 @dataclass(frozen=True)
 class Residual(Feedback):
     def accumulate(self, grad: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
-        residual = state.get("residual")
-        if residual is None or residual.shape != grad.shape or residual.dtype != grad.dtype:
-            residual = torch.zeros_like(grad)
-            state["residual"] = residual
-        residual.add_(grad)
-        return residual
+        return held(state, "residual", grad).add_(grad)
 
     def update(self, accumulated: torch.Tensor, sent: SparseGradient, state: dict[str, Any]) -> None:
         subtract_sent(accumulated, sent)
@@ -37,18 +32,18 @@ class Residual(Feedback):
                          scale: float = 1.0) -> bool:
         """While the residual is known to be zero, an exact flush sends the gradient alone."""
         residual = state.get("residual")
-        return (bool(state.get("clear")) and residual is not None and residual.shape == grad.shape
+        return (bool(state.get("clear")) and residual is not None and residual.numel() == grad.numel()
                 and scale == 1.0 and wire_dtype == grad.dtype)
 
     def flush(self, grad: torch.Tensor, state: dict[str, Any], out: torch.Tensor, scale: float = 1.0) -> None:
         """grad + residual into ``out``; the residual keeps what ``out`` lost (`Feedback.flush`,
         without indices; while the residual is known to be zero, grad goes straight to ``out``)."""
         residual = state.get("residual")
-        if state.get("clear") and residual is not None and residual.shape == grad.shape:
+        if state.get("clear") and residual is not None and residual.numel() == grad.numel():
             if scale == 1.0 and out.dtype == grad.dtype:
                 out.copy_(grad.reshape(-1))
                 return
-            residual.copy_(grad)
+            residual = held(state, "residual", grad).copy_(grad)
         else:
             residual = self.accumulate(grad, state)
         state["clear"] = flush_into(residual, out, scale)
