@@ -1,7 +1,9 @@
 """``sparsecomm train``: every preset next to dense on a real workload, with a table, JSON and a plot."""
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -226,6 +228,62 @@ def test_train_runs_on_the_ranks_of_a_torchrun_job(tmp_path):
     assert result["launcher"] == "torchrun" and result["workers"] == 2
     assert [row["preset"] for row in result["rows"]] == ["dense", "dgc"]
     assert all(row["ranks_identical"] for row in result["rows"])
+
+
+def test_a_torchrun_job_of_two_nodes_trains_hierarchically_over_the_link_between_them(tmp_path):
+    """Two nodes, each a network namespace running torchrun with 2 processes; the rendezvous and
+    every byte between the nodes go over the shaped link. The job's layout comes from torchrun's
+    environment: each preset runs flat, hierarchically and under FSDP2, and the link counts what
+    crossed it."""
+    from sparsecomm.netns import INTERFACE, ShapedNetwork
+
+    if not ShapedNetwork.available()[0]:
+        pytest.skip("this machine cannot shape a link")
+    out = tmp_path / "nodes.json"
+    environment = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE")}
+    environment["GLOO_SOCKET_IFNAME"] = INTERFACE  # as a cluster names its inter-node interface
+    with ShapedNetwork(2, "100mbit") as network:
+        def command(node: int) -> list[str]:
+            # the nodes share one hostname: each names its own address, and node 0 hosts the rendezvous
+            return ["ip", "netns", "exec", network.namespaces[node], sys.executable, "-m", "torch.distributed.run",
+                    "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                    f"{network.address(0)}:29400", "--rdzv-id", "nodes", "--rdzv-conf", f"is_host={node == 0}",
+                    "--local-addr", network.address(node),
+                    "-m", "sparsecomm.cli.main", "train", "--steps", "12", "--presets", "dgc", "--baselines", "none",
+                    "--json", str(out), "--plot", str(tmp_path / "nodes.png")]
+
+        nodes = [subprocess.Popen(command(node), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=environment, cwd=tmp_path, start_new_session=True) for node in range(2)]
+        try:
+            finished = [node.communicate(timeout=300) for node in nodes]
+        finally:  # a hung job must not outlive its network: torchrun and its workers go
+            for node in nodes:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(node.pid, signal.SIGKILL)
+    for node, (_, err) in zip(nodes, finished, strict=True):
+        assert node.returncode == 0, err[-3000:]
+    result = json.loads(out.read_text())
+    assert result["launcher"] == "torchrun" and result["workers"] == 4
+    rows = {row["preset"]: row for row in result["rows"]}
+    assert list(rows) == ["dense", "hier:dense", "fsdp:dense", "dgc", "hier:dgc", "fsdp:dgc"]
+    assert all(row["ranks_identical"] for row in rows.values())
+    crossed = {name: row["link_bytes_per_step"] for name, row in rows.items()}
+    assert 0 < crossed["hier:dgc"] < crossed["dgc"] < 0.1 * crossed["dense"]
+    assert crossed["hier:dense"] < 0.8 * crossed["dense"]
+
+
+def test_a_torchrun_jobs_layout_is_its_own(monkeypatch):
+    from sparsecomm.errors import SparseCommError
+    from sparsecomm.train.runner import job_layout
+
+    for name, value in {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "RANK": "5", "GROUP_RANK": "1",
+                        "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    assert job_layout(None, None) == (8, 2) and job_layout(8, 2) == (8, 2)
+    with pytest.raises(SparseCommError, match="--nodes 4: this torchrun job has 2"):
+        job_layout(None, 4)
+    with pytest.raises(SparseCommError, match="--workers 2: this torchrun job has 8"):
+        job_layout(2, None)
 
 
 def test_the_deterministic_optimizer_step_restores_the_callers_setting():

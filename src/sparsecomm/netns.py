@@ -100,8 +100,8 @@ class ShapedNetwork:
             _ip("netns", "add", namespace)
             _ip("link", "add", INTERFACE, "netns", namespace, "type", "veth", "peer", "name", port,
                 "netns", self.hub)
-            subprocess.run([*inside, "ip", "addr", "add", f"10.213.{rank // 250}.{rank % 250 + 1}/16", "dev",
-                            INTERFACE], check=True, capture_output=True)
+            subprocess.run([*inside, "ip", "addr", "add", f"{self.address(rank)}/16", "dev", INTERFACE], check=True,
+                           capture_output=True)
             for command in (["ip", "link", "set", INTERFACE, "up"], ["ip", "link", "set", "lo", "up"]):
                 subprocess.run([*inside, *command], check=True, capture_output=True)
             subprocess.run([*hub, "ip", "link", "set", port, "master", "br0"], check=True, capture_output=True)
@@ -110,6 +110,11 @@ class ShapedNetwork:
                      "latency", self.latency]
             subprocess.run([*inside, *[a.replace("{}", INTERFACE) for a in shape]], check=True, capture_output=True)
             subprocess.run([*hub, *[a.replace("{}", port) for a in shape]], check=True, capture_output=True)
+
+    @staticmethod
+    def address(index: int) -> str:
+        """The IPv4 address of namespace ``index`` on the link (what a rendezvous endpoint names)."""
+        return f"10.213.{index // 250}.{index % 250 + 1}"
 
     def ranks_on_nodes(self, ranks: int) -> list[str]:
         """The namespace of each of ``ranks`` ranks laid out on the network's namespaces as nodes

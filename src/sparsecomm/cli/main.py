@@ -136,8 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "its DDP hooks, and FSDP2's rows with --nodes) or 'none'")
     train.add_argument("--workers", type=_positive_int, default=None,
                        help="local workers (default: min(4, CPU cores))")
-    train.add_argument("--nodes", type=_positive_int, default=1,
-                       help="lay the workers out on this many nodes (default 1): with --shaped, each node a network "
+    train.add_argument("--nodes", type=_positive_int, default=None,
+                       help="lay the workers out on this many nodes (default 1; in a torchrun job, the job's "
+                            "nodes): with --shaped, each node a network "
                             "namespace whose ranks share its loopback, the nodes joined by the shaped link; every "
                             "preset also runs hierarchically under DDP (row hier:PRESET: dense inside each node, the "
                             "preset between nodes) and FSDP2 (fsdp:PRESET), next to FSDP2's own rows, and each row "
@@ -393,6 +394,10 @@ def _train(args: argparse.Namespace) -> int:
     presets = _specs(args.presets) if args.presets else list(task.default_presets or available_presets())
     if "dense" not in presets:
         presets = ["dense", *presets]
+    in_job = runner.launched_by_torchrun()
+    if in_job:
+        args.workers, args.nodes = runner.job_layout(args.workers, args.nodes)
+    args.nodes = args.nodes or 1
     if args.nodes > 1:  # each preset flat, hierarchical and under FSDP2, side by side
         presets = [row for preset in presets for row in (preset, runner.HIERARCHICAL + preset, FSDP + preset)]
     presets = [*(name for name in _baselines(args.baselines, args.nodes) if name not in presets), *presets]
@@ -400,7 +405,6 @@ def _train(args: argparse.Namespace) -> int:
     if args.workers % args.nodes:
         raise SparseCommError(f"--workers {args.workers} do not fill --nodes {args.nodes} of equal size")
     runner.check_device(args.device)
-    in_job = runner.launched_by_torchrun()
     shaped = None if args.shaped == "none" else args.shaped
     if in_job and shaped and args.shaped != "auto":
         raise SparseCommError("--shaped starts its own local workers; inside a torchrun job the job's network is used")

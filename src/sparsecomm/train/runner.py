@@ -366,6 +366,21 @@ def launched_by_torchrun() -> bool:
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
+def job_layout(workers: int | None, nodes: int | None) -> tuple[int, int]:
+    """(ranks, nodes) of this torchrun job, from its environment (``WORLD_SIZE``, and
+    ``LOCAL_WORLD_SIZE`` ranks per node).
+
+    Raises:
+        SparseCommError: ``workers`` or ``nodes`` given and not the job's.
+    """
+    world = int(os.environ["WORLD_SIZE"])
+    in_job = Topology.from_env().nodes(world) if "LOCAL_WORLD_SIZE" in os.environ else 1
+    for flag, given, actual in (("--workers", workers, world), ("--nodes", nodes, in_job)):
+        if given is not None and given != actual:
+            raise SparseCommError(f"{flag} {given}: this torchrun job has {actual} (its ranks and nodes decide)")
+    return world, in_job
+
+
 def join_job() -> int:
     """Join the torchrun job's process group (gloo) if not joined yet; returns its world size."""
     if not dist.is_initialized():
