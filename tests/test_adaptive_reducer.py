@@ -178,7 +178,7 @@ def nonfinite_in_step_three(rank: int, world: int, spec: str) -> dict:
 def test_a_measured_budget_plans_alike_on_every_rank_through_several_buckets():
     runs = run_local(2, train, "adaptive", 24, 0.1)  # ~100 kB buckets: four of them
     assert runs[0]["modes"] == runs[1]["modes"] and runs[0]["digest"] == runs[1]["digest"]
-    assert runs[0]["modes"][0] == SPARSE  # the link was timed at start-up: the first step is the cheap one
+    assert runs[0]["modes"][:20] == [FP32] * 20  # DGC's warm-up: the first steps go whole
 
 
 def on_a_slow_link(rank: int, world: int, steps: int, device: str = "cpu") -> dict:
@@ -188,7 +188,8 @@ def on_a_slow_link(rank: int, world: int, steps: int, device: str = "cpu") -> di
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     model = DDP(mlp(0).to(device), bucket_cap_mb=0.1)
-    reducer = sc.register_ddp_hook(model, "adaptive")
+    reducer = sc.register_ddp_hook(model, "adaptive(dense_start=0)+dgc_momentum(nesterov=true,masking=false)+rice+"
+                                          "int8+allgather")  # the preset, sparse from the first step
     for probed in (reducer.adaptive.planner.costs.throughput, reducer.adaptive.planner.costs.fp16_throughput):
         probed.clear()
         probed.append(1e6)

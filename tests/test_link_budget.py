@@ -38,7 +38,8 @@ def report(compute=0.0, throughput=0.0, fp32=None, fp16=None, sparse=None, per_n
 
 
 def budget(**settings) -> Planner:
-    plan = Planner(Adaptive(**settings), world_size=2)
+    """A planner whose sparse steps may start at once (``dense_start=0`` unless told)."""
+    plan = Planner(Adaptive(**{"dense_start": 0, **settings}), world_size=2)
     plan.costs.total_numel = plan.costs.budget_numel = N
     return plan
 
@@ -60,6 +61,18 @@ def measured(plan: Planner, sparse: float, **first) -> Planner:
     for _ in range(COST_WINDOW):
         plan.observe(report(sparse=sparse))
     return plan
+
+
+def test_the_first_steps_are_dense_as_dgcs_warm_up_then_the_link_decides():
+    plan = Planner(Adaptive(dense_start=5), world_size=2)
+    plan.costs.total_numel = plan.costs.budget_numel = N
+    plan.costs.observe_link(12.5e6)  # a slow link, timed at start-up
+    slow = report(compute=0.002, throughput=12.5e6, fp32=0.3, per_nnz=2.0, magnitude=1.0)
+    modes = [next_plan(plan, slow if step else None).mode for step in range(10)]
+    assert modes[:5] == [FP32] * 5 and modes[5:] == [SPARSE] * 5
+    user = Planner(Adaptive(budget=1000, dense_start=5), world_size=2)
+    user.costs.total_numel = user.costs.budget_numel = N
+    assert next_plan(user).mode == SPARSE  # a user's byte budget holds from the first step
 
 
 def test_the_first_step_is_dense_and_so_is_every_probe_step():
@@ -99,7 +112,7 @@ def test_a_slow_link_explores_sparse_at_the_floor_then_sends_what_it_carries_whi
 
 
 def test_the_codecs_time_per_byte_shrinks_the_budget_to_what_link_and_codecs_carry_while_computing():
-    plan = Planner(Adaptive(), world_size=3)
+    plan = Planner(Adaptive(dense_start=0), world_size=3)
     plan.costs.total_numel = plan.costs.budget_numel = N
     next_plan(plan)
     # 10 MB/s (100 ns a byte on the wire), 2 ms of compute; 40 ns a byte to encode, 20 to decode:

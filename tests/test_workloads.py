@@ -96,6 +96,22 @@ def test_each_workload_has_its_own_update_rule_and_refuses_one_it_cannot_take():
         UpdateRule.of(digits, "lamb")
 
 
+def test_the_gpt_warms_its_learning_rate_up_then_decays_it_and_the_others_keep_it_constant():
+    model = torch.nn.Linear(4, 2)
+    rule = UpdateRule.of(workload("gpt"))
+    optimizer, _ = rule.build(model, None)
+    schedule = rule.schedule(optimizer, 100)
+    rates = []
+    for _ in range(100):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert rates[0] == pytest.approx(1e-4) and rates[9] == pytest.approx(1e-3)  # 10 steps of warm-up
+    assert rates[10:] == sorted(rates[10:], reverse=True) and rates[-1] == pytest.approx(1e-4, rel=0.01)
+    assert "warm-up over 10% of the steps" in rule.describe()
+    assert UpdateRule.of(workload("digits")).schedule(optimizer, 100) is None
+
+
 def test_sgd_leaves_the_momentum_to_a_pipeline_that_corrects_it_itself():
     model = torch.nn.Linear(4, 2)
     optimizer, _ = UpdateRule("sgd", 0.1).build(model, None)

@@ -151,8 +151,8 @@ class Planner:
     def plan(self) -> Plan:
         """This step's plan, from agreed numbers only (so every rank's is the same)."""
         sparsifier, costs = self.sparsifier, self.costs
-        if self.world_size == 1:
-            return Plan(Mode.FP32)
+        if self.world_size == 1 or (self.step < sparsifier.dense_start and not sparsifier.budget):
+            return Plan(Mode.FP32)  # a user's byte budget holds from the first step
         if self.step == 0 and costs.throughput and not sparsifier.budget:
             # the link probed at start-up, the compute not timed yet: sparse at the floor density,
             # cheap on any link, and a first sparse step warms the sparse path up

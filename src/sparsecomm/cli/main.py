@@ -173,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     scaling.add_argument("--check", nargs="*", default=[], metavar="TRAIN_JSON",
                          help="other runs of the same workload (another link or worker count) to hold the "
                               "projection against")
+    scaling.add_argument("--per-node", type=_positive_int, metavar="G",
+                         help="also project over nodes of G ranks each (a run on several nodes: only so, G=8 unless "
+                              "told): NVLink- or PCIe-class inside a node, the 1/10/100 Gbit/s network between "
+                              "nodes; each preset flat and hierarchical")
     scaling.add_argument("--json", metavar="PATH", help="write every projected point as JSON")
     scaling.add_argument("--plot", metavar="PATH", default="sparsecomm-scaling.png",
                          help="PNG of speed-up against workers, one panel per link")
@@ -448,7 +452,7 @@ def _train(args: argparse.Namespace) -> int:
         return 0  # in a torchrun job, rank 0 reports
     nodes = f" on {args.nodes} nodes" if args.nodes > 1 else ""
     print(f"\ntrain {args.workload}: {result['workers']} workers ({args.device}){nodes} on {result['link']}, "
-          f"{args.steps} steps of {args.batch} per worker, {rule.optimizer} at lr {rule.lr:g}, same seed for every "
+          f"{args.steps} steps of {args.batch} per worker, {rule.describe()}, same seed for every "
           f"row; modeled communication at {result['bandwidth']}")
     if why:
         print(f"link {why}")
@@ -492,6 +496,10 @@ def _train(args: argparse.Namespace) -> int:
         _print_projection(projection)
         result["scaling"] = projection
         print("\n(`sparsecomm scaling --from RESULT.json` plots it, for every P from 1 to 256)")
+    elif args.nodes > 1 and any(row["preset"] in ("torch-allreduce", "dense") for row in result["rows"]):
+        from sparsecomm.train.node_scaling import PER_NODE
+
+        result["node_scaling"] = _print_node_projection(result, PER_NODE)
     saved = _save(args, result, runner.plot)
     if result["target_loss"] is not None:
         print(f"\n{summary.verdict(result)}")
@@ -552,9 +560,36 @@ def _scaling(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as err:
             raise SparseCommError(f"cannot read a train result from {path}: {err}") from None
 
-    projection = scaling.project(load(args.source), others=[load(path) for path in args.check])
-    _print_projection(projection)
+    from sparsecomm.train.node_scaling import PER_NODE
+
+    result = load(args.source)
+    projection = scaling.project(result, others=[load(path) for path in args.check])
+    if result.get("nodes", 1) == 1:
+        _print_projection(projection)
+    else:  # its flat rows did not run with each rank on its own link: the flat model does not fit them
+        print(f"\n(a run on {result['nodes']} nodes: projected over nodes only)")
+    if args.per_node or result.get("nodes", 1) > 1:
+        projection["nodes"] = _print_node_projection(result, args.per_node or PER_NODE)
     return _save(args, projection, scaling.plot)
+
+
+def _print_node_projection(result: dict[str, Any], per_node: int) -> dict[str, Any]:
+    """The projection over nodes of ``per_node`` ranks (`sparsecomm.train.node_scaling`), one table per
+    fabric; returns it."""
+    from sparsecomm.train import node_scaling
+
+    projection = node_scaling.project(result, per_node)
+    nodes, ranks = projection["anchor_layout"]
+    anchor = projection["anchor"]
+    anchored = (f"anchored at this run's {nodes} node(s) × {ranks} rank(s) on {anchor}"
+                if anchor and anchor[0].isdigit() else "not anchored (no shaped link in this run)")
+    for fabric, (rate, alpha) in projection["fabrics"].items():
+        print(f"\nprojected speed-up over one rank on nodes of {per_node} ranks joined inside by {fabric} "
+              f"({rate / 8e9:.0f} GB/s, alpha {alpha * 1e6:.0f} us); columns: the network between nodes (one link "
+              f"per node), nodes × ranks; hier: dense inside each node, the preset between nodes; {anchored}\n")
+        rows = node_scaling.table(projection, fabric)
+        print(format_table(rows, list(rows[0])))
+    return projection
 
 
 def _calibrate(args: argparse.Namespace) -> int:

@@ -23,6 +23,8 @@ class Digits:
     higher_is_better = True
     optimizer = "sgd"
     learning_rates = MappingProxyType({"sgd": 0.05, "adamw": 1e-3})
+    warmup_share = 0.0
+    """no warm-up: a constant learning rate (`UpdateRule.schedule`)"""
     default_batch, default_steps = 32, 300
     default_presets = None
     regime = RESNET50_ON_1GBE

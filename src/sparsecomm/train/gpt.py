@@ -54,6 +54,9 @@ class StdlibGPT:
     higher_is_better = False
     optimizer = "adamw"
     learning_rates = MappingProxyType({"adamw": 1e-3})
+    warmup_share = 0.1
+    """the share of the steps the learning rate warms up over, then decays (`UpdateRule.schedule`):
+    as transformers are trained with AdamW"""
     default_presets = ("adaptive", "dgc")
     """the rows `sparsecomm train` runs unless told (with dense and PyTorch's hooks): every preset would
     take a quarter of an hour on 2 CPU cores"""

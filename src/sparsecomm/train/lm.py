@@ -26,6 +26,8 @@ class StdlibLanguageModel:
     higher_is_better = False
     optimizer = "sgd"
     learning_rates = MappingProxyType({"sgd": 0.1})
+    warmup_share = 0.0
+    """no warm-up: a constant learning rate (`UpdateRule.schedule`)"""
     default_batch, default_steps = 32, 300
     default_presets = None
     regime = RESNET50_ON_1GBE

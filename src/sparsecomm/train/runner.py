@@ -158,6 +158,7 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
     counted = meter if meter is not None else reducer.stats if reducer is not None else None
     assert counted is not None, "every row counts its bytes: a meter or a reducer's stats"
     optimizer, suited = rule.build(model, reducer)  # one update rule for every row
+    schedule = rule.schedule(optimizer, steps)
     losses, cumulative_bytes, elapsed = [], [], []
     on_link = nodes > 1 and steps > 1 and bytes_sent_here() is not None  # the link between nodes: count it
     link_start = 0
@@ -171,6 +172,8 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
         loss.backward()  # the hook's local stages run here, its collectives on their own thread
         with identical_update() if device.type == "cuda" else nullcontext():
             optimizer.step()
+        if schedule is not None:
+            schedule.step()
         # reading the loss copies it to the host after the step's queued kernels: on a GPU it waits for them
         losses.append(float(loss.detach()))
         if meter is not None:
@@ -312,10 +315,9 @@ def run(workload: str | Workload, presets: list[str], workers: int, steps: int, 
     for row in ran:
         seconds = row["time_to_target_s"]
         row["speedup_to_target"] = reference_time / seconds if seconds and reference_time else None
-    return {"benchmark": "train", "workload": workload_name, "workers": workers, "steps": steps, "lr": rule.lr,
-            "optimizer": rule.optimizer, "batch": batch,
-            "device": device,
-            "launcher": "torchrun" if in_job else "local", "reference": reference,
+    return {"benchmark": "train", "workload": workload_name, "workers": workers, "nodes": nodes, "steps": steps,
+            "lr": rule.lr, "optimizer": rule.optimizer, "warmup_share": rule.warmup_share, "batch": batch,
+            "device": device, "launcher": "torchrun" if in_job else "local", "reference": reference,
             "bandwidth": bandwidth, "target_loss": target, "rows": rows, "curves": curves}
 
 

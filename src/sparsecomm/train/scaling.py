@@ -38,7 +38,9 @@ from typing import Any
 
 from sparsecomm.netns import bits_per_second
 from sparsecomm.presets import resolve
+from sparsecomm.train import sharded
 from sparsecomm.train.baselines import BASELINES
+from sparsecomm.train.runner import HIERARCHICAL
 
 LINKS = MappingProxyType({"1gbit": (1e9, 50e-6), "10gbit": (10e9, 20e-6), "100gbit": (100e9, 5e-6)})
 """link rate (bits/s) and a typical per-message latency α (s): TCP over Ethernet at 1 and 10 Gbit/s,
@@ -168,10 +170,10 @@ def project(result: dict[str, Any], links: Mapping[str, tuple[float, float]] | N
 
 def anchored(result: dict[str, Any]) -> list[RowCosts]:
     """Each ran row's costs, anchored at the run's own point when it ran on a link of known rate."""
-    dense_bytes = max(row["bytes_per_step"] for row in result["rows"] if "bytes_per_step" in row
-                      and row["preset"] in ("torch-allreduce", "dense"))
-    costs = [RowCosts.from_row(row, dense_bytes) for row in result["rows"] if "bytes_per_step" in row]
-    point = _point(result)
+    rows = flat_rows(result)
+    dense_bytes = max(row["bytes_per_step"] for row in rows if row["preset"] in ("torch-allreduce", "dense"))
+    costs = [RowCosts.from_row(row, dense_bytes) for row in rows]
+    point = run_link(result)
     if point is None:
         return costs
     rate, alpha = point
@@ -179,9 +181,15 @@ def anchored(result: dict[str, Any]) -> list[RowCosts]:
                                          - cost.modeled_s(result["workers"], rate, alpha))) for cost in costs]
 
 
+def flat_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows that ran with every rank a peer: not hierarchical, not under FSDP2."""
+    return [row for row in result["rows"] if "bytes_per_step" in row and not row["preset"].startswith(HIERARCHICAL)
+            and not sharded.is_sharded(row["preset"])]
+
+
 def check(costs: list[RowCosts], other: dict[str, Any]) -> list[dict[str, Any]]:
     """The projection beside ``other``'s measured median steps, at its worker count and link."""
-    point = _point(other)
+    point = run_link(other)
     if point is None:
         return []
     rate, alpha = point
@@ -202,8 +210,9 @@ def median_step_s(result: dict[str, Any], name: str) -> float:
     return steps[len(steps) // 2]
 
 
-def _point(result: dict[str, Any]) -> tuple[float, float] | None:
-    """(rate, α) of the link a run trained on, if it was a shaped one."""
+def run_link(result: dict[str, Any]) -> tuple[float, float] | None:
+    """(rate, α) of the link a run trained on, if it was a shaped one (None: loopback or a torchrun
+    job's own network)."""
     link = result.get("link", "")
     if not link or not link[0].isdigit():
         return None

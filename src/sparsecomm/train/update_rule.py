@@ -3,11 +3,13 @@ for a pipeline that applies SGD's momentum itself (DGC's), the form of it that s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
 
 from sparsecomm.errors import SparseCommError
 from sparsecomm.spec import PipelineSpec
@@ -34,10 +36,12 @@ class Suitable(Protocol):
 
 @dataclass(frozen=True)
 class UpdateRule:
-    """The optimizer every row trains with, and its learning rate."""
+    """The optimizer every row trains with, its learning rate, and the share of the steps it warms up
+    over (0: constant)."""
 
     optimizer: str
     lr: float
+    warmup_share: float = 0.0
 
     @classmethod
     def of(cls, task: Workload, optimizer: str | None = None, lr: float | None = None) -> UpdateRule:
@@ -55,7 +59,7 @@ class UpdateRule:
                                   "use --optimizer sgd")
         if lr is None and optimizer not in rates:
             raise SparseCommError(f"no default learning rate for {name} under {optimizer}: pass --lr")
-        return cls(optimizer, rates[optimizer] if lr is None else lr)
+        return cls(optimizer, rates[optimizer] if lr is None else lr, task.warmup_share)
 
     def build(self, model: nn.Module, reducer: Suitable | None) -> tuple[torch.optim.Optimizer, str | None]:
         """The row's optimizer over ``model``, and why ``reducer``'s feedback changed to suit it
@@ -68,3 +72,25 @@ class UpdateRule:
         applies = reducer is not None and reducer.spec.feedback.applies_momentum
         return torch.optim.SGD(model.parameters(), lr=self.lr, momentum=0.0 if applies else MOMENTUM,
                                nesterov=not applies), None
+
+    def describe(self) -> str:
+        """E.g. 'adamw at lr 0.001, warm-up over 10% of the steps, then cosine decay to a tenth'."""
+        warmup = (f", warm-up over {self.warmup_share:.0%} of the steps, then cosine decay to a tenth"
+                  if self.warmup_share else "")
+        return f"{self.optimizer} at lr {self.lr:g}{warmup}"
+
+    def schedule(self, optimizer: torch.optim.Optimizer, steps: int) -> LambdaLR | None:
+        """The learning rate over ``steps`` steps (None: constant): with a warm-up, linear from
+        zero over `warmup_share` of the steps, then a cosine decay to a tenth — GPT's recipe,
+        without which AdamW's first full-size steps set a transformer back."""
+        if not self.warmup_share:
+            return None
+        warmup = max(1, round(self.warmup_share * steps))
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+            return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
+
+        return LambdaLR(optimizer, factor)

@@ -1,0 +1,87 @@
+"""The projection over nodes: two α-β links (the fabric inside a node, the network between nodes),
+flat rows next to hierarchical ones, anchored at a run's own layout."""
+
+import pytest
+
+from sparsecomm.train.node_scaling import Layout, project, step_s, table
+from sparsecomm.train.scaling import RowCosts
+
+MB = 1e6
+NVLINK, GBIT = (2.4e12, 0.0), (1e9, 0.0)
+
+
+def row(name: str, kind: str, nbytes: float, **extra) -> RowCosts:
+    return RowCosts(name, kind, compute_s=0.010, encode_s=0.0, decode_s=0.0, bytes_per_step=nbytes,
+                    dense_bytes=100 * MB, measured_workers=2, **extra)
+
+
+def test_a_dense_allreduce_moves_the_node_shares_through_each_link():
+    dense = row("dense", "allreduce", 100 * MB)
+    layout = Layout(4, 8, NVLINK, GBIT)
+    inside, across = 2 * 7 / 8 * 100 * MB * 8 / 2.4e12, 2 * 3 / 4 * 100 * MB * 8e-9
+    assert step_s(dense, layout, False) == pytest.approx(0.010 + inside + across)
+    assert step_s(dense, Layout(1, 1, NVLINK, GBIT), False) == 0.010
+
+
+def test_a_flat_allgather_carries_every_ranks_payload_through_its_node_and_a_hierarchical_one_a_shard():
+    gathered = RowCosts("dgc", "allgather", 0.010, 0.004, 0.002, 1 * MB, 100 * MB, measured_workers=2)
+    layout = Layout(4, 8, NVLINK, GBIT)
+    flat = step_s(gathered, layout, False)
+    # 31 payloads decoded; 7 over the fabric, 24 through the node's link for each of its 8 ranks
+    assert flat == pytest.approx(0.010 + 0.004 + 0.002 * 31 + 7 * MB * 8 / 2.4e12 + 8 * 24 * MB * 8e-9)
+    hierarchical = step_s(gathered, layout, True)
+    # the dense reduce-scatter and all-gather inside, then 3 other nodes' shards of 1/8
+    assert hierarchical == pytest.approx(0.010 + 2 * 7 / 8 * 100 * MB * 8 / 2.4e12 + 0.004 / 8 + 0.002 * 3 / 8
+                                         + 3 * MB * 8e-9)
+    assert hierarchical < flat / 10
+
+
+def test_adaptive_and_sparcml_take_the_hierarchical_path_where_it_is_cheaper():
+    adaptive = row("adaptive", "adaptive", 50 * MB, sparse_overhead_s=0.004, bytes_per_nnz=1.5, sparse_density=0.001)
+    sparcml = row("sparcml", "sparse_allreduce", 1 * MB)
+    for cost in (adaptive, sparcml):
+        layout = Layout(32, 8, NVLINK, GBIT)
+        assert step_s(cost, layout, True) < step_s(cost, layout, False)
+
+
+def result(steps_s: dict[str, float], nodes: int = 2, workers: int = 4) -> dict:
+    """A train result of ``nodes`` nodes on 100 Mbit/s whose rows took ``steps_s`` per step."""
+    rows = [{"preset": name, "steps": 10, "compute_s": 0.1, "encode_s": 0.01, "decode_s": 0.01, "workers": workers,
+             "bytes_per_step": 4e5 if name.endswith("dense") else 4e3} for name in steps_s]
+    curves = {name: {"elapsed_s": [step * (i + 1) for i in range(10)]} for name, step in steps_s.items()}
+    return {"workload": "toy", "workers": workers, "nodes": nodes, "link": "100mbit", "rows": rows, "curves": curves}
+
+
+def test_rows_are_anchored_at_the_runs_layout_and_fsdp_rows_are_left_out():
+    measured = result({"dense": 0.2, "dgc": 0.05, "hier:dgc": 0.03, "fsdp:dgc": 0.04})
+    projection = project(measured, per_node=2, nodes=(2,), fabrics={"loopback": (float("inf"), 0.0)},
+                         networks={"100mbit": (100e6, 50e-6)})
+    at_anchor = {point["preset"]: point["ms"] for point in projection["points"]}
+    assert set(at_anchor) == {"dense", "dgc", "hier:dgc"}  # the projection of FSDP2's rows is not modeled
+    # the run's own layout and link: each row its measured median step (where the model is below it)
+    assert at_anchor == pytest.approx({"dense": 200.0, "dgc": 50.0, "hier:dgc": 30.0})
+    assert projection["anchor_layout"] == [2, 2]
+
+
+def test_the_node_table_gives_each_row_its_speedup_per_network_and_node_count():
+    projection = project(result({"dense": 0.2, "dgc": 0.05}, nodes=1, workers=2))
+    rows = {r["preset"]: r for r in table(projection, "nvlink")}
+    assert set(rows) == {"dense", "dgc", "hier:dgc"}
+    assert set(rows["dgc"]) == {"preset"} | {f"{net} {n}×8" for net in ("1gbit", "10gbit", "100gbit")
+                                                for n in (2, 8, 32)}
+    assert rows["hier:dgc"]["1gbit 32×8"] > rows["dgc"]["1gbit 32×8"]
+
+
+def test_the_scaling_command_projects_a_run_on_several_nodes_over_nodes(tmp_path, capsys):
+    import json
+
+    from sparsecomm.cli.main import main
+
+    source, out = tmp_path / "nodes.json", tmp_path / "projection.json"
+    source.write_text(json.dumps(result({"dense": 0.2, "dgc": 0.05, "hier:dgc": 0.03})))
+    assert main(["scaling", "--from", str(source), "--json", str(out), "--plot", str(tmp_path / "s.png")]) == 0
+    printed = capsys.readouterr().out
+    assert "a run on 2 nodes: projected over nodes only" in printed
+    assert "nodes of 8 ranks joined inside by nvlink" in printed and "joined inside by pcie" in printed
+    assert "anchored at this run's 2 node(s) × 2 rank(s) on 100mbit" in printed
+    assert {point["preset"] for point in json.loads(out.read_text())["nodes"]["points"]} == {"dense", "dgc", "hier:dgc"}
