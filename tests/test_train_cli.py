@@ -252,16 +252,20 @@ def test_a_torchrun_job_of_two_nodes_trains_hierarchically_over_the_link_between
                     "-m", "sparsecomm.cli.main", "train", "--steps", "12", "--presets", "dgc", "--baselines", "none",
                     "--json", str(out), "--plot", str(tmp_path / "nodes.png")]
 
-        nodes = [subprocess.Popen(command(node), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env=environment, cwd=tmp_path, start_new_session=True) for node in range(2)]
+        logs = [open(tmp_path / f"node{node}.log", "w") for node in range(2)]  # noqa: SIM115 - closed below
+        nodes = [subprocess.Popen(command(node), stdout=log, stderr=subprocess.STDOUT, text=True, env=environment,
+                                  cwd=tmp_path, start_new_session=True) for node, log in enumerate(logs)]
         try:
-            finished = [node.communicate(timeout=300) for node in nodes]
+            for node in nodes:
+                node.wait(timeout=400)
         finally:  # a hung job must not outlive its network: torchrun and its workers go
             for node in nodes:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(node.pid, signal.SIGKILL)
-    for node, (_, err) in zip(nodes, finished, strict=True):
-        assert node.returncode == 0, err[-3000:]
+            for log in logs:
+                log.close()
+    for node in range(2):
+        assert nodes[node].returncode == 0, (tmp_path / f"node{node}.log").read_text()[-3000:]
     result = json.loads(out.read_text())
     assert result["launcher"] == "torchrun" and result["workers"] == 4
     rows = {row["preset"]: row for row in result["rows"]}
@@ -270,6 +274,10 @@ def test_a_torchrun_job_of_two_nodes_trains_hierarchically_over_the_link_between
     crossed = {name: row["link_bytes_per_step"] for name, row in rows.items()}
     assert 0 < crossed["hier:dgc"] < crossed["dgc"] < 0.1 * crossed["dense"]
     assert crossed["hier:dense"] < 0.8 * crossed["dense"]
+    # each node counted once: a ring over 4 ranks crosses twice, 2·(3/4) of the model each way;
+    # recursive halving and doubling crosses 2 of the model in all
+    model_bytes = rows["dense"]["bytes_per_step"]
+    assert 1.8 * model_bytes < crossed["dense"] < 3.9 * model_bytes
 
 
 def test_a_torchrun_jobs_layout_is_its_own(monkeypatch):

@@ -154,8 +154,8 @@ class Planner:
         if self.world_size == 1 or (self.step < sparsifier.dense_start and not sparsifier.budget):
             return Plan(Mode.FP32)  # a user's byte budget holds from the first step
         if self.step == 0 and costs.throughput and not sparsifier.budget:
-            # the link probed at start-up, the compute not timed yet: sparse at the floor density,
-            # cheap on any link, and a first sparse step warms the sparse path up
+            # (dense_start=0) the link probed at start-up, the compute not timed yet: sparse at the
+            # floor density, cheap on any link, and a first sparse step warms the sparse path up
             return Plan(Mode.SPARSE, sparsifier.floor)
         dense_bytes = costs.dense_bytes()
         if costs.budget_numel == 0:

@@ -174,12 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
                          help="other runs of the same workload (another link or worker count) to hold the "
                               "projection against")
     scaling.add_argument("--per-node", type=_positive_int, metavar="G",
-                         help="also project over nodes of G ranks each (a run on several nodes: only so, G=8 unless "
-                              "told): NVLink- or PCIe-class inside a node, the 1/10/100 Gbit/s network between "
-                              "nodes; each preset flat and hierarchical")
+                         help="also project over nodes of G ranks each (a run on several nodes is projected so only, "
+                              "G=8 unless told): NVLink- or PCIe-class inside a node, the 1/10/100 Gbit/s network "
+                              "between nodes; each row flat, and the sparse presets also hierarchical")
     scaling.add_argument("--json", metavar="PATH", help="write every projected point as JSON")
     scaling.add_argument("--plot", metavar="PATH", default="sparsecomm-scaling.png",
-                         help="PNG of speed-up against workers, one panel per link")
+                         help="PNG of speed-up against workers (a run on several nodes: against nodes, NVLink inside), "
+                              "one panel per link")
 
     calibrate = commands.add_parser("calibrate", help="measure the cost model (alpha, beta, codec speed) and save it")
     calibrate.add_argument("--workers", type=_positive_int, default=2)
@@ -371,7 +372,7 @@ def _bench_collectives(args: argparse.Namespace) -> int:
 def _baselines(text: str, nodes: int = 1) -> list[str]:
     """PyTorch's rows by their short names; ``all``: its DDP hooks, and its FSDP2 rows over several nodes."""
     from sparsecomm.train.baselines import SHORT_NAMES
-    from sparsecomm.train.sharded import SHARDED_BASELINES
+    from sparsecomm.train.row_names import SHARDED_BASELINES
 
     known = SHORT_NAMES | {name.removeprefix("torch-"): name for name in SHARDED_BASELINES}
     if text == "none":
@@ -390,7 +391,7 @@ def _train(args: argparse.Namespace) -> int:
 
     from sparsecomm.presets import available_presets
     from sparsecomm.train import runner, summary
-    from sparsecomm.train.sharded import FSDP
+    from sparsecomm.train.row_names import FSDP, HIERARCHICAL
     from sparsecomm.train.update_rule import UpdateRule
     from sparsecomm.train.workloads import workload
 
@@ -403,7 +404,7 @@ def _train(args: argparse.Namespace) -> int:
         args.workers, args.nodes = runner.job_layout(args.workers, args.nodes)
     args.nodes = args.nodes or 1
     if args.nodes > 1:  # each preset flat, hierarchical and under FSDP2, side by side
-        presets = [row for preset in presets for row in (preset, runner.HIERARCHICAL + preset, FSDP + preset)]
+        presets = [row for preset in presets for row in (preset, HIERARCHICAL + preset, FSDP + preset)]
     presets = [*(name for name in _baselines(args.baselines, args.nodes) if name not in presets), *presets]
     args.workers = args.workers or runner.default_workers()
     if args.workers % args.nodes:
@@ -463,7 +464,7 @@ def _train(args: argparse.Namespace) -> int:
         *(["link_bytes_per_step"] if any("link_bytes_per_step" in row for row in result["rows"]) else []),
     ]))
     if args.nodes > 1:
-        print(f"  {runner.HIERARCHICAL}PRESET: DDP, dense inside each node, PRESET between nodes; {FSDP}PRESET: "
+        print(f"  {HIERARCHICAL}PRESET: DDP, dense inside each node, PRESET between nodes; {FSDP}PRESET: "
               "FSDP2 sharded inside each node, PRESET between nodes: their bytes_per_step are what one rank sends "
               "between nodes; torch-fsdp and torch-hsdp count their gradients' reduction only (FSDP all-gathers "
               "parameters too)" + ("; link_bytes_per_step: all that crossed the shaped link between nodes, by its "
@@ -560,16 +561,17 @@ def _scaling(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as err:
             raise SparseCommError(f"cannot read a train result from {path}: {err}") from None
 
-    from sparsecomm.train.node_scaling import PER_NODE
+    from sparsecomm.train import node_scaling
 
     result = load(args.source)
+    if result.get("nodes", 1) > 1:  # its flat rows did not each have a link of their own: project over nodes
+        print(f"\n(a run on {result['nodes']} nodes: projected over nodes of ranks)")
+        projection = _print_node_projection(result, args.per_node or node_scaling.PER_NODE)
+        return _save(args, projection, node_scaling.plot)
     projection = scaling.project(result, others=[load(path) for path in args.check])
-    if result.get("nodes", 1) == 1:
-        _print_projection(projection)
-    else:  # its flat rows did not run with each rank on its own link: the flat model does not fit them
-        print(f"\n(a run on {result['nodes']} nodes: projected over nodes only)")
-    if args.per_node or result.get("nodes", 1) > 1:
-        projection["nodes"] = _print_node_projection(result, args.per_node or PER_NODE)
+    _print_projection(projection)
+    if args.per_node:
+        projection["node_scaling"] = _print_node_projection(result, args.per_node)
     return _save(args, projection, scaling.plot)
 
 
@@ -589,6 +591,9 @@ def _print_node_projection(result: dict[str, Any], per_node: int) -> dict[str, A
               f"per node), nodes × ranks; hier: dense inside each node, the preset between nodes; {anchored}\n")
         rows = node_scaling.table(projection, fabric)
         print(format_table(rows, list(rows[0])))
+    if projection["check"]:
+        print("\nthe model's bytes between nodes per step against what crossed this run's link (headers included):\n")
+        print(format_table(projection["check"], ["preset", "measured_bytes", "modeled_bytes", "error_pct"]))
     return projection
 
 

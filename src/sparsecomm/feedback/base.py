@@ -77,24 +77,23 @@ class Feedback(Component):
 
 
 def held(state: dict[str, Any], name: str, like: torch.Tensor) -> torch.Tensor:
-    """The state's buffer ``name`` in ``like``'s shape, made (zeros) where it holds none of ``like``'s
-    size, dtype and device. A view of the one buffer a tensor keeps, whichever route last made
-    it: a tensor in its own shape (a custom loop's sparse step) or a flat slice (a bucket, a
-    dense step's flush) — a route must never find another's state of another shape and start
-    over."""
+    """The state's buffer ``name`` in ``like``'s shape, on its device, made (zeros) where it holds
+    none of ``like``'s size and dtype. A view of the one buffer a tensor keeps, whichever route
+    last made it: a tensor in its own shape (a custom loop's sparse step) or a flat slice (a
+    bucket, a dense step's flush) — a route must never find another's state of another shape and
+    start over."""
     if not holds(state, name, like):
         state[name] = torch.zeros_like(like, memory_format=torch.contiguous_format)
-    elif not state[name].is_contiguous():
-        state[name] = state[name].contiguous()
+    elif state[name].device != like.device or not state[name].is_contiguous():  # a checkpoint loaded elsewhere
+        state[name] = state[name].to(like.device, memory_format=torch.contiguous_format)
     buffer: torch.Tensor = state[name]
     return buffer.view(like.shape)
 
 
 def holds(state: dict[str, Any], name: str, like: torch.Tensor) -> bool:
-    """Whether the state keeps a buffer ``name`` of ``like``'s size, dtype and device (`held`)."""
+    """Whether the state keeps a buffer ``name`` of ``like``'s size and dtype (`held`)."""
     buffer = state.get(name)
-    return (isinstance(buffer, torch.Tensor) and buffer.numel() == like.numel() and buffer.dtype == like.dtype
-            and buffer.device == like.device)
+    return isinstance(buffer, torch.Tensor) and buffer.numel() == like.numel() and buffer.dtype == like.dtype
 
 
 def flush_into(whole: torch.Tensor, out: torch.Tensor, scale: float) -> bool:

@@ -39,12 +39,10 @@ class Adaptive(Sparsifier):
     probe: int = 200
     """with a measured budget, every ``probe`` steps one step is sent dense to re-measure the link (0: never)"""
     dense_start: int = 20
-    """with a measured budget, the first ``dense_start`` steps send every entry, as DGC's warm-up
-    training does (§3.3): early gradients are large and change fast, and what sparse steps hold
-    back then arrives later in one burst — under AdamW a burst in the first steps inflates the
-    second moment for many steps after (measured on gpt, 4 ranks: 120 steps ended at perplexity
-    16.2 with the sparse path explored in the first three steps, 13.5 with it explored after
-    twenty, 13.0 dense)"""
+    """with a measured budget, the first ``dense_start`` steps send every entry, in the spirit of
+    DGC's warm-up training (§3.3, which eases sparsity in): early gradients are large and change
+    fast, and what sparse steps hold back arrives later in one burst, which AdamW's second moment
+    remembers for many steps"""
     horizon: float = 0.0
     """with a measured budget, a step's k entries are taken to deliver what the ``horizon``·k largest
     of one step's gradient hold: error feedback sends what a step leaves out some steps later

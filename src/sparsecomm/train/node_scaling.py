@@ -1,8 +1,10 @@
 """Projected scaling over nodes: N nodes of G ranks each (P = N·G), the ranks of a node joined by a
 fast fabric (NVLink- or PCIe-class) and the nodes by a slower network — two α-β links. Every row of
-a `sparsecomm train` run is projected flat (every rank a peer) and, for sparsecomm's presets, also
-hierarchically (`HierarchicalReducer`: dense inside each node, the preset between nodes on each
-rank's 1/G shard; rows ``hier:PRESET``).
+a `sparsecomm train` run is projected flat (every rank a peer) and, for sparsecomm's sparse presets
+(the payload allgather, SparCML's sparse allreduce, ``adaptive``), also hierarchically
+(`HierarchicalReducer`: dense inside each node, the preset between nodes on each rank's 1/G shard;
+rows ``hier:PRESET``). An all_reduce row is modeled as NCCL runs it over nodes, hierarchical
+already.
 
 A network rate is a node's: its G ranks share its link to the other nodes. Per step, with B a rank's
 bytes for the row, D the dense gradient's bytes, and the compute, encoding and decoding the run
@@ -18,14 +20,16 @@ measured (`sparsecomm.train.scaling.RowCosts`):
   payloads of a 1/G shard to decode (encoding a 1/G shard too);
 - SparCML's sparse allreduce (recursive doubling): flat, its first log2 G rounds inside the node and
   the rest through the link for all G ranks at once; hierarchical, the rounds across nodes on the
-  shards;
+  shards (encoding and summing a 1/G shard);
 - adaptive: the cheapest of its modes — dense fp32 or fp16 as an all_reduce row, or sparse at its
   run's density (capped as `sparsecomm.train.scaling` caps it) as a payload allgather.
 
-Each row is anchored at the measured run as `sparsecomm.train.scaling` anchors it: what its median
-step took beyond the model at the run's own layout (its nodes and ranks per node, its shaped link;
-inside a node loopback, modeled as free) stays in every projected step. A hierarchical row the run
-did not measure takes its flat row's anchor. FSDP2's rows are not projected.
+Each row is anchored at the measured run as `sparsecomm.train.scaling` anchors it: what its flat
+row's median step took beyond the model at the run's own layout (its nodes and ranks per node, its
+shaped link; inside a node loopback, modeled as free) stays in every projected step, flat or
+hierarchical — a run's in-node collectives on loopback, among ranks sharing a few cores, time the
+scheduler, not a fabric. The model's bytes between nodes are checked against what crossed the run's
+link (`check_bytes`). FSDP2's rows are not projected.
 """
 
 from __future__ import annotations
@@ -36,13 +40,16 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from sparsecomm.train.runner import HIERARCHICAL
+from sparsecomm.train.row_names import HIERARCHICAL
 from sparsecomm.train.scaling import LINKS, RowCosts, flat_rows, median_step_s, run_link
 
 FABRICS = MappingProxyType({"nvlink": (2.4e12, 5e-6), "pcie": (192e9, 10e-6)})
 """inside a node, per rank: rate (bits/s) and per-message latency α (s) — NVLink-class (300 GB/s a
 direction) and PCIe 4.0 ×16 as NCCL reaches it (24 GB/s)"""
 NODES = (1, 2, 4, 8, 16, 32)
+SPLIT = ("allgather", "adaptive", "sparse_allreduce")
+"""the kinds of row projected hierarchically too: an all_reduce row is modeled as NCCL runs it over
+nodes, hierarchical already"""
 PER_NODE = 8
 """ranks per node: a node of 8 GPUs"""
 
@@ -75,8 +82,9 @@ def step_s(cost: RowCosts, layout: Layout, hierarchical: bool) -> float:
         if cost.sparse_overhead_s is not None:
             modes.append(_sparse_mode(cost, layout, hierarchical))
         return min(modes)
-    if cost.kind == "sparse_allreduce":
-        return cost.compute_s + cost.encode_s + cost.decode_s + _recursive_doubling(cost, layout, hierarchical)
+    if cost.kind == "sparse_allreduce":  # hierarchically, each rank encodes and sums a 1/G shard
+        codecs = (cost.encode_s + cost.decode_s) / (layout.per_node if hierarchical else 1)
+        return cost.compute_s + codecs + _recursive_doubling(cost, layout, hierarchical)
     peer_decode_s = cost.decode_s / max(1, cost.measured_workers - 1)
     return cost.compute_s + _allgather(layout, cost.bytes_per_step, cost.dense_bytes, cost.encode_s, peer_decode_s,
                                        hierarchical)
@@ -152,7 +160,7 @@ def _sparse_mode(cost: RowCosts, layout: Layout, hierarchical: bool) -> float:
 def project(result: dict[str, Any], per_node: int = PER_NODE, nodes: tuple[int, ...] = NODES,
             fabrics: Mapping[str, tuple[float, float]] = FABRICS,
             networks: Mapping[str, tuple[float, float]] = LINKS) -> dict[str, Any]:
-    """Per row (flat, and ``hier:`` for sparsecomm's presets), fabric, network and node count:
+    """Per row (flat, and ``hier:`` for the sparse presets), fabric, network and node count:
     projected ms per step and speed-up over one rank, anchored at ``result``'s measured run."""
     dense_bytes = max(row["bytes_per_step"] for row in flat_rows(result)
                       if row["preset"] in ("torch-allreduce", "dense"))
@@ -171,11 +179,12 @@ def project(result: dict[str, Any], per_node: int = PER_NODE, nodes: tuple[int, 
     return {"benchmark": "node-scaling", "workload": result["workload"], "anchor": result.get("link"),
             "anchor_layout": [result.get("nodes", 1), result["workers"] // result.get("nodes", 1)],
             "fabrics": {k: list(v) for k, v in fabrics.items()}, "networks": {k: list(v) for k, v in networks.items()},
-            "per_node": per_node, "nodes": list(nodes), "points": points}
+            "per_node": per_node, "node_counts": list(nodes), "points": points,
+            "check": check_bytes(result) if result.get("nodes", 1) > 1 else []}
 
 
 def _anchors(result: dict[str, Any], dense_bytes: float) -> dict[tuple[str, bool], tuple[RowCosts, float]]:
-    """(preset, hierarchical) → its costs (a flat row's: the hierarchical projection starts from the
+    """(preset, hierarchical) → its flat row's costs (the hierarchical projection starts from the
     whole model's bytes) and what its measured step took beyond the model at the run's layout."""
     flat = {row["preset"]: RowCosts.from_row(row, dense_bytes) for row in flat_rows(result)}
     point = run_link(result)
@@ -187,20 +196,47 @@ def _anchors(result: dict[str, Any], dense_bytes: float) -> dict[tuple[str, bool
     else:  # each worker its own node on the shaped link
         layout = Layout(result["workers"], 1, (math.inf, 0.0), point)
 
-    def unmodeled(name: str, cost: RowCosts, hierarchical: bool) -> float:
-        if layout is None or name not in result.get("curves", {}):
-            return 0.0
-        return max(0.0, median_step_s(result, name) - step_s(cost, layout, hierarchical))
-
     anchors = {}
     for name, cost in flat.items():
-        anchors[(name, False)] = (cost, unmodeled(name, cost, False))
-        if cost.kind in ("allgather", "adaptive", "sparse_allreduce"):
-            measured = HIERARCHICAL + name
-            anchor = (unmodeled(measured, cost, True) if measured in result.get("curves", {})
-                      else anchors[(name, False)][1])
-            anchors[(name, True)] = (cost, anchor)
+        extra = 0.0
+        if layout is not None and name in result.get("curves", {}):
+            extra = max(0.0, median_step_s(result, name) - step_s(cost, layout, False))
+        anchors[(name, False)] = (cost, extra)
+        if cost.kind in SPLIT:
+            anchors[(name, True)] = (cost, extra)
     return anchors
+
+
+def crossing_bytes(cost: RowCosts, layout: Layout, hierarchical: bool) -> float | None:
+    """Bytes the model sends between nodes per step, all nodes together (None: not modeled in
+    bytes — SparCML's rounds, `adaptive`'s mix of modes)."""
+    nodes, per_node = layout.nodes, layout.per_node
+    if cost.kind == "allreduce":
+        return cost.collectives * 2 * (nodes - 1) * cost.bytes_per_step
+    if cost.kind == "allgather":
+        if hierarchical and per_node > 1:
+            return nodes * (nodes - 1) * cost.bytes_per_step
+        return nodes * per_node * (layout.ranks - per_node) * cost.bytes_per_step
+    return None
+
+
+def check_bytes(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each row's bytes between nodes as the model sends them at the run's layout, beside what
+    crossed its link (``link_bytes_per_step``, headers included)."""
+    nodes = result.get("nodes", 1)
+    rows = flat_rows(result)
+    dense_bytes = max(row["bytes_per_step"] for row in rows if row["preset"] in ("torch-allreduce", "dense"))
+    layout = Layout(nodes, result["workers"] // nodes, (math.inf, 0.0), (math.inf, 0.0))
+    checked = []
+    for row in rows:
+        cost = RowCosts.from_row(row, dense_bytes)
+        for name, hierarchical in ((row["preset"], False), (HIERARCHICAL + row["preset"], True)):
+            measured = next((r.get("link_bytes_per_step") for r in result["rows"] if r["preset"] == name), None)
+            modeled = crossing_bytes(cost, layout, hierarchical)
+            if measured and modeled:
+                checked.append({"preset": name, "measured_bytes": measured, "modeled_bytes": modeled,
+                                "error_pct": 100 * (modeled - measured) / measured})
+    return checked
 
 
 def table(projection: dict[str, Any], fabric: str, nodes: tuple[int, ...] = (2, 8, 32)) -> list[dict[str, Any]]:
@@ -212,3 +248,33 @@ def table(projection: dict[str, Any], fabric: str, nodes: tuple[int, ...] = (2, 
             rows.setdefault(point["preset"], {"preset": point["preset"]})[
                 f"{point['network']} {point['nodes']}×{point['per_node']}"] = point["speedup"]
     return list(rows.values())
+
+
+def plot(projection: dict[str, Any], path: str, fabric: str = "nvlink") -> None:
+    """Speed-up over one rank against the number of nodes, one panel per network, one line per row,
+    inside nodes joined by ``fabric``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    networks = list(projection["networks"])
+    figure, axes = plt.subplots(1, len(networks), figsize=(5 * len(networks), 4), sharey=True)
+    for axis, network in zip(axes, networks, strict=True):
+        by_row: dict[str, list[tuple[int, float]]] = {}
+        for point in projection["points"]:
+            if point["network"] == network and point["fabric"] == fabric:
+                by_row.setdefault(point["preset"], []).append((point["nodes"], point["speedup"]))
+        for preset, series in by_row.items():
+            axis.plot([n for n, _ in series], [s for _, s in series], marker=".", label=preset,
+                      linestyle="--" if preset.startswith(HIERARCHICAL) else "-")
+        counts = projection["node_counts"]
+        axis.plot(counts, [n * projection["per_node"] for n in counts], color="grey", linestyle=":", label="linear")
+        axis.set(xscale="log", yscale="log", xlabel=f"nodes of {projection['per_node']} ranks",
+                 title=f"{projection['workload']}, {fabric} inside, {network} between")
+        axis.set_xticks(counts, [str(n) for n in counts])
+    axes[0].set_ylabel("speed-up over one rank (projected)")
+    axes[-1].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -4,6 +4,7 @@ started by torchrun, on the job's own ranks — and collects what the table, the
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import statistics
 import time
@@ -30,6 +31,7 @@ from sparsecomm.spec import format_spec
 from sparsecomm.train import sharded
 from sparsecomm.train.baselines import BASELINES, BytesMeter, has_sparse_gradients
 from sparsecomm.train.regime import matching_rate
+from sparsecomm.train.row_names import FSDP, HIERARCHICAL, SHARDED_BASELINES, is_sharded
 from sparsecomm.train.update_rule import UpdateRule
 from sparsecomm.train.workloads import Workload
 from sparsecomm.train.workloads import workload as load_workload
@@ -124,11 +126,6 @@ def compute_seconds_per_step(task: Workload, batch: int, seed: int, trials: int 
     return sorted(times[1:])[len(times[1:]) // 2]
 
 
-HIERARCHICAL = "hier:"
-"""a row name's prefix: its preset reduces hierarchically (`HierarchicalReducer`: dense inside each
-node, compressed between nodes)"""
-
-
 Reducer = GradientReducer | HierarchicalReducer | FSDPCompression | FlatFSDPCompression
 """what a sparsecomm row reduces its gradients with"""
 
@@ -140,7 +137,7 @@ def _wrapped(row: str, module: nn.Module, world: int, nodes: int, seed: int
     if baseline is not None:
         model, meter = baseline.wrap(module)
         return model, None, meter
-    if sharded.is_sharded(row):
+    if is_sharded(row):
         return sharded.build(row, module, nodes, seed)
     model = DistributedDataParallel(module)
     topology = Topology(world // nodes) if row.startswith(HIERARCHICAL) else None
@@ -151,7 +148,7 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
            seed: int, device_name: str = "cpu", nodes: int = 1) -> dict[str, Any]:
     """One rank's training run for one row: a sparsecomm preset (or spec) through its DDP hook —
     flat, or over ``nodes`` nodes when the row is `HIERARCHICAL` —, under FSDP2 (`sharded`), or one
-    of PyTorch's own schemes (`BASELINES`, `sharded.SHARDED_BASELINES`)."""
+    of PyTorch's own schemes (`BASELINES`, `SHARDED_BASELINES`)."""
     device = worker_device(device_name, rank)
     compute_per_step = compute_seconds_per_step(task, batch, seed, device=device, rule=rule)
     model, reducer, meter = _wrapped(row, task.model(seed).to(device), world, nodes, seed)
@@ -243,15 +240,15 @@ def run(workload: str | Workload, presets: list[str], workers: int, steps: int, 
     rule = UpdateRule.of(task, optimizer, lr)
     batch = task.default_batch if batch is None else batch
     for preset in presets:
-        if preset not in BASELINES and preset not in sharded.SHARDED_BASELINES:
-            resolve(preset.removeprefix(HIERARCHICAL).removeprefix(sharded.FSDP))  # fail before starting any worker
+        if preset not in BASELINES and preset not in SHARDED_BASELINES:
+            resolve(preset.removeprefix(HIERARCHICAL).removeprefix(FSDP))  # fail before starting any worker
     if workers % nodes:
         raise SparseCommError(f"{workers} workers do not fill {nodes} nodes of equal size")
     sparse_gradients = has_sparse_gradients(task.model(seed))
     refused = {name: why for name in presets if name in BASELINES
                and (why := BASELINES[name].why_not(sparse_gradients)) is not None}
     refused |= {name: f"{name} cannot run here: FSDP2 and hierarchical reduction take dense gradients only"
-                for name in presets if (sharded.is_sharded(name) or name.startswith(HIERARCHICAL)) and sparse_gradients}
+                for name in presets if (is_sharded(name) or name.startswith(HIERARCHICAL)) and sparse_gradients}
     rows: list[dict[str, Any]] = []
     curves: dict[str, dict[str, Any]] = {}
     in_job = launched_by_torchrun()
@@ -370,17 +367,20 @@ def launched_by_torchrun() -> bool:
 
 def job_layout(workers: int | None, nodes: int | None) -> tuple[int, int]:
     """(ranks, nodes) of this torchrun job, from its environment (``WORLD_SIZE``, and
-    ``LOCAL_WORLD_SIZE`` ranks per node).
+    ``LOCAL_WORLD_SIZE`` ranks per node; without it, ``nodes`` or one).
 
     Raises:
         SparseCommError: ``workers`` or ``nodes`` given and not the job's.
     """
     world = int(os.environ["WORLD_SIZE"])
-    in_job = Topology.from_env().nodes(world) if "LOCAL_WORLD_SIZE" in os.environ else 1
-    for flag, given, actual in (("--workers", workers, world), ("--nodes", nodes, in_job)):
+    if "LOCAL_WORLD_SIZE" not in os.environ:  # a launcher that does not say: as told
+        job_nodes = Topology(world // (nodes or 1)).nodes(world)
+    else:
+        job_nodes = Topology.from_env().nodes(world)
+    for flag, given, actual in (("--workers", workers, world), ("--nodes", nodes, job_nodes)):
         if given is not None and given != actual:
             raise SparseCommError(f"{flag} {given}: this torchrun job has {actual} (its ranks and nodes decide)")
-    return world, in_job
+    return world, job_nodes
 
 
 def join_job() -> int:
@@ -397,17 +397,21 @@ def is_reporting_rank() -> bool:
 
 def shared_view(mine: dict[str, Any]) -> list[dict[str, Any]]:
     """What `run` needs of every rank's result, gathered as tensors (no pickling): each rank's wall
-    time, per-step elapsed times and parameter digest; rank 0's full result stands first."""
+    time, bytes it counted on the link between nodes, per-step elapsed times and parameter digest;
+    rank 0's full result stands first."""
     world = dist.get_world_size()
-    numbers = torch.tensor([mine["wall_s"], *mine["elapsed_s"]], dtype=torch.float64)
+    link = math.nan if mine["link_bytes"] is None else float(mine["link_bytes"])
+    numbers = torch.tensor([mine["wall_s"], link, *mine["elapsed_s"]], dtype=torch.float64)
     gathered = [torch.empty_like(numbers) for _ in range(world)]
     dist.all_gather(gathered, numbers)
     digest = torch.frombuffer(bytearray(bytes.fromhex(mine["digest"])), dtype=torch.uint8)
     digests = [torch.empty_like(digest) for _ in range(world)]
     dist.all_gather(digests, digest)
-    views = [{**mine, "wall_s": float(n[0]), "elapsed_s": n[1:].tolist(), "digest": d.numpy().tobytes().hex()}
+    shared = ("wall_s", "link_bytes", "elapsed_s", "digest")
+    views = [{**mine, "wall_s": float(n[0]), "link_bytes": None if math.isnan(n[1]) else int(n[1]),
+              "elapsed_s": n[2:].tolist(), "digest": d.numpy().tobytes().hex()}
              for n, d in zip(gathered, digests, strict=True)]
-    views[0] = {**mine, **{key: views[0][key] for key in ("wall_s", "elapsed_s", "digest")}}
+    views[0] = {**mine, **{key: views[0][key] for key in shared}}
     return views
 
 

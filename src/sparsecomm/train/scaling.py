@@ -38,9 +38,8 @@ from typing import Any
 
 from sparsecomm.netns import bits_per_second
 from sparsecomm.presets import resolve
-from sparsecomm.train import sharded
 from sparsecomm.train.baselines import BASELINES
-from sparsecomm.train.runner import HIERARCHICAL
+from sparsecomm.train.row_names import is_flat
 
 LINKS = MappingProxyType({"1gbit": (1e9, 50e-6), "10gbit": (10e9, 20e-6), "100gbit": (100e9, 5e-6)})
 """link rate (bits/s) and a typical per-message latency α (s): TCP over Ethernet at 1 and 10 Gbit/s,
@@ -183,8 +182,7 @@ def anchored(result: dict[str, Any]) -> list[RowCosts]:
 
 def flat_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     """The rows that ran with every rank a peer: not hierarchical, not under FSDP2."""
-    return [row for row in result["rows"] if "bytes_per_step" in row and not row["preset"].startswith(HIERARCHICAL)
-            and not sharded.is_sharded(row["preset"])]
+    return [row for row in result["rows"] if "bytes_per_step" in row and is_flat(row["preset"])]
 
 
 def check(costs: list[RowCosts], other: dict[str, Any]) -> list[dict[str, Any]]:

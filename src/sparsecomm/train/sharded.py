@@ -13,7 +13,6 @@ A transformer's blocks (or else each child holding parameters) are FSDP modules,
 
 from __future__ import annotations
 
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,22 +24,10 @@ from torch.distributed.fsdp import fully_shard
 from sparsecomm.reducer.fsdp_hook import FSDPCompression, register_fsdp_hooks
 from sparsecomm.reducer.topology import NODE, Topology
 from sparsecomm.train.baselines import BytesMeter
+from sparsecomm.train.row_names import FSDP
 
 if TYPE_CHECKING:
     from sparsecomm.reducer.sparse_reduce_scatter import FlatFSDPCompression
-
-SHARDED_BASELINES = MappingProxyType({
-    "torch-fsdp": "FSDP2 over every rank (fully_shard): parameters all-gathered, gradients reduce-scattered",
-    "torch-hsdp": "FSDP2's hybrid sharding: sharded inside each node, shards all-reduced across nodes",
-})
-"""PyTorch's sharded rows, by name"""
-FSDP = "fsdp:"
-"""a row name's prefix: its preset averages each node's FSDP shards across nodes (`register_fsdp_hooks`)"""
-
-
-def is_sharded(row: str) -> bool:
-    return row in SHARDED_BASELINES or row.startswith(FSDP)
-
 
 def shard(module: nn.Module, mesh: Any) -> nn.Module:
     """``module`` under FSDP2 on ``mesh``, then its root: a transformer's blocks (the entries of its

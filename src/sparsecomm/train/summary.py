@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from sparsecomm.train.baselines import BASELINES
-from sparsecomm.train.sharded import SHARDED_BASELINES
+from sparsecomm.train.row_names import SHARDED_BASELINES
 
 ROW_START_S = 2.6
 """seconds a row costs beyond its steps — starting the workers, building the model and the reducer,

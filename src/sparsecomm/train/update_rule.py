@@ -80,9 +80,10 @@ class UpdateRule:
         return f"{self.optimizer} at lr {self.lr:g}{warmup}"
 
     def schedule(self, optimizer: torch.optim.Optimizer, steps: int) -> LambdaLR | None:
-        """The learning rate over ``steps`` steps (None: constant): with a warm-up, linear from
-        zero over `warmup_share` of the steps, then a cosine decay to a tenth — GPT's recipe,
-        without which AdamW's first full-size steps set a transformer back."""
+        """The learning rate over ``steps`` steps (None: constant): with a warm-up, rising linearly
+        to ``lr`` over `warmup_share` of the steps (W of them: lr/W first), then a cosine decay to
+        a tenth by the last step — GPT's recipe, without which AdamW's first full-size steps set a
+        transformer back."""
         if not self.warmup_share:
             return None
         warmup = max(1, round(self.warmup_share * steps))
