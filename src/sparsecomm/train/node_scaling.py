@@ -41,7 +41,7 @@ from types import MappingProxyType
 from typing import Any
 
 from sparsecomm.train.row_names import HIERARCHICAL
-from sparsecomm.train.scaling import LINKS, RowCosts, flat_rows, median_step_s, run_link
+from sparsecomm.train.scaling import LINKS, Panel, RowCosts, flat_rows, median_step_s, plot_panels, run_link
 
 FABRICS = MappingProxyType({"nvlink": (2.4e12, 5e-6), "pcie": (192e9, 10e-6)})
 """inside a node, per rank: rate (bits/s) and per-message latency α (s) — NVLink-class (300 GB/s a
@@ -253,28 +253,13 @@ def table(projection: dict[str, Any], fabric: str, nodes: tuple[int, ...] = (2, 
 def plot(projection: dict[str, Any], path: str, fabric: str = "nvlink") -> None:
     """Speed-up over one rank against the number of nodes, one panel per network, one line per row,
     inside nodes joined by ``fabric``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    networks = list(projection["networks"])
-    figure, axes = plt.subplots(1, len(networks), figsize=(5 * len(networks), 4), sharey=True)
-    for axis, network in zip(axes, networks, strict=True):
+    counts = projection["node_counts"]
+    panels = []
+    for network in projection["networks"]:
         by_row: dict[str, list[tuple[int, float]]] = {}
         for point in projection["points"]:
             if point["network"] == network and point["fabric"] == fabric:
                 by_row.setdefault(point["preset"], []).append((point["nodes"], point["speedup"]))
-        for preset, series in by_row.items():
-            axis.plot([n for n, _ in series], [s for _, s in series], marker=".", label=preset,
-                      linestyle="--" if preset.startswith(HIERARCHICAL) else "-")
-        counts = projection["node_counts"]
-        axis.plot(counts, [n * projection["per_node"] for n in counts], color="grey", linestyle=":", label="linear")
-        axis.set(xscale="log", yscale="log", xlabel=f"nodes of {projection['per_node']} ranks",
-                 title=f"{projection['workload']}, {fabric} inside, {network} between")
-        axis.set_xticks(counts, [str(n) for n in counts])
-    axes[0].set_ylabel("speed-up over one rank (projected)")
-    axes[-1].legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+        panels.append(Panel(f"{projection['workload']}, {fabric} inside, {network} between", by_row, counts,
+                            [n * projection["per_node"] for n in counts]))
+    plot_panels(panels, f"nodes of {projection['per_node']} ranks", "speed-up over one rank (projected)", path)

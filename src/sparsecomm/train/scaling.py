@@ -39,7 +39,7 @@ from typing import Any
 from sparsecomm.netns import bits_per_second
 from sparsecomm.presets import resolve
 from sparsecomm.train.baselines import BASELINES
-from sparsecomm.train.row_names import is_flat
+from sparsecomm.train.row_names import HIERARCHICAL, is_flat
 
 LINKS = MappingProxyType({"1gbit": (1e9, 50e-6), "10gbit": (10e9, 20e-6), "100gbit": (100e9, 5e-6)})
 """link rate (bits/s) and a typical per-message latency α (s): TCP over Ethernet at 1 and 10 Gbit/s,
@@ -229,24 +229,43 @@ def table(projection: dict[str, Any], workers: tuple[int, ...] = (8, 64, 256)) -
 
 def plot(projection: dict[str, Any], path: str) -> None:
     """Speed-up over one worker against P, one panel per link, one line per row (DGC's Figure 6)."""
+    workers = projection["workers"]
+    panels = []
+    for link in projection["links"]:
+        by_row: dict[str, list[tuple[int, float]]] = {}
+        for point in projection["points"]:
+            if point["link"] == link:
+                by_row.setdefault(point["preset"], []).append((point["workers"], point["speedup"]))
+        panels.append(Panel(f"{projection['workload']}, {link}", by_row, workers, workers))
+    plot_panels(panels, "workers", "speed-up over one worker (projected)", path)
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One panel of a speed-up plot: a line per row over ``ticks``, and the linear speed-up."""
+
+    title: str
+    lines: dict[str, list[tuple[int, float]]]
+    ticks: list[int]
+    linear: list[int]
+
+
+def plot_panels(panels: list[Panel], xlabel: str, ylabel: str, path: str) -> None:
+    """Panels side by side on log-log axes sharing y; a ``hier:`` row's line dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    links = list(projection["links"])
-    figure, axes = plt.subplots(1, len(links), figsize=(5 * len(links), 4), sharey=True)
-    for axis, link in zip(axes, links, strict=True):
-        by_row: dict[str, list[tuple[int, float]]] = {}
-        for point in projection["points"]:
-            if point["link"] == link:
-                by_row.setdefault(point["preset"], []).append((point["workers"], point["speedup"]))
-        for preset, series in by_row.items():
-            axis.plot([p for p, _ in series], [s for _, s in series], marker=".", label=preset)
-        axis.plot(projection["workers"], projection["workers"], color="grey", linestyle=":", label="linear")
-        axis.set(xscale="log", yscale="log", xlabel="workers", title=f"{projection['workload']}, {link}")
-        axis.set_xticks(projection["workers"], [str(p) for p in projection["workers"]])
-    axes[0].set_ylabel("speed-up over one worker (projected)")
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), sharey=True)
+    for axis, panel in zip(axes, panels, strict=True):
+        for preset, series in panel.lines.items():
+            axis.plot([x for x, _ in series], [y for _, y in series], marker=".", label=preset,
+                      linestyle="--" if preset.startswith(HIERARCHICAL) else "-")
+        axis.plot(panel.ticks, panel.linear, color="grey", linestyle=":", label="linear")
+        axis.set(xscale="log", yscale="log", xlabel=xlabel, title=panel.title)
+        axis.set_xticks(panel.ticks, [str(tick) for tick in panel.ticks])
+    axes[0].set_ylabel(ylabel)
     axes[-1].legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
