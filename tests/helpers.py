@@ -44,3 +44,15 @@ def contribution(rank: int, world: int, overlap: str, numel: int = 20_000, nnz: 
         indices = torch.randperm(numel, generator=generator)[: numel // 3]
     grad[indices] = torch.randn(indices.numel(), generator=generator)
     return grad
+
+
+def adaptive_at_once() -> str:
+    """The ``adaptive`` preset's spec with sparse steps allowed from the first step (its default
+    sends the first 20 dense): for tests of what sparse steps do within a few steps."""
+    from dataclasses import replace
+
+    from sparsecomm.presets import resolve
+    from sparsecomm.spec import format_spec
+
+    preset = resolve("adaptive")
+    return format_spec(replace(preset, sparsifier=replace(preset.sparsifier, dense_start=0)))

@@ -4,7 +4,6 @@ gradient fails every rank, and with a measured budget every rank plans the same 
 
 import statistics
 import threading
-from dataclasses import replace
 
 import pytest
 import torch
@@ -12,17 +11,15 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm as sc
+from helpers import adaptive_at_once
 from sparsecomm.adaptive.config import Mode, Plan
 from sparsecomm.launch import run_local
-from sparsecomm.presets import resolve
-from sparsecomm.spec import format_spec
 from test_training import batches, digest, mlp
 
 FP32, FP16, SPARSE = Mode.FP32, Mode.FP16, Mode.SPARSE
 
 CORRECTED = "dgc_momentum(masking=false,nesterov=true)+rice+int8+allgather"
-AT_ONCE = format_spec(replace(resolve("adaptive"), sparsifier=replace(resolve("adaptive").sparsifier, dense_start=0)))
-"""the adaptive preset with sparse steps allowed from the first step"""
+AT_ONCE = adaptive_at_once()
 MODEL_BYTES = 4 * sum(p.numel() for p in mlp(0).parameters())
 
 

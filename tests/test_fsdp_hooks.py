@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import fully_shard
 
 import sparsecomm as sc
+from helpers import adaptive_at_once
 from sparsecomm.launch import run_local
 
 
@@ -102,7 +103,7 @@ def same(a, b) -> bool:
 
 @pytest.mark.parametrize(("spec", "least_ratio"), [
     ("dense", 1.0), ("topk(ratio=0.05)+residual+rice+fp32", 8.0),  # top 5% in 32-bit values
-    ("adaptive", 1.0),  # its dense steps flush modules whose every parameter goes whole
+    (adaptive_at_once(), 1.0),  # its dense steps flush modules whose every parameter goes whole
 ])
 def test_fsdp_inside_nodes_and_a_pipeline_between_them_keep_every_rank_alike(spec, least_ratio, tmp_path):
     ratios = [result["ratio"] for result in run_local(4, hybrid, spec, str(tmp_path))]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import sparsecomm as sc
-from helpers import random_sparse
+from helpers import adaptive_at_once, random_sparse
 from sparsecomm.launch import run_local
 from sparsecomm.transport.allgather import FusedCall
 from sparsecomm.transport.request import Request
@@ -43,7 +43,7 @@ def reduce_with(rank: int, world: int, spec: str, dtype: torch.dtype, huge: floa
 
 @pytest.mark.parametrize(("spec", "dtype", "huge", "reason"), [
     ("topk(ratio=0.1)+residual+rice+fp16+allgather", torch.float32, 1e6, "overflows fp16"),
-    ("adaptive", torch.float64, 1e300, "overflows int8"),
+    (adaptive_at_once(), torch.float64, 1e300, "overflows int8"),
     ("topk(ratio=0.1)+residual+raw+fp32+auto", torch.float64, 1e300, "overflows fp32"),
 ], ids=["pipeline payload", "adaptive", "auto"])
 def test_one_ranks_refusing_codec_makes_every_rank_raise_at_that_call(spec, dtype, huge, reason):
