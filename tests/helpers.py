@@ -47,8 +47,9 @@ def contribution(rank: int, world: int, overlap: str, numel: int = 20_000, nnz: 
 
 
 def adaptive_at_once() -> str:
-    """The ``adaptive`` preset's spec with sparse steps allowed from the first step (its default
-    sends the first 20 dense): for tests of what sparse steps do within a few steps."""
+    """The ``adaptive`` preset's spec with sparse steps allowed from the first step whatever the
+    optimizer (under AdamW it sends the first 20 dense): for tests of what sparse steps do within a
+    few steps."""
     from dataclasses import replace
 
     from sparsecomm.presets import resolve

@@ -12,7 +12,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import sparsecomm as sc
 from sparsecomm.components import DGCMomentum, Residual
 from sparsecomm.launch import run_local
-from sparsecomm.reducer.optimizers import suited_feedback
+from sparsecomm.presets import resolve
+from sparsecomm.reducer.optimizers import suited_feedback, suited_spec
 from test_training import batches, digest, mlp
 
 
@@ -34,6 +35,18 @@ def test_a_momentum_correcting_feedback_gives_way_to_an_optimizers_own_momentum(
     assert suited_feedback(Residual(), optimizer) == (Residual(), None)  # error feedback suits every optimizer
 
 
+@pytest.mark.parametrize(("optimizer", "dense_start"), [
+    (torch.optim.SGD(parameters(), lr=0.1, momentum=0.9), -1),  # linear in the gradient: sparse at once
+    (torch.optim.AdamW(parameters()), 20),  # normalizes it: a burst in the first steps would stay
+    (torch.optim.Adagrad(parameters()), 20),
+])
+def test_adaptive_starts_dense_under_an_optimizer_that_normalizes_the_gradient(optimizer, dense_start):
+    spec, _ = suited_spec(resolve("adaptive"), optimizer)
+    assert spec.sparsifier.dense_start == dense_start
+    told = resolve("adaptive(dense_start=3)+residual+rice+int8+allgather")
+    assert suited_spec(told, optimizer)[0].sparsifier.dense_start == 3  # as the user set it
+
+
 def adamw_training(rank: int, world: int, preset: str) -> dict:
     model = DDP(mlp(0))
     reducer = sc.register_ddp_hook(model, preset)
@@ -50,6 +63,7 @@ def adamw_training(rank: int, world: int, preset: str) -> dict:
         optimizer.step()
         losses.append(float(loss.detach()))
     horizon = reducer.adaptive.planner.costs.feedback_horizon if reducer.adaptive is not None else None
+    modes = {} if reducer.adaptive is None else {str(m): n for m, n in reducer.adaptive.planner.mode_steps.items()}
     try:
         sc.check_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5), reducer)
         late = "no error"
@@ -57,7 +71,7 @@ def adamw_training(rank: int, world: int, preset: str) -> dict:
         late = str(err)
     reducer.close()
     return {"warnings": [str(w.message) for w in caught], "feedback": reducer.spec.feedback.name,
-            "digest": digest(model), "losses": losses, "horizon": horizon, "late": late}
+            "digest": digest(model), "losses": losses, "horizon": horizon, "late": late, "modes": modes}
 
 
 @pytest.mark.parametrize("preset", ["dgc", "adaptive"])
@@ -71,6 +85,7 @@ def test_adamw_trains_with_error_feedback_in_place_of_dgcs_momentum_alike_on_eve
     assert results[0]["digest"] == results[1]["digest"]
     if preset == "adaptive":
         assert results[0]["horizon"] == 1.0  # error feedback delivers within a step, not a momentum's memory
+        assert results[0]["modes"]["fp32"] >= 20  # AdamW's first 20 steps are dense (of 24: the link decides after)
 
 
 def switched_late(rank: int, world: int) -> str:

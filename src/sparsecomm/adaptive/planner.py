@@ -65,8 +65,10 @@ class Planner:
                            bytes_per_nnz=self.config.first_bytes_per_nnz)
         self.trials = Trials(self.config)
 
-    def use_feedback_horizon(self, horizon: float) -> None:
-        """The pipeline's feedback changed (before the first step): its `Feedback.delay_horizon`."""
+    def suit(self, sparsifier: Adaptive, horizon: float) -> None:
+        """The pipeline changed for its optimizer (before the first step): its sparsifier and its
+        feedback's `Feedback.delay_horizon`."""
+        self.sparsifier = self.costs.sparsifier = sparsifier
         self.feedback_horizon = self.costs.feedback_horizon = horizon
 
     # -- the reducer's calls, in step order ------------------------------------------------------
@@ -151,7 +153,7 @@ class Planner:
     def plan(self) -> Plan:
         """This step's plan, from agreed numbers only (so every rank's is the same)."""
         sparsifier, costs = self.sparsifier, self.costs
-        if self.world_size == 1 or (self.step < sparsifier.dense_start and not sparsifier.budget):
+        if self.world_size == 1 or (self.step < max(0, sparsifier.dense_start) and not sparsifier.budget):
             return Plan(Mode.FP32)  # a user's byte budget holds from the first step
         if self.step == 0 and costs.throughput and not sparsifier.budget:
             # (dense_start=0) the link probed at start-up, the compute not timed yet: sparse at the

@@ -1,14 +1,20 @@
-"""Which feedback suits the optimizer. A feedback that applies SGD's momentum itself (DGC's momentum
+"""Which pipeline suits the optimizer. A feedback that applies SGD's momentum itself (DGC's momentum
 correction, `Feedback.applies_momentum`) must not meet an optimizer that applies its own — SGD with
 momentum, Adam and its kin — or the momentum is applied twice. Error feedback on the gradient
-(``residual``) leaves the momentum to the optimizer, and suits every optimizer."""
+(``residual``) leaves the momentum to the optimizer, and suits every optimizer. An optimizer other
+than SGD normalizes the gradient, so ``adaptive`` starts with dense steps under it
+(``dense_start=-1``: `DENSE_START`)."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from sparsecomm.feedback.base import Feedback
 from sparsecomm.feedback.residual import Residual
+from sparsecomm.sparsify.adaptive import DENSE_START, Adaptive
+from sparsecomm.spec import PipelineSpec
 
 
 def applies_momentum(optimizer: torch.optim.Optimizer) -> bool:
@@ -24,6 +30,23 @@ def suited_feedback(feedback: Feedback, optimizer: torch.optim.Optimizer) -> tup
     return Residual(), (f"{feedback.to_spec()} applies SGD's momentum itself and {name} applies its own: this "
                         f"reducer uses residual instead (error feedback on the gradient; {name} keeps the "
                         "momentum). For DGC's momentum correction, use SGD without momentum.")
+
+
+def suited_spec(spec: PipelineSpec, optimizer: torch.optim.Optimizer) -> tuple[PipelineSpec, str | None]:
+    """(the spec to use with ``optimizer``, why its feedback differs, or None): `suited_feedback`,
+    and ``adaptive(dense_start=-1)`` made `DENSE_START` under an optimizer other than SGD."""
+    feedback, why = suited_feedback(spec.feedback, optimizer)
+    suited = replace(spec, feedback=feedback)
+    sparsifier = spec.sparsifier
+    if isinstance(sparsifier, Adaptive) and sparsifier.dense_start == -1 and normalizes(optimizer):
+        suited = replace(suited, sparsifier=replace(sparsifier, dense_start=DENSE_START))
+    return suited, why
+
+
+def normalizes(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s step is not linear in the gradient: any but SGD (Adam's kin scale each
+    entry by its second moment)."""
+    return not isinstance(_unwrapped(optimizer), torch.optim.SGD)
 
 
 def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

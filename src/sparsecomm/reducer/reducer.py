@@ -39,7 +39,7 @@ from sparsecomm.reducer.call import Call, Route, route_of
 from sparsecomm.reducer.checkpoint import FORMAT, migrate
 from sparsecomm.reducer.completion import attach
 from sparsecomm.reducer.config import DENSE_BELOW, ReducerConfig
-from sparsecomm.reducer.optimizers import suited_feedback
+from sparsecomm.reducer.optimizers import suited_spec
 from sparsecomm.reducer.paths.base import Parts, Path
 from sparsecomm.reducer.paths.compressed import CompressedPath
 from sparsecomm.reducer.paths.dense_step import DenseStepPath
@@ -49,6 +49,7 @@ from sparsecomm.reducer.paths.rows import RowsPath
 from sparsecomm.reducer.stats import ReducerStats, TensorStats
 from sparsecomm.reducer.step_calls import StepCalls
 from sparsecomm.reducer.uncompressed import UncompressedFeedback
+from sparsecomm.sparsify.adaptive import Adaptive
 from sparsecomm.spec import PipelineSpec, format_spec
 from sparsecomm.transport.agreement import agree
 from sparsecomm.transport.collectives import wire_device
@@ -161,25 +162,30 @@ class GradientReducer:
         self._paths = {path.route: path for path in paths}
 
     def suit_optimizer(self, optimizer: torch.optim.Optimizer) -> str | None:
-        """Before the first step, take a feedback that suits ``optimizer`` (`suited_feedback`: no
-        momentum applied twice); every rank calls it alike. Returns why the feedback changed, or None.
+        """Before the first step, take a pipeline that suits ``optimizer`` (`suited_spec`: no momentum
+        applied twice; ``adaptive``'s dense start); every rank calls it alike. Returns why the
+        feedback changed, or None.
 
         Raises:
             SparseCommError: the feedback must change after the first step, or the ranks differ."""
-        feedback, why = suited_feedback(self.spec.feedback, optimizer)
-        if why is None:
+        spec, why = suited_spec(self.spec, optimizer)
+        if spec == self.spec:
             return None
         if self._counts:
+            if why is None:
+                return None  # only adaptive's dense start would change, and the steps have begun
             raise SparseCommError(f"{why} — but this reducer has already reduced gradients: suit it to the "
                                   "optimizer before the first step")
-        self.config = replace(self.config, spec=replace(self.spec, feedback=feedback))
+        feedback = spec.feedback
+        self.config = replace(self.config, spec=spec)
         if not self.started:
             return why  # the ranks agree on it when the reducer starts
         self.config.agree(self.group)
         self.pipeline = Pipeline(self.spec, seed=self.config.seed, nonfinite=self.config.nonfinite,
                                  world_size=self.config.world_size)
         if self.adaptive is not None:
-            self.adaptive.planner.use_feedback_horizon(feedback.delay_horizon())
+            assert isinstance(spec.sparsifier, Adaptive)
+            self.adaptive.planner.suit(spec.sparsifier, feedback.delay_horizon())
         self._build_paths()
         return why
 

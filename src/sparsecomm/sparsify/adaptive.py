@@ -24,6 +24,8 @@ from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.sparsify.base import SPARSIFIERS, Sparsifier, count_from, gather
 from sparsecomm.sparsify.dgc_threshold import refined_selection, sampled_threshold
 
+DENSE_START = 20
+"""dense steps before any sparse one under an optimizer that normalizes the gradient (``dense_start=-1``)"""
 MIN_SAMPLES = 256
 """below this many samples a tensor is small enough for an exact top-k"""
 UPPER, LOWER, DECAY, RETRIES = 1.5, 0.7, 0.7, 4
@@ -38,11 +40,12 @@ class Adaptive(Sparsifier):
     """the least density the budget may set"""
     probe: int = 200
     """with a measured budget, every ``probe`` steps one step is sent dense to re-measure the link (0: never)"""
-    dense_start: int = 20
+    dense_start: int = -1
     """with a measured budget, the first ``dense_start`` steps send every entry, in the spirit of
-    DGC's warm-up training (§3.3, which eases sparsity in): early gradients are large and change
-    fast, and what sparse steps hold back arrives later in one burst, which AdamW's second moment
-    remembers for many steps"""
+    DGC's warm-up training (§3.3, which eases sparsity in); -1: by the optimizer — `DENSE_START`
+    under one that normalizes the gradient (Adam's kin: what error feedback holds back arrives later
+    in one burst, which its second moment remembers for many steps), 0 under SGD, whose update is
+    linear in the gradient (`check_optimizer` tells it; untold, 0)"""
     horizon: float = 0.0
     """with a measured budget, a step's k entries are taken to deliver what the ``horizon``·k largest
     of one step's gradient hold: error feedback sends what a step leaves out some steps later
@@ -57,8 +60,10 @@ class Adaptive(Sparsifier):
             raise SparseCommError("adaptive budget must be >= 0 bytes (0: measured)")
         if not 0.0 < self.floor <= 1.0 or not 0.0 < self.density <= 1.0:
             raise SparseCommError("adaptive floor and density must be in (0, 1]")
-        if self.probe < 0 or self.dense_start < 0:
-            raise SparseCommError("adaptive probe and dense_start must be >= 0 steps")
+        if self.probe < 0:
+            raise SparseCommError("adaptive probe must be >= 0 steps")
+        if self.dense_start < -1:
+            raise SparseCommError("adaptive dense_start must be >= 0 steps, or -1 (by the optimizer)")
         if not (self.horizon == 0.0 or self.horizon >= 1.0):
             raise SparseCommError("adaptive horizon must be >= 1 step, or 0 (from the feedback)")
         if not 0.0 < self.sample <= 1.0:
