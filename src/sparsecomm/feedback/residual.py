@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from sparsecomm.feedback.base import FEEDBACKS, Feedback, flush_into, held, subtract_sent
+from sparsecomm.feedback.base import FEEDBACKS, Feedback, flush_into, held, holds, subtract_sent
 from sparsecomm.sparse_gradient import SparseGradient
 
 
@@ -31,15 +31,13 @@ class Residual(Feedback):
     def flush_reads_only(self, grad: torch.Tensor, state: dict[str, Any], wire_dtype: torch.dtype,
                          scale: float = 1.0) -> bool:
         """While the residual is known to be zero, an exact flush sends the gradient alone."""
-        residual = state.get("residual")
-        return (bool(state.get("clear")) and residual is not None and residual.numel() == grad.numel()
-                and scale == 1.0 and wire_dtype == grad.dtype)
+        return (bool(state.get("clear")) and holds(state, "residual", grad) and scale == 1.0
+                and wire_dtype == grad.dtype)
 
     def flush(self, grad: torch.Tensor, state: dict[str, Any], out: torch.Tensor, scale: float = 1.0) -> None:
         """grad + residual into ``out``; the residual keeps what ``out`` lost (`Feedback.flush`,
         without indices; while the residual is known to be zero, grad goes straight to ``out``)."""
-        residual = state.get("residual")
-        if state.get("clear") and residual is not None and residual.numel() == grad.numel():
+        if state.get("clear") and holds(state, "residual", grad):
             if scale == 1.0 and out.dtype == grad.dtype:
                 out.copy_(grad.reshape(-1))
                 return

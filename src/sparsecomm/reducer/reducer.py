@@ -176,7 +176,6 @@ class GradientReducer:
                 return None  # only adaptive's dense start would change, and the steps have begun
             raise SparseCommError(f"{why} — but this reducer has already reduced gradients: suit it to the "
                                   "optimizer before the first step")
-        feedback = spec.feedback
         self.config = replace(self.config, spec=spec)
         if not self.started:
             return why  # the ranks agree on it when the reducer starts
@@ -185,7 +184,7 @@ class GradientReducer:
                                  world_size=self.config.world_size)
         if self.adaptive is not None:
             assert isinstance(spec.sparsifier, Adaptive)
-            self.adaptive.planner.suit(spec.sparsifier, feedback.delay_horizon())
+            self.adaptive.planner.suit(spec.sparsifier, spec.feedback.delay_horizon())
         self._build_paths()
         return why
 

@@ -41,7 +41,16 @@ from types import MappingProxyType
 from typing import Any
 
 from sparsecomm.train.row_names import HIERARCHICAL
-from sparsecomm.train.scaling import LINKS, Panel, RowCosts, flat_rows, median_step_s, plot_panels, run_link
+from sparsecomm.train.scaling import (
+    LINKS,
+    Panel,
+    RowCosts,
+    dense_bytes,
+    flat_rows,
+    median_step_s,
+    plot_panels,
+    run_link,
+)
 
 FABRICS = MappingProxyType({"nvlink": (2.4e12, 5e-6), "pcie": (192e9, 10e-6)})
 """inside a node, per rank: rate (bits/s) and per-message latency α (s) — NVLink-class (300 GB/s a
@@ -106,7 +115,7 @@ def _allreduce(layout: Layout, nbytes: float) -> float:
     return inside + across
 
 
-def _allgather(layout: Layout, nbytes: float, dense_bytes: float, encode_s: float, peer_decode_s: float,
+def _allgather(layout: Layout, nbytes: float, dense: float, encode_s: float, peer_decode_s: float,
                hierarchical: bool) -> float:
     """Payloads of ``nbytes`` per rank (a whole model's), gathered flat or between nodes on shards."""
     per_node, nodes, ranks = layout.per_node, layout.nodes, layout.ranks
@@ -115,7 +124,7 @@ def _allgather(layout: Layout, nbytes: float, dense_bytes: float, encode_s: floa
         return (encode_s + peer_decode_s * (ranks - 1) + _rounds(ranks) * network_alpha
                 + (per_node - 1) * nbytes * _beta(layout.fabric) + per_node * (ranks - per_node) * nbytes
                 * _beta(layout.network))
-    inside = _allreduce(Layout(1, per_node, layout.fabric, layout.network), dense_bytes)
+    inside = _allreduce(Layout(1, per_node, layout.fabric, layout.network), dense)
     return (inside + encode_s / per_node + peer_decode_s * (nodes - 1) / per_node
             + _rounds(nodes) * layout.network[1] + (nodes - 1) * nbytes * _beta(layout.network))
 
@@ -162,9 +171,7 @@ def project(result: dict[str, Any], per_node: int = PER_NODE, nodes: tuple[int, 
             networks: Mapping[str, tuple[float, float]] = LINKS) -> dict[str, Any]:
     """Per row (flat, and ``hier:`` for the sparse presets), fabric, network and node count:
     projected ms per step and speed-up over one rank, anchored at ``result``'s measured run."""
-    dense_bytes = max(row["bytes_per_step"] for row in flat_rows(result)
-                      if row["preset"] in ("torch-allreduce", "dense"))
-    anchors = _anchors(result, dense_bytes)
+    anchors = _anchors(result, dense_bytes(result))
     points = []
     for (name, hierarchical), (cost, unmodeled_s) in anchors.items():
         for fabric, fabric_link in fabrics.items():
@@ -183,10 +190,10 @@ def project(result: dict[str, Any], per_node: int = PER_NODE, nodes: tuple[int, 
             "check": check_bytes(result) if result.get("nodes", 1) > 1 else []}
 
 
-def _anchors(result: dict[str, Any], dense_bytes: float) -> dict[tuple[str, bool], tuple[RowCosts, float]]:
+def _anchors(result: dict[str, Any], dense: float) -> dict[tuple[str, bool], tuple[RowCosts, float]]:
     """(preset, hierarchical) → its flat row's costs (the hierarchical projection starts from the
     whole model's bytes) and what its measured step took beyond the model at the run's layout."""
-    flat = {row["preset"]: RowCosts.from_row(row, dense_bytes) for row in flat_rows(result)}
+    flat = {row["preset"]: RowCosts.from_row(row, dense) for row in flat_rows(result)}
     point = run_link(result)
     measured_nodes = result.get("nodes", 1)
     if point is None:  # loopback: no link to anchor at, the bare model
@@ -223,15 +230,14 @@ def crossing_bytes(cost: RowCosts, layout: Layout, hierarchical: bool) -> float 
 def check_bytes(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Each row's bytes between nodes as the model sends them at the run's layout, beside what
     crossed its link (``link_bytes_per_step``, headers included)."""
-    nodes = result.get("nodes", 1)
-    rows = flat_rows(result)
-    dense_bytes = max(row["bytes_per_step"] for row in rows if row["preset"] in ("torch-allreduce", "dense"))
+    nodes, dense = result.get("nodes", 1), dense_bytes(result)
     layout = Layout(nodes, result["workers"] // nodes, (math.inf, 0.0), (math.inf, 0.0))
+    crossed = {row["preset"]: row.get("link_bytes_per_step") for row in result["rows"]}
     checked = []
-    for row in rows:
-        cost = RowCosts.from_row(row, dense_bytes)
+    for row in flat_rows(result):
+        cost = RowCosts.from_row(row, dense)
         for name, hierarchical in ((row["preset"], False), (HIERARCHICAL + row["preset"], True)):
-            measured = next((r.get("link_bytes_per_step") for r in result["rows"] if r["preset"] == name), None)
+            measured = crossed.get(name)
             modeled = crossing_bytes(cost, layout, hierarchical)
             if measured and modeled:
                 checked.append({"preset": name, "measured_bytes": measured, "modeled_bytes": modeled,

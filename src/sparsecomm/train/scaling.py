@@ -169,15 +169,19 @@ def project(result: dict[str, Any], links: Mapping[str, tuple[float, float]] | N
 
 def anchored(result: dict[str, Any]) -> list[RowCosts]:
     """Each ran row's costs, anchored at the run's own point when it ran on a link of known rate."""
-    rows = flat_rows(result)
-    dense_bytes = max(row["bytes_per_step"] for row in rows if row["preset"] in ("torch-allreduce", "dense"))
-    costs = [RowCosts.from_row(row, dense_bytes) for row in rows]
+    dense = dense_bytes(result)
+    costs = [RowCosts.from_row(row, dense) for row in flat_rows(result)]
     point = run_link(result)
     if point is None:
         return costs
     rate, alpha = point
     return [replace(cost, unmodeled_s=max(0.0, median_step_s(result, cost.name)
                                          - cost.modeled_s(result["workers"], rate, alpha))) for cost in costs]
+
+
+def dense_bytes(result: dict[str, Any]) -> float:
+    """What a dense all_reduce sends per rank and step: DDP's row's bytes (or ``dense``'s)."""
+    return max(row["bytes_per_step"] for row in flat_rows(result) if row["preset"] in ("torch-allreduce", "dense"))
 
 
 def flat_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
