@@ -270,6 +270,21 @@ class Pipeline:
                                     len(payload) if payload is not None else 0)
         return StepOutput(selection, payload, encode_s=encode_s)
 
+    def take_back(self, lost: SparseGradient, key: str = "", segments: Sequence[Segment] | None = None) -> None:
+        """What the transport lost of this rank's last contribution under ``key`` (`Reduction.lost`,
+        flat, sorted indices), held by each tensor's feedback to go with its later steps; a tensor
+        sent whole holds it as it holds a lossy codec's error."""
+        segments = segments or (Segment(key, 0, lost.numel),)
+        for segment, part in zip(segments, split(lost, segments), strict=True):
+            state = self.states[segment.key]
+            if not segment.whole:
+                self.spec.feedback.take_back(part, state.feedback)
+                continue
+            if state.codec_error is None:
+                state.codec_error = torch.zeros(segment.numel, dtype=part.values.dtype, device=part.values.device)
+            state.codec_error.index_add_(0, part.indices.to(state.codec_error.device),
+                                         part.values.to(state.codec_error.device, state.codec_error.dtype))
+
     def _select(self, flat: torch.Tensor, segments: Sequence[Segment], shapes: list[torch.Size],
                 states: list[TensorState],
                 density: float | None) -> tuple[list[torch.Tensor], list[SparseGradient], list[int | None]]:

@@ -24,6 +24,11 @@ class Feedback(Component):
         """Record that ``sent`` (indices and the values the receivers will decode) left."""
         raise NotImplementedError
 
+    def take_back(self, lost: SparseGradient, state: dict[str, Any]) -> None:
+        """What the transport lost of what this rank sent (a sketch's collisions, a quantizer's
+        rounding: `Reduction.lost`), added to what this feedback holds so that a later step sends
+        it. Dropped by default: a feedback that holds nothing has nowhere to keep it."""
+
     def flush(self, grad: torch.Tensor, state: dict[str, Any], out: torch.Tensor, scale: float = 1.0) -> None:
         """A dense step of the ``adaptive`` pipeline: write this step's gradient with what the
         feedback sends along, times ``scale``, into ``out`` (flat; a narrower dtype such as fp16
@@ -108,6 +113,11 @@ def flush_into(whole: torch.Tensor, out: torch.Tensor, scale: float) -> bool:
     torch.mul(flat, scale, out=out)  # rounded to out's dtype as it is written
     flat.sub_(out, alpha=1.0 / scale)
     return False
+
+
+def add_at(buffer: torch.Tensor, entries: SparseGradient) -> None:
+    """buffer[entries] += entries' values, in place (flat positions, ``buffer``'s dtype and device)."""
+    buffer.view(-1).index_add_(0, entries.indices.to(buffer.device), entries.values.to(buffer.device, buffer.dtype))
 
 
 def subtract_sent(accumulated: torch.Tensor, sent: SparseGradient) -> torch.Tensor:

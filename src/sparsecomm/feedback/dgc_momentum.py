@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from sparsecomm.errors import SparseCommError
-from sparsecomm.feedback.base import FEEDBACKS, Feedback, held, holds, subtract_sent
+from sparsecomm.feedback.base import FEEDBACKS, Feedback, add_at, held, holds, subtract_sent
 from sparsecomm.host_memory import clear_
 from sparsecomm.sparse_gradient import SparseGradient
 
@@ -84,6 +84,9 @@ class DGCMomentum(Feedback):
         indices = subtract_sent(accumulated, sent)
         if self.masking:
             state["momentum_buffer"].view(-1)[indices] = 0
+
+    def take_back(self, lost: SparseGradient, state: dict[str, Any]) -> None:
+        add_at(state["accumulated"], lost)
 
     def flush(self, grad: torch.Tensor, state: dict[str, Any], out: torch.Tensor, scale: float = 1.0) -> None:
         """A dense step: the momentum moves to the average, as the optimizer's would. ``out`` gets

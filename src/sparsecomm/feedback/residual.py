@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from sparsecomm.feedback.base import FEEDBACKS, Feedback, flush_into, held, holds, subtract_sent
+from sparsecomm.feedback.base import FEEDBACKS, Feedback, add_at, flush_into, held, holds, subtract_sent
 from sparsecomm.sparse_gradient import SparseGradient
 
 
@@ -26,6 +26,10 @@ class Residual(Feedback):
 
     def update(self, accumulated: torch.Tensor, sent: SparseGradient, state: dict[str, Any]) -> None:
         subtract_sent(accumulated, sent)
+        state["clear"] = False
+
+    def take_back(self, lost: SparseGradient, state: dict[str, Any]) -> None:
+        add_at(state["residual"], lost)
         state["clear"] = False
 
     def flush_reads_only(self, grad: torch.Tensor, state: dict[str, Any], wire_dtype: torch.dtype,

@@ -23,6 +23,7 @@ from sparsecomm.adaptive.config import Plan
 from sparsecomm.names import Name
 from sparsecomm.pipeline import Segment
 from sparsecomm.reducer.config import ReducerConfig
+from sparsecomm.sparse_gradient import SparseGradient
 
 
 class Route(Name):
@@ -85,8 +86,9 @@ def route_of(tensor: torch.Tensor, segments: tuple[Segment, ...] | None, config:
 class Summed:
     """A path's sum over ranks, back on the gradient's device: ``total`` (flat or in the gradient's
     shape; ``owned``: a buffer the completion may change in place; ``averaged``: already divided by
-    the world size), what the call sent and spent decoding, and every rank's report numbers where
-    the call carried this rank's (``sides``)."""
+    the world size), what the call sent and spent decoding, every rank's report numbers where
+    the call carried this rank's (``sides``), and what the sum lost of this rank's contribution
+    (``lost``, `Reduction.lost`)."""
 
     total: torch.Tensor
     bytes_sent: int
@@ -95,3 +97,4 @@ class Summed:
     averaged: bool = False
     carried_report: bool = False
     sides: torch.Tensor | None = None
+    lost: SparseGradient | None = None

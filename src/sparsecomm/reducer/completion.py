@@ -54,6 +54,8 @@ def complete(parts: Parts, call: Call, path: Path, pending: Pending, stats: Tens
             parts.adaptive.reports.carried(summed.sides)
         path.measured(call, pending, summed)
     total = path.checked(call, pending, summed)
+    if summed.lost is not None:
+        path.take_back(call, summed.lost)
     world_size = parts.config.world_size
     if summed.averaged:  # scaled by 1/P before it was sent
         if not parts.config.average:

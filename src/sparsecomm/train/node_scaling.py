@@ -85,6 +85,9 @@ def step_s(cost: RowCosts, layout: Layout, hierarchical: bool) -> float:
     if cost.kind == "allreduce":
         return (cost.compute_s + cost.encode_s + cost.decode_s
                 + cost.collectives * _allreduce(layout, cost.bytes_per_step))
+    if cost.kind == "peeled_sketch":
+        decode_s, nbytes = cost.peeled_sketch(layout.ranks)
+        return cost.compute_s + cost.encode_s + decode_s + _allreduce(layout, nbytes)
     if cost.kind == "adaptive":
         modes = [cost.compute_s + _allreduce(layout, cost.dense_bytes),
                  cost.compute_s + _allreduce(layout, cost.dense_bytes / 2)]

@@ -4,9 +4,11 @@ P = 1…256 workers on 1, 10 and 100 Gbit/s links, for every row of a `sparsecom
 Compute, encoding and decoding are what the run measured on this machine, per step; the network is
 an α-β model of how each row's bytes travel (α: seconds per message, β: seconds per byte):
 
-- ``allreduce`` (dense, fp16, S2's sketch, PowerSGD): an all_reduce of the bytes one rank hands it
-  by recursive halving and doubling (Rabenseifner, as DGC's model), 2⌈log2 P⌉·α + 2(P−1)/P·bytes·β,
-  once per collective it runs per step (PowerSGD: three);
+- ``allreduce`` (dense, fp16, S2's sketch read by medians, PowerSGD): an all_reduce of the bytes one
+  rank hands it by recursive halving and doubling (Rabenseifner, as DGC's model),
+  2⌈log2 P⌉·α + 2(P−1)/P·bytes·β, once per collective it runs per step (PowerSGD: three);
+- ``peeled_sketch`` (S2's sketch solved by peeling): the same all_reduce, of a sketch sized to the
+  ranks' selections summed, so its bytes and its decoding grow as P (never beyond the dense tensor);
 - ``allgather`` (payload transports): every rank receives the P−1 other payloads,
   ⌈log2 P⌉·α + (P−1)·bytes·β, and decodes them: decoding time grows as P−1;
 - ``sparse_allreduce`` (SparCML): recursive doubling, log2 P rounds, round t carrying the union of
@@ -94,11 +96,20 @@ class RowCosts:
         if self.kind == "allreduce":
             return self.compute_s + self.encode_s + self.decode_s + self.collectives * _allreduce_time(
                 workers, self.bytes_per_step, beta, alpha)
+        if self.kind == "peeled_sketch":
+            decode_s, nbytes = self.peeled_sketch(workers)
+            return self.compute_s + self.encode_s + decode_s + _allreduce_time(workers, nbytes, beta, alpha)
         if self.kind == "sparse_allreduce":
             return self.compute_s + self.encode_s + self.decode_s + _recursive_doubling(
                 workers, self.bytes_per_step, self.dense_bytes, beta, alpha)
         return (self.compute_s + self.encode_s + self._decode(workers)
                 + _rounds(workers) * alpha + (workers - 1) * self.bytes_per_step * beta)
+
+    def peeled_sketch(self, workers: int) -> tuple[float, float]:
+        """A peeled sketch's (decode seconds, bytes) at ``workers``: sized to every rank's selection,
+        both grow as the ranks do (the bytes never beyond the dense tensor's)."""
+        grown = workers / self.measured_workers
+        return self.decode_s * grown, min(self.dense_bytes, self.bytes_per_step * grown)
 
     def _decode(self, workers: int) -> float:
         return self.decode_s * (workers - 1) / max(1, self.measured_workers - 1)
@@ -146,9 +157,12 @@ def _travel(row: str) -> tuple[str, int]:
     """(how a row's bytes travel, collectives per step)."""
     if row in BASELINES:
         return "allreduce", 3 if BASELINES[row].powersgd_rank else 1
-    transport = resolve(row).transport.name
-    if resolve(row).sparsifier.name == "adaptive":
+    spec = resolve(row)
+    transport = spec.transport.name
+    if spec.sparsifier.name == "adaptive":
         return "adaptive", 1
+    if getattr(spec.transport, "decode", None) == "peel":
+        return "peeled_sketch", 1
     return {"dense": "allreduce", "sketch_allreduce": "allreduce",
             "sparse_allreduce": "sparse_allreduce"}.get(transport, "allgather"), 1
 

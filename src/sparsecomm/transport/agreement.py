@@ -2,10 +2,10 @@
 
 One fixed-size all_gather of every rank's (tensor size, configuration fingerprint, stream key, call
 number, nnz, a flag — non-finite input, or values its codec refused —, payload size). Every rank
-checks the same table, so either all of them go on — knowing the largest nnz and, when all sent
-one, every payload size — or all raise `SparseCommError`, none left hanging in a later collective.
-Because the stream's key and call number are in it, ranks that pass tensors in different orders or
-counts fail with the key named instead of summing the wrong tensors together. Each record also
+checks the same table, so either all of them go on — knowing the largest nnz, their sum and, when
+all sent one, every payload size — or all raise `SparseCommError`, none left hanging in a later
+collective. Because the stream's key and call number are in it, ranks that pass tensors in
+different orders or counts fail with the key named instead of summing the wrong tensors together. Each record also
 carries the request's side numbers (`sparsecomm.transport.side_numbers`), which every rank gets
 back from every rank, unchecked.
 """
@@ -75,5 +75,6 @@ def check_table(table: torch.Tensor, request: Request, numel: int, config: int) 
         raise SparseCommError(f"a rank had a non-finite gradient (NaN or Inf) in {key!r}; no rank applied it"
                               + (" — including this one" if request.nonfinite else ""))
     sizes = tuple(row[_NBYTES] for row in rows)
-    return Agreement(max(row[_NNZ] for row in rows), sizes if min(sizes) > 0 else None,
-                     sides_of_table(table[:, CHECKED_FIELDS:]))
+    nnzs = [row[_NNZ] for row in rows]
+    return Agreement(max(nnzs), sizes if min(sizes) > 0 else None, sides_of_table(table[:, CHECKED_FIELDS:]),
+                     total_nnz=sum(nnzs))

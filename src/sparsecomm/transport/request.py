@@ -14,17 +14,20 @@ import numpy as np
 import torch
 
 from sparsecomm.encode.base import IndexCodec, ValueCodec
+from sparsecomm.sparse_gradient import SparseGradient
 
 
 @dataclass(frozen=True)
 class Agreement:
-    """What the agreement step established, the same on every rank: the largest nnz of any rank
-    and, when every rank sent one, every rank's payload size (in rank order)."""
+    """What the agreement step established, the same on every rank: the largest nnz of any rank,
+    when every rank sent one, every rank's payload size (in rank order), and the ranks' nnz summed
+    (0: a caller that did not count it)."""
 
     max_nnz: int
     sizes: tuple[int, ...] | None = None
     sides: torch.Tensor | None = field(default=None, compare=False)
     """every rank's side numbers (world size × `SIDE_FIELDS` float64, see `Request.side`)"""
+    total_nnz: int = 0
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,11 @@ class CallRecord:
 
 @dataclass(frozen=True)
 class Reduction:
-    """A transport call's result: the dense sum over ranks, and the call's record."""
+    """A transport call's result: the dense sum over ranks, and the call's record. A transport whose
+    sum is not exact (a sketch, a quantized dense phase) says in ``lost`` what it lost of this
+    rank's contribution (flat, sorted indices): summed over ranks, the exact sum minus ``total``;
+    the caller's feedback sends it again. None: nothing lost, or nothing worth sending again."""
 
     total: torch.Tensor
     record: CallRecord
+    lost: SparseGradient | None = None

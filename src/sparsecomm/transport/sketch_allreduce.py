@@ -3,12 +3,30 @@ all_reduce, so sparse gradients are reduced with the dense collective's efficien
 
 Each rank inserts its nonzeros into an r×c count sketch, S[j, h_j(i)] += s_j(i)·g(i), and marks
 their blocks in a bitmap. The sketches are summed (all_reduce SUM), the bitmaps OR-ed (all_reduce
-BOR). Every entry of a marked block is decoded as median_j s_j(i)·S[j, h_j(i)]. The sketch holds
-``ratio`` (λ) × nnz cells (nnz: the largest on any rank; the paper's best λ is 0.5). With one row
-the estimate is unbiased; more rows trade a small bias for robustness. Hashes are degree-3
-polynomials modulo 2^31 − 1 (a 4-wise independent family for indices below 2^31 − 1) with
-coefficients drawn from ``seed``, so every rank hashes alike. Sketch and bitmap are built and read
-on the gradient's device and cross to the wire's only when the backend needs it (gloo, CUDA
+BOR). The bitmap tells every rank which entries are nonzero; ``decode`` reads their values:
+
+- ``median`` (the paper's): each entry is median_j s_j(i)·S[j, h_j(i)]. Not exact: what the
+  collisions added to or took from this rank's contribution (its own sketch read at the marked
+  entries, against what it put in) comes back as the call's ``lost``, for the feedback to send
+  again; summed over ranks it is exactly what the sum lost with one row (with several, the median
+  is not linear, and each rank gets its own read's error). Only while it is smaller than what the
+  rank sent: a sketch narrower than that (λ below about the number of ranks) adds more noise than
+  signal, and sent again it would compound step by step; it is then dropped, as the paper does.
+- ``peel``: since the bitmap names the unknowns, the sketch is a sparse linear system, solved by
+  peeling as an invertible Bloom lookup table is: an entry alone in one of its cells is read
+  exactly, subtracted from its other rows' cells, and so on. With three rows this solves every
+  entry once the sketch has about 1.23 cells per marked entry; entries left unsolved are delivered
+  as zero and every rank keeps its own share of them (``lost``). Exact up to float rounding.
+
+The sketch holds ``ratio`` (λ) × nnz cells. ``median``: nnz is the largest on any rank, as in the
+paper, whose best λ is 0.5 (its noise then grows with the ranks: each read sums about P/λ
+entries). ``peel``: nnz is the ranks' nnz summed, the most the marked entries can be; λ ≈ 1.3
+solves them all with three rows (less where the ranks' selections overlap, as embedding rows do).
+
+Hashes are degree-3 polynomials modulo 2^31 − 1 (a 4-wise independent family for indices below
+2^31 − 1) with coefficients drawn from ``seed``, the step and the call number, so every rank
+hashes alike and no two entries collide call after call. Sketch and bitmap are built and read on
+the gradient's device and cross to the wire's only when the backend needs it (gloo, CUDA
 gradients); NCCL has no bitwise OR, so there the bitmaps are gathered and folded.
 """
 
@@ -17,6 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -25,7 +44,7 @@ from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.agreement import agree
 from sparsecomm.transport.base import TRANSPORTS, Transport, as_sparse, deliver, output_buffer
 from sparsecomm.transport.collectives import Group, all_reduce_or, fingerprint, on_wire, wire_device
-from sparsecomm.transport.request import CallRecord, Reduction, Request
+from sparsecomm.transport.request import Agreement, CallRecord, Reduction, Request
 from sparsecomm.transport.session import TransportSession
 
 PRIME = (1 << 31) - 1
@@ -100,14 +119,19 @@ class SketchAllreduce(Transport):
     rows: int = 1
     block: int = 1
     seed: int = 0
+    decode: str = "median"
     exact = False
 
     def __post_init__(self) -> None:
         if self.ratio <= 0 or self.rows < 1 or self.block < 1:
             raise SparseCommError("sketch_allreduce needs ratio > 0, rows >= 1, block >= 1")
+        if self.decode not in DECODES:
+            raise SparseCommError(f"sketch_allreduce decode must be one of {', '.join(DECODES)}, not {self.decode!r}")
 
-    def columns(self, max_nnz: int) -> int:
-        return max(1, math.ceil(self.ratio * max(max_nnz, 1) / self.rows))
+    def columns(self, agreement: Agreement) -> int:
+        """Cells per row: λ × the largest nnz (``median``) or × the ranks' nnz summed (``peel``)."""
+        nnz = agreement.total_nnz if self.decode == "peel" else agreement.max_nnz
+        return max(1, math.ceil(self.ratio * max(nnz, 1) / self.rows))
 
     def reduce(self, grad: SparseGradient | torch.Tensor, group: Group = None, request: Request | None = None,
                out: torch.Tensor | None = None, session: TransportSession | None = None) -> Reduction:
@@ -120,9 +144,10 @@ class SketchAllreduce(Transport):
         record = CallRecord(self.to_spec())
         with record.phase("agreement"):
             record.agreement = agree(group, request, numel, config, sparse.nnz)
-            max_nnz = record.agreement.max_nnz
-        columns = self.columns(max_nnz)
-        hashes = SketchHashes(self.seed + request.step, self.rows)
+        columns = self.columns(record.agreement)
+        # new hashes every call, so that no two entries collide call after call (a custom loop's
+        # calls between steps share a step)
+        hashes = SketchHashes(hash_seed(self.seed, request.step, request.call), self.rows)
         n_blocks = -(-numel // self.block)
         device, wire = sparse.device, wire_device(group)
         with record.phase("encode"):
@@ -134,6 +159,7 @@ class SketchAllreduce(Transport):
                 sketch[row].index_add_(0, buckets[row], signs[row].to(torch.float32) * values)
             marks = torch.zeros(n_blocks, dtype=torch.bool, device=device)
             marks[indices // self.block] = True
+            own = sketch.clone() if self.decode == "median" else None  # the all_reduce sums in place
             sketch, bitmap = on_wire(sketch, wire), on_wire(pack_bits(marks), wire)
         with record.phase("transfer"):
             dist.all_reduce(sketch, op=dist.ReduceOp.SUM, group=group)
@@ -145,9 +171,70 @@ class SketchAllreduce(Transport):
             positions = (marked[:, None] * self.block + torch.arange(self.block, device=device)).reshape(-1)
             positions = positions[positions < numel]
             out_buckets, out_signs = hashes.buckets_and_signs(positions, columns)
-            estimates = torch.gather(sketch, 1, out_buckets) * out_signs.to(torch.float32)
-            decoded = estimates.median(dim=0).values if self.rows > 1 else estimates[0]
+            signs = out_signs.to(torch.float32)
+            mine = torch.searchsorted(positions, indices)  # own entries lie in marked blocks
+            if self.decode == "peel":
+                decoded, solved = peel(sketch, out_buckets, signs)
+                contracts = True  # what it leaves is what the ranks sent of it
+                lost = torch.zeros_like(decoded).index_add_(0, mine, values).masked_fill_(solved, 0.0)
+            else:
+                assert own is not None
+                decoded = median_read(sketch, out_buckets, signs)
+                lost = median_read(own, out_buckets, signs).neg_().index_add_(0, mine, values)
+                contracts = bool(lost.square().sum() < values.square().sum())
         with record.phase("output"):
             total = output_buffer(out, numel, sparse.dtype, device)
             total[positions] = decoded.to(sparse.dtype)
-            return Reduction(deliver(total, sparse.shape, sparse.device, out), record)
+            kept = SparseGradient(positions, lost.to(sparse.dtype), torch.Size([numel])) if contracts else None
+            return Reduction(deliver(total, sparse.shape, sparse.device, out), record, lost=kept)
+
+
+DECODES = ("median", "peel")
+
+
+def hash_seed(*words: int) -> int:
+    """One seed for a call's hashes from its words (the transport's seed, step, call number)."""
+    return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def median_read(sketch: torch.Tensor, buckets: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """Each entry's value read from ``sketch``: the median over rows of s_j(i)·S[j, h_j(i)]."""
+    estimates = torch.gather(sketch, 1, buckets) * signs
+    return estimates.median(dim=0).values if estimates.shape[0] > 1 else estimates[0]
+
+
+def peel(sketch: torch.Tensor, buckets: torch.Tensor, signs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Solve ``sketch`` (rows × columns, the sum of every rank's) for the values of the entries
+    hashed to ``buckets`` with ``signs`` (rows × entries): every round reads each unsolved entry
+    that sits alone in one of its cells and takes it out of all its cells. Returns (values, solved),
+    unsolved entries at zero. One host read per round; each round works on the entries still
+    unsolved, and most are solved in the first few."""
+    rows, count = buckets.shape
+    remaining = sketch.clone().view(-1)
+    # entries × rows: an entry's flat cell ids and signs side by side
+    cells = (buckets + torch.arange(rows, device=buckets.device)[:, None] * sketch.shape[1]).t().contiguous()
+    signs = signs.t().contiguous()
+    load = torch.zeros_like(remaining).index_add_(0, cells.view(-1), torch.ones_like(signs).view(-1))
+    values = torch.zeros(count, dtype=remaining.dtype, device=remaining.device)
+    solved = torch.zeros(count, dtype=torch.bool, device=remaining.device)
+    unsolved = torch.arange(count, device=buckets.device)
+    while unsolved.numel():
+        alone = load.index_select(0, cells.view(-1)).view(cells.shape) == 1
+        found = alone.any(dim=1)
+        ready = torch.nonzero(found).squeeze(1)
+        if ready.numel() == 0:  # a core no cell singles out: left to the feedback
+            break
+        ready_cells, ready_signs = cells.index_select(0, ready), signs.index_select(0, ready)
+        ready_alone = alone.index_select(0, ready)
+        reads = remaining.index_select(0, ready_cells.view(-1)).view(ready_cells.shape) * ready_signs
+        read = reads[:, -1]
+        for row in range(rows - 2, -1, -1):  # the value from a cell that holds the entry alone
+            read = torch.where(ready_alone[:, row], reads[:, row], read)
+        entries = unsolved.index_select(0, ready)
+        values.index_copy_(0, entries, read)
+        solved.index_fill_(0, entries, True)
+        remaining.index_add_(0, ready_cells.view(-1), (ready_signs * read[:, None]).view(-1), alpha=-1)
+        load.index_add_(0, ready_cells.view(-1), torch.ones_like(ready_signs).view(-1), alpha=-1)
+        left = torch.nonzero(~found).squeeze(1)
+        unsolved, cells, signs = (kept.index_select(0, left) for kept in (unsolved, cells, signs))
+    return values, solved

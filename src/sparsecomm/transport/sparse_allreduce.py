@@ -93,18 +93,19 @@ class SparseAllreduce(Transport):
             total = output_buffer(out, sparse.numel, sparse.dtype, sparse.device)
         receivers = ((session.receiver("split-allgather, all-to-all"), session.receiver("split-allgather, allgather"))
                      if session is not None else (fresh_buffer, fresh_buffer))
+        lost = None  # only a quantized dense phase loses anything
         if algorithm == "ssar_rd":
             recursive_doubling(stream, group, record, total)
         elif algorithm == "ssar_sa":
-            counts = split_allgather(stream, group, request, record, total, dense_phase=False, bounds=bounds,
-                                     receivers=receivers)
+            counts, _ = split_allgather(stream, group, request, record, total, dense_phase=False, bounds=bounds,
+                                        receivers=receivers)
             if session is not None:
                 session.split_points[(request.key, sparse.numel, size)] = balanced_bounds(counts, sparse.numel, size)
         else:
-            split_allgather(stream, group, request, record, total, dense_phase=True, qsgd_bits=self.qsgd_bits,
-                            bucket=self.bucket, receivers=receivers)
+            _, lost = split_allgather(stream, group, request, record, total, dense_phase=True,
+                                      qsgd_bits=self.qsgd_bits, bucket=self.bucket, receivers=receivers)
         with record.phase("output"):
-            return Reduction(deliver(total, sparse.shape, sparse.device, out), record)
+            return Reduction(deliver(total, sparse.shape, sparse.device, out), record, lost=lost)
 
 
 def recursive_doubling(stream: Stream, group: Group, record: CallRecord, total: torch.Tensor) -> None:
@@ -207,12 +208,15 @@ def split_by_range(stream: Stream, bounds: Sequence[int]) -> list[Stream]:
 
 def split_allgather(stream: Stream, group: Group, request: Request, record: CallRecord, out: torch.Tensor,
                     dense_phase: bool, qsgd_bits: int = 0, bucket: int = 1024, bounds: tuple[int, ...] | None = None,
-                    receivers: tuple[Receiver, Receiver] = (fresh_buffer, fresh_buffer)) -> torch.Tensor:
+                    receivers: tuple[Receiver, Receiver] = (fresh_buffer, fresh_buffer),
+                    ) -> tuple[torch.Tensor, SparseGradient | None]:
     """Sums ``stream`` over the group into ``out`` (flat, zeroed), splitting [0, N) at ``bounds``
     (P + 1 ascending positions from 0 to N; default equal ranges). Returns the result's nonzero
-    counts in `BALANCE_BINS_PER_RANGE` × P equal bins, the same on every rank. The dense phase sums
-    this rank's range straight into ``out`` (no buffer of the range's size per call); ``receivers``:
-    where the all-to-all's and the allgather's messages land."""
+    counts in `BALANCE_BINS_PER_RANGE` × P equal bins, the same on every rank, and, where the dense
+    phase quantizes, what the quantization lost of this rank's range (each range's loss kept by its
+    owner, so summed over ranks it is all the sum lost: `Reduction.lost`), else None. The dense
+    phase sums this rank's range straight into ``out`` (no buffer of the range's size per call);
+    ``receivers``: where the all-to-all's and the allgather's messages land."""
     rank, size = world(group)
     bounds_list = list(bounds) if bounds is not None else range_bounds(stream.length, size)
     if len(bounds_list) != size + 1 or bounds_list[0] != 0 or bounds_list[-1] != stream.length or any(
@@ -236,6 +240,7 @@ def split_allgather(stream: Stream, group: Group, request: Request, record: Call
         else:
             wire = mine.to_bytes()
     record.bytes_sent += wire.numel() * (size - 1)
+    exact = out[owned[0] : owned[0] + owned[1]].clone() if codec is not None else None
     # each range is written by its owner's bytes alone, so ranges are written as they arrive: this
     # rank's own first, while the others are still in flight
     bins = BALANCE_BINS_PER_RANGE * size
@@ -251,4 +256,22 @@ def split_allgather(stream: Stream, group: Group, request: Request, record: Call
                 else:
                     reduced = Stream.write_bytes_into(buffer, (lo, hi - lo), out[lo:hi])
                     counts += nonzero_counts(reduced, stream.length, bins)
-    return counts
+    if exact is None:
+        return counts, None
+    error = contracting_error(exact, out[owned[0] : owned[0] + owned[1]], bucket)
+    where = torch.nonzero(error).squeeze(1)  # zeros quantize to zero: the sum's own support at most
+    return counts, SparseGradient(where + owned[0], error[where], torch.Size([stream.length]))
+
+
+def contracting_error(exact: torch.Tensor, decoded: torch.Tensor, bucket: int) -> torch.Tensor:
+    """exact − decoded in the quantizer's buckets whose error is smaller than what they carry, zero
+    elsewhere: QSGD scales a bucket by its L2 norm, and a bucket of a few large entries among many
+    small ones rounds the small ones to ± the norm's step — more noise than signal, which error
+    feedback would send again and compound step by step (as the quantizer alone does not)."""
+    error = exact - decoded
+    count = exact.numel()
+    padding = -count % bucket
+    carried = torch.nn.functional.pad(exact.square(), (0, padding)).view(-1, bucket).sum(dim=1)
+    lost = torch.nn.functional.pad(error.square(), (0, padding)).view(-1, bucket).sum(dim=1)
+    keep = (lost < carried).repeat_interleave(bucket)[:count]
+    return error.mul_(keep)

@@ -96,6 +96,10 @@ class Path(ABC):
     def after_average(self, call: Call, pending: Pending, total: torch.Tensor) -> torch.Tensor:
         """What the feedback owns, applied to the average."""
 
+    def take_back(self, call: Call, lost: SparseGradient) -> None:  # noqa: B027 - most paths lose nothing
+        """What the collective lost of this rank's contribution (`Summed.lost`): the feedback's to
+        send again. Dropped by default."""
+
     def state_dict(self) -> dict[str, Any]:
         """The path's own state between steps (none by default)."""
         return {}
@@ -147,7 +151,7 @@ class TransportPath(Path):
         agreement = reduction.record.agreement
         return Summed(reduction.total, reduction.record.bytes_sent, reduction.record.decode_s,
                       owned=out is not None and reduction.total is out, carried_report=pending.carries_report,
-                      sides=agreement.sides if agreement is not None else None)
+                      sides=agreement.sides if agreement is not None else None, lost=reduction.lost)
 
 
 def refused(request: Request, error: Exception) -> Request:

@@ -72,5 +72,8 @@ class CompressedPath(TransportPath):
             low, high = torch.aminmax(contribution.values)
             measuring.saw_magnitude(max(-float(low), float(high)))
 
+    def take_back(self, call: Call, lost: SparseGradient) -> None:
+        self.parts.pipeline.take_back(lost, call.key, call.segments)
+
     def after_average(self, call: Call, pending: Pending, total: torch.Tensor) -> torch.Tensor:
         return self.parts.uncompressed.apply(total, call.key, call.segments, whole_only=True)

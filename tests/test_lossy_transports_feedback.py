@@ -1,0 +1,105 @@
+"""Inexact transports on real gloo groups — S2's sketch, SparCML's quantized dense phase: what a
+call loses comes back to the ranks (summed over ranks, exactly what the sum lost), the feedback
+sends it again so that over steps nothing is lost, and peeling reads a wide enough sketch exactly."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import sparsecomm as sc
+from helpers import contribution
+from sparsecomm.launch import run_local
+from sparsecomm.transport.request import Request
+
+LOSSY = ["sketch_allreduce(ratio=8)", "sketch_allreduce(ratio=24,block=4)",
+         "sketch_allreduce(ratio=0.5,rows=3,block=4,decode=peel)"]
+
+
+def sketch_losses(rank: int, world: int, spec: str) -> dict:
+    grad = contribution(rank, world, "random", numel=5000, nnz=200)
+    reference = grad.clone()
+    dist.all_reduce(reference)
+    reduction = sc.parse_spec(spec).transport.reduce(sc.SparseGradient.from_dense(grad), request=Request(step=3))
+    assert reduction.lost is not None
+    lost = reduction.lost.to_dense().reshape(-1)
+    dist.all_reduce(lost)
+    return {"error": reference - reduction.total, "lost": lost}
+
+
+@pytest.mark.parametrize("spec", LOSSY)
+def test_what_the_sketch_loses_of_each_rank_sums_to_what_the_sum_lost(spec):
+    for result in run_local(3, sketch_losses, spec):
+        assert float(result["error"].abs().max()) > 0.1  # the sketch is too narrow to be exact
+        torch.testing.assert_close(result["lost"], result["error"], rtol=0, atol=1e-4)
+
+
+def test_a_read_noisier_than_what_a_rank_sent_is_not_fed_back():
+    """At the paper's λ = 0.5 on three ranks each read sums about six entries: sent again, the
+    noise would compound step by step."""
+    assert all(lost is None for lost in run_local(3, lost_at_half))
+
+
+def lost_at_half(rank: int, world: int) -> sc.SparseGradient | None:
+    grad = contribution(rank, world, "random", numel=5000, nnz=200)
+    return sc.parse_spec("sketch_allreduce(ratio=0.5)").transport.reduce(sc.SparseGradient.from_dense(grad)).lost
+
+
+def test_peeling_reads_a_wide_enough_sketch_exactly():
+    for result in run_local(3, sketch_losses, "sketch_allreduce(ratio=1.6,rows=3,decode=peel)"):
+        assert float(result["error"].abs().max()) < 1e-5
+        assert float(result["lost"].abs().max()) == 0.0
+
+
+def conserved(rank: int, world: int, spec: str) -> dict:
+    reducer = sc.GradientReducer(spec)
+    generator = torch.Generator().manual_seed(rank)
+    fed, delivered = torch.zeros(8000, dtype=torch.float64), torch.zeros(8000, dtype=torch.float64)
+    for _ in range(5):
+        grad = torch.randn(8000, generator=generator)
+        fed += grad
+        delivered += reducer.reduce("weight", grad)
+    held = reducer.pipeline.states["weight"].feedback["residual"].reshape(-1).double()
+    dist.all_reduce(fed)
+    dist.all_reduce(held)
+    return {"fed": fed, "delivered_and_held": delivered * world + held,
+            "scale": max(float(held.abs().max()), float(delivered.abs().max()) * world)}
+
+
+@pytest.mark.parametrize("transport", ["sketch_allreduce(ratio=8)", "sketch_allreduce(ratio=0.5,rows=3,decode=peel)"])
+def test_error_feedback_keeps_what_the_sketch_lost_so_nothing_is_lost_over_steps(transport):
+    """Over steps, what every rank was given plus what every rank's residual holds is what they fed
+    in: the sketch's collisions (and unsolved entries) are sent again, not dropped."""
+    results = run_local(2, conserved, f"topk(ratio=0.05)+residual+raw+fp32+{transport}")
+    for result in results:
+        # float32 rounding of what was delivered and held, each larger than what was fed
+        torch.testing.assert_close(result["delivered_and_held"], result["fed"], rtol=0, atol=1e-6 * result["scale"])
+
+
+def quantized_losses(rank: int, world: int) -> dict:
+    grad = contribution(rank, world, "random", numel=5000, nnz=200)
+    reference = grad.clone()
+    dist.all_reduce(reference)
+    transport = sc.parse_spec("sparse_allreduce(algorithm=dsar_sa,qsgd_bits=4,bucket=64)").transport
+    reduction = transport.reduce(sc.SparseGradient.from_dense(grad), request=Request(step=1))
+    assert reduction.lost is not None
+    lost = reduction.lost.to_dense().reshape(-1)
+    dist.all_reduce(lost)
+    return {"error": reference - reduction.total, "lost": lost}
+
+
+def test_what_sparcmls_quantized_dense_phase_loses_comes_back_to_the_ranks():
+    for result in run_local(3, quantized_losses):
+        assert float(result["error"].abs().max()) > 0.01
+        kept = result["lost"] != 0  # the quantizer's buckets whose error is smaller than what they carry
+        assert int(kept.sum()) > 0.5 * int((result["error"] != 0).sum())
+        torch.testing.assert_close(result["lost"][kept], result["error"][kept], rtol=0, atol=1e-5)
+
+
+def test_a_quantized_bucket_noisier_than_what_it_carries_is_not_fed_back():
+    from sparsecomm.transport.sparse_allreduce import contracting_error
+
+    exact = torch.tensor([1.0, 1.1, 0.9, 1.0, 0.1, 0.1, 0.1, 0.1])
+    decoded = torch.tensor([1.2, 1.0, 1.0, 0.8, 1.0, 0.0, 0.0, 1.0])  # rounded to 0 or a coarse step
+    error = contracting_error(exact, decoded, bucket=4)
+    torch.testing.assert_close(error[:4], exact[:4] - decoded[:4])
+    assert float(error[4:].abs().max()) == 0.0
