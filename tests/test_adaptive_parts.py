@@ -41,7 +41,9 @@ def test_adaptive_sends_every_nonzero_at_density_one_and_is_exact_on_small_tenso
 def test_adaptive_density_is_clamped_to_its_floor_and_one_and_its_settings_are_checked():
     assert Adaptive(floor=0.01).at_density(1e-6).density == 0.01
     assert Adaptive().at_density(7.0).density == 1.0
-    for bad in ["adaptive(budget=-1)", "adaptive(floor=0)", "adaptive(probe=-2)", "adaptive(sample=2)"]:
+    assert Adaptive().at_density(1e-6).density == 0.001  # the floor left to the optimizer: untold, SGD's
+    for bad in ["adaptive(budget=-1)", "adaptive(floor=-0.1)", "adaptive(floor=2)", "adaptive(probe=-2)",
+                "adaptive(sample=2)"]:
         with pytest.raises(SpecError):
             sc.SPARSIFIERS.parse(bad)
 

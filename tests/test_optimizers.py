@@ -35,16 +35,18 @@ def test_a_momentum_correcting_feedback_gives_way_to_an_optimizers_own_momentum(
     assert suited_feedback(Residual(), optimizer) == (Residual(), None)  # error feedback suits every optimizer
 
 
-@pytest.mark.parametrize(("optimizer", "dense_start"), [
-    (torch.optim.SGD(parameters(), lr=0.1, momentum=0.9), -1),  # linear in the gradient: sparse at once
-    (torch.optim.AdamW(parameters()), 20),  # normalizes it: a burst in the first steps would stay
-    (torch.optim.Adagrad(parameters()), 20),
+@pytest.mark.parametrize(("optimizer", "dense_start", "least"), [
+    (torch.optim.SGD(parameters(), lr=0.1, momentum=0.9), -1, 0.001),  # linear in the gradient: sparse at once
+    (torch.optim.AdamW(parameters()), 20, 0.05),  # normalizes it: a burst would stay in its second moment
+    (torch.optim.Adagrad(parameters()), 20, 0.05),
 ])
-def test_adaptive_starts_dense_under_an_optimizer_that_normalizes_the_gradient(optimizer, dense_start):
-    spec, _ = suited_spec(resolve("adaptive"), optimizer)
-    assert spec.sparsifier.dense_start == dense_start
-    told = resolve("adaptive(dense_start=3)+residual+rice+int8+allgather")
-    assert suited_spec(told, optimizer)[0].sparsifier.dense_start == 3  # as the user set it
+def test_adaptive_starts_dense_and_holds_less_back_under_an_optimizer_that_normalizes_the_gradient(
+        optimizer, dense_start, least):
+    sparsifier = suited_spec(resolve("adaptive"), optimizer)[0].sparsifier
+    assert sparsifier.dense_start == dense_start
+    assert sparsifier.least == least and sparsifier.at_density(1e-6).density == least
+    told = suited_spec(resolve("adaptive(dense_start=3,floor=0.002)+residual+rice+int8+allgather"), optimizer)[0]
+    assert (told.sparsifier.dense_start, told.sparsifier.least) == (3, 0.002)  # as the user set them
 
 
 def adamw_training(rank: int, world: int, preset: str) -> dict:

@@ -157,7 +157,7 @@ class Costs:
             costs[Mode.FP16] = (fp16_cost * (1 + config.fp16_margin), Plan(Mode.FP16))
         exploring = not self.sparse_overhead_s
         if exploring:
-            sparse = Plan(Mode.SPARSE, self.sparsifier.floor)
+            sparse = Plan(Mode.SPARSE, self.sparsifier.least)
         elif self.preferred_density:
             sparse = Plan(Mode.SPARSE, self.sparsifier.at_density(statistics.median(self.preferred_density)).density)
         else:
@@ -178,7 +178,7 @@ class Costs:
         if not samples or not self.compute_s or not self.throughput or self.budget_numel == 0:
             return 0.0
         squares = torch.cat(samples)
-        low = self.sparsifier.floor
+        low = self.sparsifier.least
         densities = torch.logspace(math.log10(low), math.log10(max(low, self.config.max_sparse_density)),
                                    self.config.density_candidates, dtype=torch.float64)
         horizon = self.sparsifier.horizon or self.feedback_horizon

@@ -158,13 +158,13 @@ class Planner:
         if self.step == 0 and costs.throughput and not sparsifier.budget:
             # (dense_start=0) the link probed at start-up, the compute not timed yet: sparse at the
             # floor density, cheap on any link, and a first sparse step warms the sparse path up
-            return Plan(Mode.SPARSE, sparsifier.floor)
+            return Plan(Mode.SPARSE, sparsifier.least)
         dense_bytes = costs.dense_bytes()
         if costs.budget_numel == 0:
             if self.step == 0 and 0 < sparsifier.budget < dense_bytes / 2:
                 # a user budget below fp16's bytes (the model's size told before the first step, what
                 # the budget covers not yet measured): sparse from the start, at the floor density
-                return Plan(Mode.SPARSE, sparsifier.floor)
+                return Plan(Mode.SPARSE, sparsifier.least)
             return Plan(Mode.FP32)
         if sparsifier.budget:  # user-set: bytes alone decide, no timing
             fixed = sparsifier.budget

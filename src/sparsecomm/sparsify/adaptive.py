@@ -26,6 +26,9 @@ from sparsecomm.sparsify.dgc_threshold import refined_selection, sampled_thresho
 
 DENSE_START = 20
 """dense steps before any sparse one under an optimizer that normalizes the gradient (``dense_start=-1``)"""
+FLOOR, NORMALIZED_FLOOR = 0.001, 0.05
+"""the least density (``floor=0``): under SGD, and under an optimizer that normalizes the gradient,
+where an entry held back many steps arrives as a burst its second moment remembers"""
 MIN_SAMPLES = 256
 """below this many samples a tensor is small enough for an exact top-k"""
 UPPER, LOWER, DECAY, RETRIES = 1.5, 0.7, 0.7, 4
@@ -36,8 +39,10 @@ UPPER, LOWER, DECAY, RETRIES = 1.5, 0.7, 0.7, 4
 class Adaptive(Sparsifier):
     budget: int = 0
     """bytes one rank may send per step, whole model; 0: from the measured link and compute time"""
-    floor: float = 0.001
-    """the least density the budget may set"""
+    floor: float = 0.0
+    """the least density the budget may set; 0: by the optimizer — `NORMALIZED_FLOOR` under one that
+    normalizes the gradient (each entry then waits at most a few dozen steps), `FLOOR` under SGD
+    (`check_optimizer` tells it; untold, `FLOOR`)"""
     probe: int = 200
     """with a measured budget, every ``probe`` steps one step is sent dense to re-measure the link (0: never)"""
     dense_start: int = -1
@@ -58,8 +63,8 @@ class Adaptive(Sparsifier):
     def __post_init__(self) -> None:
         if self.budget < 0:
             raise SparseCommError("adaptive budget must be >= 0 bytes (0: measured)")
-        if not 0.0 < self.floor <= 1.0 or not 0.0 < self.density <= 1.0:
-            raise SparseCommError("adaptive floor and density must be in (0, 1]")
+        if not 0.0 <= self.floor <= 1.0 or not 0.0 < self.density <= 1.0:
+            raise SparseCommError("adaptive floor must be in [0, 1] (0: by the optimizer) and density in (0, 1]")
         if self.probe < 0:
             raise SparseCommError("adaptive probe must be >= 0 steps")
         if self.dense_start < -1:
@@ -69,9 +74,14 @@ class Adaptive(Sparsifier):
         if not 0.0 < self.sample <= 1.0:
             raise SparseCommError("adaptive sample must be in (0, 1]")
 
+    @property
+    def least(self) -> float:
+        """The least density the budget may set: ``floor``, or `FLOOR` where it is left to the optimizer."""
+        return self.floor if self.floor > 0 else FLOOR
+
     def at_density(self, density: float) -> Adaptive:
-        """The same sparsifier keeping ``density`` (clamped to [floor, 1])."""
-        return replace(self, density=min(1.0, max(self.floor, density)))
+        """The same sparsifier keeping ``density`` (clamped to [`least`, 1])."""
+        return replace(self, density=min(1.0, max(self.least, density)))
 
     def target_count(self, numel: int) -> int:
         return count_from(numel, self.density, None)
