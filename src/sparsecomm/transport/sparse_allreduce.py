@@ -265,8 +265,8 @@ def split_allgather(stream: Stream, group: Group, request: Request, record: Call
 
 def contracting_error(exact: torch.Tensor, decoded: torch.Tensor, bucket: int) -> torch.Tensor:
     """exact − decoded in the quantizer's buckets whose error is smaller than what they carry, zero
-    elsewhere: QSGD scales a bucket by its L2 norm, and a bucket of a few large entries among many
-    small ones rounds the small ones to ± the norm's step — more noise than signal, which error
+    elsewhere: QSGD scales a bucket by its L2 norm, and a bucket of many entries of like size, each
+    far below the norm, is rounded to 0 or ± the norm's step — more noise than signal, which error
     feedback would send again and compound step by step (as the quantizer alone does not)."""
     error = exact - decoded
     count = exact.numel()
