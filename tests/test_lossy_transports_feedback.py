@@ -20,8 +20,7 @@ def sketch_losses(rank: int, world: int, spec: str) -> dict:
     reference = grad.clone()
     dist.all_reduce(reference)
     reduction = sc.parse_spec(spec).transport.reduce(sc.SparseGradient.from_dense(grad), request=Request(step=3))
-    assert reduction.lost is not None
-    lost = reduction.lost.to_dense().reshape(-1)
+    lost = reduction.lost.to_dense().reshape(-1) if reduction.lost is not None else torch.zeros(5000)
     dist.all_reduce(lost)
     return {"error": reference - reduction.total, "lost": lost}
 
@@ -44,8 +43,11 @@ def lost_at_half(rank: int, world: int) -> sc.SparseGradient | None:
     return sc.parse_spec("sketch_allreduce(ratio=0.5)").transport.reduce(sc.SparseGradient.from_dense(grad)).lost
 
 
-def test_peeling_reads_a_wide_enough_sketch_exactly():
-    for result in run_local(3, sketch_losses, "sketch_allreduce(ratio=1.6,rows=3,decode=peel)"):
+@pytest.mark.parametrize("block", [1, 8])
+def test_peeling_reads_a_wide_enough_sketch_exactly(block):
+    """Sized by the entries of the marked blocks (eight per selected entry at block 8), not the
+    selected entries alone."""
+    for result in run_local(3, sketch_losses, f"sketch_allreduce(ratio=1.6,rows=3,block={block},decode=peel)"):
         assert float(result["error"].abs().max()) < 1e-5
         assert float(result["lost"].abs().max()) == 0.0
 
@@ -103,3 +105,13 @@ def test_a_quantized_bucket_noisier_than_what_it_carries_is_not_fed_back():
     error = contracting_error(exact, decoded, bucket=4)
     torch.testing.assert_close(error[:4], exact[:4] - decoded[:4])
     assert float(error[4:].abs().max()) == 0.0
+
+
+def test_a_rank_that_holds_nothing_yet_keeps_what_was_lost():
+    """A rank that skipped its non-finite gradient (``nonfinite="skip"``) has no residual yet when
+    the call's loss comes back."""
+    from sparsecomm.feedback.residual import Residual
+
+    state: dict = {}
+    Residual().take_back(sc.SparseGradient(torch.tensor([1, 3]), torch.tensor([0.5, -1.0]), torch.Size([5])), state)
+    assert state["residual"].tolist() == [0.0, 0.5, 0.0, -1.0, 0.0]

@@ -30,11 +30,11 @@ def test_an_allgather_receives_every_other_payload_and_decodes_them():
     assert gathered.step_s(16, 10e9, 0) == pytest.approx(0.010 + 0.001 + 0.002 * 15 + 15 * MB * 0.8e-9)
 
 
-def test_a_peeled_sketch_grows_with_the_ranks_selections_and_stops_at_dense():
+def test_a_peeled_sketch_grows_with_the_ranks_selections():
     peeled = RowCosts("s2", "peeled_sketch", 0.010, 0.001, 0.002, 1 * MB, 100 * MB, measured_workers=2)
     # 16 workers: 8× the two-worker sketch and its decoding, all_reduced
     assert peeled.step_s(16, 10e9, 0) == pytest.approx(0.010 + 0.001 + 0.016 + 2 * 15 / 16 * 8 * MB * 0.8e-9)
-    assert peeled.peeled_sketch(256)[1] == 100 * MB
+    assert peeled.peeled_sketch(256)[1] == 128 * MB  # past dense: the transport does not cap it
 
 
 def test_sparcmls_recursive_doubling_grows_with_the_union_and_stops_at_dense():

@@ -115,9 +115,13 @@ def flush_into(whole: torch.Tensor, out: torch.Tensor, scale: float) -> bool:
     return False
 
 
-def add_at(buffer: torch.Tensor, entries: SparseGradient) -> None:
-    """buffer[entries] += entries' values, in place (flat positions, ``buffer``'s dtype and device)."""
-    buffer.view(-1).index_add_(0, entries.indices.to(buffer.device), entries.values.to(buffer.device, buffer.dtype))
+def add_at(state: dict[str, Any], name: str, entries: SparseGradient) -> None:
+    """The state's buffer ``name`` [entries] += entries' values, in place (flat positions), the
+    buffer made (zeros) where the state holds none of that size: a rank that skipped its non-finite
+    gradient this step has not made it yet."""
+    values = entries.values
+    buffer = held(state, name, torch.empty(entries.numel, dtype=values.dtype, device=values.device))
+    buffer.index_add_(0, entries.indices.to(buffer.device), values.to(buffer.device, buffer.dtype))
 
 
 def subtract_sent(accumulated: torch.Tensor, sent: SparseGradient) -> torch.Tensor:

@@ -86,7 +86,7 @@ class DGCMomentum(Feedback):
             state["momentum_buffer"].view(-1)[indices] = 0
 
     def take_back(self, lost: SparseGradient, state: dict[str, Any]) -> None:
-        add_at(state["accumulated"], lost)
+        add_at(state, "accumulated", lost)
 
     def flush(self, grad: torch.Tensor, state: dict[str, Any], out: torch.Tensor, scale: float = 1.0) -> None:
         """A dense step: the momentum moves to the average, as the optimizer's would. ``out`` gets

@@ -29,7 +29,7 @@ class Residual(Feedback):
         state["clear"] = False
 
     def take_back(self, lost: SparseGradient, state: dict[str, Any]) -> None:
-        add_at(state["residual"], lost)
+        add_at(state, "residual", lost)
         state["clear"] = False
 
     def flush_reads_only(self, grad: torch.Tensor, state: dict[str, Any], wire_dtype: torch.dtype,

@@ -8,7 +8,8 @@ an α-β model of how each row's bytes travel (α: seconds per message, β: seco
   rank hands it by recursive halving and doubling (Rabenseifner, as DGC's model),
   2⌈log2 P⌉·α + 2(P−1)/P·bytes·β, once per collective it runs per step (PowerSGD: three);
 - ``peeled_sketch`` (S2's sketch solved by peeling): the same all_reduce, of a sketch sized to the
-  ranks' selections summed, so its bytes and its decoding grow as P (never beyond the dense tensor);
+  ranks' marked entries summed, so its bytes and its decoding grow as P (past the dense tensor's
+  bytes at large P: the transport does not cap it);
 - ``allgather`` (payload transports): every rank receives the P−1 other payloads,
   ⌈log2 P⌉·α + (P−1)·bytes·β, and decodes them: decoding time grows as P−1;
 - ``sparse_allreduce`` (SparCML): recursive doubling, log2 P rounds, round t carrying the union of
@@ -107,9 +108,9 @@ class RowCosts:
 
     def peeled_sketch(self, workers: int) -> tuple[float, float]:
         """A peeled sketch's (decode seconds, bytes) at ``workers``: sized to every rank's selection,
-        both grow as the ranks do (the bytes never beyond the dense tensor's)."""
+        both grow as the ranks do."""
         grown = workers / self.measured_workers
-        return self.decode_s * grown, min(self.dense_bytes, self.bytes_per_step * grown)
+        return self.decode_s * grown, self.bytes_per_step * grown
 
     def _decode(self, workers: int) -> float:
         return self.decode_s * (workers - 1) / max(1, self.measured_workers - 1)

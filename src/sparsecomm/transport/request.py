@@ -119,8 +119,9 @@ class CallRecord:
 class Reduction:
     """A transport call's result: the dense sum over ranks, and the call's record. A transport whose
     sum is not exact (a sketch, a quantized dense phase) says in ``lost`` what it lost of this
-    rank's contribution (flat, sorted indices): summed over ranks, the exact sum minus ``total``;
-    the caller's feedback sends it again. None: nothing lost, or nothing worth sending again."""
+    rank's contribution (flat, sorted indices): summed over ranks, the exact sum minus ``total``,
+    less what it judged not worth sending again (errors larger than what they carry, which error
+    feedback would compound); the caller's feedback sends it again. None: nothing to send again."""
 
     total: torch.Tensor
     record: CallRecord

@@ -20,8 +20,9 @@ BOR). The bitmap tells every rank which entries are nonzero; ``decode`` reads th
 
 The sketch holds ``ratio`` (λ) × nnz cells. ``median``: nnz is the largest on any rank, as in the
 paper, whose best λ is 0.5 (its noise then grows with the ranks: each read sums about P/λ
-entries). ``peel``: nnz is the ranks' nnz summed, the most the marked entries can be; λ ≈ 1.3
-solves them all with three rows (less where the ranks' selections overlap, as embedding rows do).
+entries). ``peel``: nnz is the entries of the ranks' marked blocks summed, the most the unknowns
+can be; λ ≈ 1.3 solves them all with three rows (less where the ranks' selections overlap, as
+embedding rows do). Neither is capped at the dense tensor's size.
 
 Hashes are degree-3 polynomials modulo 2^31 − 1 (a 4-wise independent family for indices below
 2^31 − 1) with coefficients drawn from ``seed``, the step and the call number, so every rank
@@ -129,7 +130,8 @@ class SketchAllreduce(Transport):
             raise SparseCommError(f"sketch_allreduce decode must be one of {', '.join(DECODES)}, not {self.decode!r}")
 
     def columns(self, agreement: Agreement) -> int:
-        """Cells per row: λ × the largest nnz (``median``) or × the ranks' nnz summed (``peel``)."""
+        """Cells per row: λ × the largest nnz (``median``) or × the ranks' marked entries summed
+        (``peel``: what the agreement step carried for it)."""
         nnz = agreement.total_nnz if self.decode == "peel" else agreement.max_nnz
         return max(1, math.ceil(self.ratio * max(nnz, 1) / self.rows))
 
@@ -142,23 +144,26 @@ class SketchAllreduce(Transport):
             raise SparseCommError(f"sketch_allreduce hashes indices below {PRIME}; tensor has {numel}")
         config = fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype)
         record = CallRecord(self.to_spec())
+        n_blocks = -(-numel // self.block)
+        device, wire = sparse.device, wire_device(group)
+        indices = sparse.indices
+        with record.phase("encode"):
+            marks = torch.zeros(n_blocks, dtype=torch.bool, device=device)
+            marks[indices // self.block] = True
+            # peeling solves for every marked entry: this rank's count of them sizes the sketch
+            unknowns = min(int(marks.sum()) * self.block, numel) if self.decode == "peel" else sparse.nnz
         with record.phase("agreement"):
-            record.agreement = agree(group, request, numel, config, sparse.nnz)
+            record.agreement = agree(group, request, numel, config, unknowns)
         columns = self.columns(record.agreement)
         # new hashes every call, so that no two entries collide call after call (a custom loop's
         # calls between steps share a step)
         hashes = SketchHashes(hash_seed(self.seed, request.step, request.call), self.rows)
-        n_blocks = -(-numel // self.block)
-        device, wire = sparse.device, wire_device(group)
         with record.phase("encode"):
-            indices = sparse.indices
             values = sparse.values.detach().to(torch.float32)
             sketch = torch.zeros(self.rows, columns, dtype=torch.float32, device=device)
             buckets, signs = hashes.buckets_and_signs(indices, columns)
             for row in range(self.rows):
                 sketch[row].index_add_(0, buckets[row], signs[row].to(torch.float32) * values)
-            marks = torch.zeros(n_blocks, dtype=torch.bool, device=device)
-            marks[indices // self.block] = True
             own = sketch.clone() if self.decode == "median" else None  # the all_reduce sums in place
             sketch, bitmap = on_wire(sketch, wire), on_wire(pack_bits(marks), wire)
         with record.phase("transfer"):
@@ -175,7 +180,7 @@ class SketchAllreduce(Transport):
             mine = torch.searchsorted(positions, indices)  # own entries lie in marked blocks
             if self.decode == "peel":
                 decoded, solved = peel(sketch, out_buckets, signs)
-                contracts = True  # what it leaves is what the ranks sent of it
+                contracts = not bool(solved.all())  # what it leaves is what the ranks sent of it
                 lost = torch.zeros_like(decoded).index_add_(0, mine, values).masked_fill_(solved, 0.0)
             else:
                 assert own is not None
@@ -194,7 +199,8 @@ DECODES = ("median", "peel")
 
 def hash_seed(*words: int) -> int:
     """One seed for a call's hashes from its words (the transport's seed, step, call number)."""
-    return int(np.random.SeedSequence(words).generate_state(1, dtype=np.uint64)[0] >> 1)
+    entropy = [word % (1 << 64) for word in words]  # a negative seed as its two's complement
+    return int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
 def median_read(sketch: torch.Tensor, buckets: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
