@@ -120,7 +120,8 @@ def add_at(state: dict[str, Any], name: str, entries: SparseGradient) -> None:
     buffer made (zeros) where the state holds none of that size: a rank that skipped its non-finite
     gradient this step has not made it yet."""
     values = entries.values
-    buffer = held(state, name, torch.empty(entries.numel, dtype=values.dtype, device=values.device))
+    like = values.new_empty(()).expand(entries.numel)  # the buffer's size, dtype and device, unallocated
+    buffer = held(state, name, like)
     buffer.index_add_(0, entries.indices.to(buffer.device), values.to(buffer.device, buffer.dtype))
 
 
