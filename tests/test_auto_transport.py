@@ -26,6 +26,17 @@ def test_cost_model_switches_algorithms_where_the_formulas_say():
     assert slow_codec.best_sparse_algorithm(8, numel, 1_000_000, qsgd_bits=4) != "dsar_sa"  # QSGD costs more
 
 
+def test_a_peeled_sketch_grows_with_the_ranks_and_a_median_read_does_not():
+    wire_only = CostModel(alpha=0, beta=1 / 125e6, pass_per_byte=0, hash_per_entry=0)
+    numel, nnz = 1_000_000, 10_000
+    median = [wire_only.sketch(workers, numel, nnz, 2.0, 32) for workers in (2, 16)]
+    peel = [wire_only.sketch(workers, numel, nnz, 1.3, 32, rows=3, decode="peel") for workers in (2, 16)]
+    assert median[1] < 2 * median[0]  # the bitmap and the cells stay; only the (P-1)/P factor moves
+    assert peel[1] > 5 * peel[0]  # λ cells per marked entry of every rank: 8× the ranks
+    # 10,000 entries at random mark about 8,560 of the 31,250 blocks of 32: 274k entries per rank to solve
+    assert peel[0] > 30 * median[0]
+
+
 def auto_choices(rank: int, world: int) -> list:
     grad = contribution(rank, world, "random", numel=50_000, nnz=500)
     transport = sc.parse_spec("auto(explore=2)").transport

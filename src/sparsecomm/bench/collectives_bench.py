@@ -94,7 +94,7 @@ def predicted(model: CostModel, text: str, workers: int, numel: int, nnz: int, r
         return model.allgather(workers, numel, nnz, estimated_payload_bytes_per_nnz(request, numel, nnz))
     if name == "sketch_allreduce":
         return model.sketch(workers, numel, nnz, transport.ratio, transport.block,  # type: ignore[attr-defined]
-                            transport.rows)  # type: ignore[attr-defined]
+                            transport.rows, transport.decode)  # type: ignore[attr-defined]
     if name == "auto":
         best, costs = choose(model, workers, numel, nnz, 4, request)
         return costs[best]  # the model's first choice

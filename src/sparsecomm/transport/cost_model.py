@@ -130,9 +130,18 @@ class CostModel:
         return (self._agree(workers) + 4 * (workers - 1) * self.alpha
                 + ((workers - 1) / workers * own + (workers - 1) * reduced) * self.beta + compute)
 
-    def sketch(self, workers: int, numel: int, nnz: int, ratio: float, block: int, rows: int = 1) -> float:
-        nbytes = 4 * ratio * nnz + numel / (8 * block)
-        union = self.expected_union(numel, nnz, workers)
+    def sketch(self, workers: int, numel: int, nnz: int, ratio: float, block: int, rows: int = 1,
+               decode: str = "median") -> float:
+        """λ cells per entry of the largest rank's (``median``), or per entry of the blocks every rank
+        marked, summed over ranks (``peel``: its sketch and its decoding grow with the ranks)."""
+        if decode == "peel":
+            blocks = -(-numel // block)
+            marked = min(numel, block * self.expected_union(blocks, 1, nnz)) if nnz else 0
+            unknowns = workers * marked
+        else:
+            unknowns = nnz
+        nbytes = 4 * ratio * unknowns + numel / (8 * block)
+        union = unknowns if decode == "peel" else self.expected_union(numel, nnz, workers)
         compute = ((nnz + union) * rows * 2 * self.hash_per_entry + self._passes(numel, 3)
                    + self._passes(numel * 4, 2) + self._passes(nbytes, 2 * (workers - 1) / workers))
         return (self._agree(workers) + 4 * (workers - 1) * self.alpha + 2 * (workers - 1) / workers * nbytes * self.beta
