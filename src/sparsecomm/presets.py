@@ -40,8 +40,10 @@ PRESETS: dict[str, Preset] = {
         "DeepReduce (Xu et al., NeurIPS 2021)",
     ),
     "skcompress": Preset(
-        "topk(ratio=0.01)+residual+skcompress+allgather",
-        "quantile-bucket values, grouped MinMaxSketch, Huffman-coded sketch and delta-binary keys",
+        "topk(ratio=0.01)+residual+skcompress(groups=128)+allgather",
+        "quantile-bucket values, grouped MinMaxSketch, Huffman-coded sketch and delta-binary keys; 128 groups of "
+        "two bins where SketchML's code has 8 of 32: a collision shrinks a value by at most its group's span, and "
+        "on lm's output layer that cut the codec's error from 35% to 10% of the selection for 3% more bytes",
         "SKCompress (Jiang et al., VLDB Journal 2020)",
     ),
     "s2": Preset(
