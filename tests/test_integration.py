@@ -88,7 +88,7 @@ def train_ddp_and_checkpoint(rank: int, world: int, spec: str, steps: int, resum
         F.cross_entropy(model(data), labels).backward()
         optimizer.step()
     reducer.close()
-    chosen = {key: tuning.chosen for key, tuning in reducer.session.tunings.items()}
+    chosen = {key: tuning.chosen for key, tuning in reducer.runtime.session.tunings.items()}
     return {"digest": digest(model.module), "checkpoint": checkpoint, "chosen": chosen}
 
 

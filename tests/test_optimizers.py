@@ -90,6 +90,30 @@ def test_adamw_trains_with_error_feedback_in_place_of_dgcs_momentum_alike_on_eve
         assert results[0]["modes"]["fp32"] >= 20  # AdamW's first 20 steps are dense (of 24: the link decides after)
 
 
+def loop_under_adamw(rank: int, world: int) -> str:
+    weight = torch.ones(8192, requires_grad=True)
+    optimizer = torch.optim.AdamW([weight])
+    reducer = sc.GradientReducer("dgc")
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        sc.check_optimizer(optimizer, reducer)
+    for _ in range(2):  # every step names the preset it was built with, as a loop does
+        weight.grad = torch.randn(8192)
+        reducer = sc.allreduce_gradients([("weight", weight.grad)], "dgc", reducer)
+    try:
+        sc.allreduce_gradients([("weight", weight.grad)], "dense", reducer)
+        other = "no error"
+    except sc.SparseCommError as err:
+        other = str(err)
+    reducer.close()
+    return f"{reducer.spec.feedback.name}; {other}"
+
+
+def test_a_loop_may_name_the_preset_its_reducer_was_built_with_after_the_optimizer_changed_it():
+    for result in run_local(2, loop_under_adamw):
+        assert result.startswith("residual; ") and "build a new reducer" in result  # another spec is still refused
+
+
 def switched_late(rank: int, world: int) -> str:
     model = DDP(mlp(0))
     reducer = sc.register_ddp_hook(model, "dgc")

@@ -5,6 +5,7 @@ import hashlib
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -250,9 +251,10 @@ def dgc_on_uncompressed_tensors(rank: int, world: int) -> list[torch.Tensor]:
     reducer = None
     for step in range(3):
         small = torch.full((10,), float(rank + step))  # below dense_below: sent by a plain all_reduce
-        rows = torch.tensor([[rank, 2 + step]])  # embedding-style sparse rows, sent exactly
+        rows = torch.tensor([[rank, 2 + step]])  # embedding-style sparse rows, sent exactly by top-k's rule
         sparse = torch.sparse_coo_tensor(rows, torch.ones(2, 3) * (rank + 1), (5, 3), check_invariants=True)
-        reducer = sc.allreduce_gradients([("small", small), ("embedding", sparse)], "dgc", reducer)
+        reducer = sc.allreduce_gradients([("small", small), ("embedding", sparse)],
+                                         "topk(ratio=0.001)+dgc_momentum(momentum=0.9)+rle+fp32+allgather", reducer)
         steps.append((small.clone(), sparse.to_dense()))
     return steps
 
@@ -272,6 +274,36 @@ def test_dgc_gives_tensors_it_sends_uncompressed_the_momentum_the_optimizer_leav
             small, embedding = results[rank][step]
             torch.testing.assert_close(small, small_buffer)
             torch.testing.assert_close(embedding, embedding_buffer)
+
+
+DGC_ON_ROWS = "dgc(ratio=0.01)+residual+raw+fp32+allgather"
+
+
+def dgc_on_rows(rank: int, world: int) -> dict:
+    fed, delivered, reducer = torch.zeros(400, 32, dtype=torch.float64), torch.zeros(400, 32, dtype=torch.float64), None
+    sent = []  # nonzero entries of each step's average
+    for step in range(4):
+        sparse = embedding_rows(rank + 2 * step)
+        fed += sparse.to_dense()
+        reducer = sc.allreduce_gradients([("embedding", sparse)], DGC_ON_ROWS, reducer)
+        assert sparse.is_sparse
+        delivered += sparse.to_dense()
+        sent.append(int((sparse.to_dense() != 0).sum()))
+    assert reducer is not None
+    held = reducer.pipeline.states["embedding"].feedback["residual"].reshape(400, 32).double()
+    reducer.close()
+    dist.all_reduce(fed)
+    dist.all_reduce(held)
+    return {"fed": fed, "delivered_and_held": delivered * world + held, "entries": sent}
+
+
+def test_dgc_selects_from_an_embeddings_rows_as_from_the_matrix_they_stand_for():
+    """DGC's code sparsifies an embedding's gradient as any matrix: 1% of its 12,800 entries a step
+    (about 128 per rank), not all 1,920 of a rank's rows; the rest waits in the feedback, so over
+    steps nothing is lost, and the average still comes back as sparse rows."""
+    for result in run_local(2, dgc_on_rows):
+        assert all(0 < entries <= 2 * 1.3 * 128 for entries in result["entries"])  # of up to 2 × 1,920
+        torch.testing.assert_close(result["delivered_and_held"], result["fed"], rtol=0, atol=1e-5)
 
 
 def embedding_rows(rank: int) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Parameters too small to select from (biases, norms) travel whole inside a compressed bucket: every
 nonzero, no sparsifier. A lossy codec still rounds them — what it loses is held for the tensor and
 sent with its next step, so over steps the receivers get all of it, as error feedback gives the
-selected parameters."""
+selected parameters. A tensor sent whole on its own takes the plain route where the pipeline's
+codecs would cost more than an fp32 all_reduce."""
 
 import numpy as np
 import pytest
@@ -10,6 +11,9 @@ import torch
 import sparsecomm as sc
 from sparsecomm.adaptive.flush import flush
 from sparsecomm.pipeline import Segment, StepOutput
+from sparsecomm.presets import resolve
+from sparsecomm.reducer.call import Route, route_of
+from sparsecomm.reducer.config import ReducerConfig
 
 BIG, SMALL = 5000, 300
 SEGMENTS = [Segment("w", 0, BIG), Segment("b", BIG, SMALL, whole=True)]
@@ -96,3 +100,19 @@ def test_the_held_error_is_checkpointed_so_a_resumed_run_sends_the_same():
         expected = whole_run.step(bucket(step), "bucket", make_payload=True, segments=SEGMENTS)
         got = resumed.step(bucket(step), "bucket", make_payload=True, segments=SEGMENTS)
         assert expected.payload == got.payload
+
+
+@pytest.mark.parametrize("spec, vector, matrix, rows", [
+    # DGC's rule sends vectors whole at any size: by plain all_reduce, where fp32 values and
+    # their indices would cost more; its sparsifier selects from an embedding's rows too
+    ("dgc", Route.PLAIN, Route.COMPRESSED, Route.COMPRESSED),
+    ("dgc(ratio=0.001)+dgc_momentum+rle+int8+allgather", Route.COMPRESSED, Route.COMPRESSED, Route.COMPRESSED),
+    # top-k's rule: by size; a sparse gradient's rows go whole
+    ("topk(ratio=0.01)+residual+raw+fp32+allgather", Route.COMPRESSED, Route.COMPRESSED, Route.ROWS),
+])
+def test_the_route_of_what_a_sparsifier_sends_whole_or_selects_from(spec, vector, matrix, rows):
+    config = ReducerConfig(resolve(spec))
+    embedding = torch.sparse_coo_tensor(torch.tensor([[3, 70]]), torch.ones(2, 64), (100, 64), check_invariants=True)
+    assert [route_of(tensor, None, config, None) for tensor in (torch.ones(5001), torch.ones(80, 64), embedding)] \
+        == [vector, matrix, rows]
+    assert route_of(torch.ones(300), None, config, None) is Route.PLAIN  # below dense_below: plain whatever the rule

@@ -2,11 +2,14 @@
 
 Routes, chosen once per call (`route_of`), each with its path object:
 
-- ``plain``: an fp32 all_reduce of the tensor as it is, no pipeline — tensors smaller than
-  ``dense_below`` and every tensor of a pipeline whose transport is ``dense`` (`PlainPath`);
+- ``plain``: an fp32 all_reduce of the tensor as it is, no pipeline — tensors sent whole that are
+  smaller than ``dense_below`` or that the pipeline's codecs would carry exactly (indices and
+  all), and every tensor of a pipeline whose transport is ``dense`` (`PlainPath`);
 - ``compressed``: the pipeline's feedback, sparsifier and codecs, the spec's transport
   (`CompressedPath`);
-- ``rows``: a sparse COO gradient's rows, all of them (`RowsPath`);
+- ``rows``: a sparse COO gradient's rows, all of them (`RowsPath`), unless the sparsifier
+  selects from rows (`Sparsifier.selects_rows`): then it takes the route of the dense tensor it
+  stands for, and its average goes back as rows;
 - ``dense step``: a step the ``adaptive`` controller planned as fp32 or fp16 — every entry, each
   tensor's feedback flushed into it, one all_reduce as DDP's own hook posts it (`DenseStepPath`);
 - ``device``: the compressed route of a pipeline whose every stage has a device form — one pass
@@ -39,7 +42,9 @@ class Call:
     """One call: ``tensor``, the stream ``key`` (a tensor's name, or a bucket's), and for a flat
     buffer of several parameters their ``segments``. ``number`` counts the stream's calls (every
     rank must be at the same one); ``last``: the step's last call, run on the caller's thread;
-    ``in_step``: the caller finishes the step (`GradientReducer.finish_step`)."""
+    ``in_step``: the caller finishes the step (`GradientReducer.finish_step`); ``sparse_dim``: the
+    caller's gradient was a sparse COO tensor of that many sparse dimensions (0: dense), whose
+    average goes back in that kind."""
 
     key: str
     tensor: torch.Tensor
@@ -48,6 +53,7 @@ class Call:
     number: int = 0
     last: bool = False
     in_step: bool = True
+    sparse_dim: int = 0
 
     @property
     def parameter(self) -> str:
@@ -68,14 +74,15 @@ class Call:
 
 def route_of(tensor: torch.Tensor, segments: tuple[Segment, ...] | None, config: ReducerConfig,
              plan: Plan | None) -> Route:
-    """The route a gradient (a bucket's: ``segments``) takes this step: small ones the sparsifier
-    would send whole anyway take the plain route."""
-    if tensor.is_sparse:
+    """The route a gradient (a bucket's: ``segments``) takes this step: ones the sparsifier sends
+    whole take the plain route where the pipeline's codecs would not send them in fewer bytes."""
+    if tensor.is_sparse and not config.spec.sparsifier.selects_rows():
         return Route.ROWS
     if plan is not None and plan.dense:
         return Route.DENSE_STEP
     whole = all(s.whole for s in segments) if segments else config.sends_whole(tensor.shape)
-    if (tensor.numel() < config.dense_below and whole) or config.spec.transport.name == "dense":
+    if config.spec.transport.name == "dense" or (whole and (tensor.numel() < config.dense_below
+                                                             or config.codecs_exact)):
         return Route.PLAIN
     if config.on_device:  # every entry of a tensor sent whole goes cheapest as it is
         return Route.PLAIN if whole else Route.DEVICE

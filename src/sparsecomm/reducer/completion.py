@@ -63,7 +63,5 @@ def complete(parts: Parts, call: Call, path: Path, pending: Pending, stats: Tens
     elif parts.config.average:
         total = total.div_(world_size) if summed.owned else total / world_size
     total = path.after_average(call, pending, total)
-    tensor = call.tensor
-    if tensor.is_sparse:
-        return nonzero_rows(total, tensor.sparse_dim())
-    return total.reshape(tensor.shape).to(tensor.dtype)
+    total = total.reshape(call.tensor.shape).to(call.tensor.dtype)
+    return nonzero_rows(total, call.sparse_dim) if call.sparse_dim else total

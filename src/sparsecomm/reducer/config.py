@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm.device.support import device_native
+from sparsecomm.encode.base import codecs_lossless
 from sparsecomm.errors import SparseCommError
 from sparsecomm.pipeline import NONFINITE_POLICIES
 from sparsecomm.spec import PipelineSpec, format_spec
@@ -42,6 +43,12 @@ class ReducerConfig:
     def sends_whole(self, shape: torch.Size) -> bool:
         """Whether a tensor of ``shape`` goes whole, not through the sparsifier (`Sparsifier.sends_whole`)."""
         return self.spec.sparsifier.sends_whole(shape, self.dense_below)
+
+    @cached_property
+    def codecs_exact(self) -> bool:
+        """Whether the pipeline's codecs carry values exactly: then a tensor sent whole costs them its
+        values' bytes and its indices', more than a plain fp32 all_reduce of it."""
+        return codecs_lossless(self.spec.index_codec, self.spec.value_codec)
 
     @cached_property
     def on_device(self) -> bool:

@@ -13,9 +13,10 @@ calls of a step go where `StepCalls` puts them; with the ``adaptive`` sparsifier
 - non-finite input follows ``nonfinite``; under ``"raise"`` every rank raises together, none is left
   waiting. So does every rank when one rank's codec refuses its values (beyond fp16's range).
 
-The reducer owns all runtime state — per-parameter pipeline state, the plain and rows paths' state,
-auto's measurements, the adaptive controller, call counters, the worker thread — checkpoints it with
-``state_dict()`` (format `FORMAT`) and releases it with ``close()`` (or ``with``).
+The reducer owns all runtime state — its call counters and the `Runtime` it builds on starting
+(per-parameter pipeline state, the plain and rows paths' state, auto's measurements, the adaptive
+controller, the worker thread) — checkpoints it with ``state_dict()`` (format `FORMAT`) and
+releases it with ``close()`` (or ``with``).
 """
 
 from __future__ import annotations
@@ -34,27 +35,16 @@ from sparsecomm.adaptive.density import share_density
 from sparsecomm.errors import SparseCommError
 from sparsecomm.pipeline import Pipeline, Segment
 from sparsecomm.presets import resolve
-from sparsecomm.reducer.buckets import BucketLayouts
 from sparsecomm.reducer.call import Call, Route, route_of
 from sparsecomm.reducer.checkpoint import FORMAT, migrate
 from sparsecomm.reducer.completion import attach
 from sparsecomm.reducer.config import DENSE_BELOW, ReducerConfig
 from sparsecomm.reducer.optimizers import suited_spec
-from sparsecomm.reducer.paths.base import Parts, Path
-from sparsecomm.reducer.paths.compressed import CompressedPath
-from sparsecomm.reducer.paths.dense_step import DenseStepPath
-from sparsecomm.reducer.paths.device import DevicePath
-from sparsecomm.reducer.paths.plain import PlainPath
-from sparsecomm.reducer.paths.rows import RowsPath
+from sparsecomm.reducer.runtime import Runtime
 from sparsecomm.reducer.stats import ReducerStats, TensorStats
-from sparsecomm.reducer.step_calls import StepCalls
-from sparsecomm.reducer.uncompressed import UncompressedFeedback
-from sparsecomm.sparsify.adaptive import Adaptive
 from sparsecomm.spec import PipelineSpec, format_spec
 from sparsecomm.transport.agreement import agree
-from sparsecomm.transport.collectives import wire_device
 from sparsecomm.transport.request import Request
-from sparsecomm.transport.session import TransportSession
 
 
 class GradientReducer:
@@ -105,12 +95,16 @@ class GradientReducer:
                  model: nn.Module | None = None) -> None:
         self.config = ReducerConfig(resolve(spec), seed, nonfinite, dense_below, average, world_size=0)
         """what every rank agrees on (its world size is 0 until the reducer starts)"""
+        self._built_with = self.config.spec
+        """the spec it was built with, which a call may name though `suit_optimizer` changed it"""
         self.group, self._model = group, model
         self.stats = ReducerStats()
         self._counts: dict[str, int] = {}
         """per stream key: calls so far (the agreement step checks every rank is at the same call)"""
         self._loaded: dict[str, Any] | None = None
         """a checkpoint loaded before the reducer started, restored when it starts"""
+        self.runtime: Runtime
+        """its machinery, built when it starts"""
         if dist.is_initialized():
             self._start()
 
@@ -121,45 +115,27 @@ class GradientReducer:
         return self.config.world_size > 0
 
     def _start(self) -> None:
-        """Join the process group: agree on the configuration, make the reducer's own groups and
-        state, and restore a checkpoint loaded before."""
+        """Join the process group: agree on the configuration, build the `Runtime`, and restore a
+        checkpoint loaded before."""
         if not dist.is_initialized():
             raise SparseCommError("torch.distributed is not initialised: call init_process_group first")
-        model, group = self._model, self.group
-        if group is None and model is not None:
-            self.group = group = getattr(model, "process_group", None)
-        world_size = dist.get_world_size(group)
-        config = self.config = replace(self.config, world_size=world_size)
-        self.pipeline = Pipeline(config.spec, seed=config.seed, nonfinite=config.nonfinite, world_size=world_size)
-        self.session = TransportSession()
-        self.buckets = BucketLayouts(model, config.sends_whole)
-        config.agree(group)
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world_size))
-        # over a part of the world, only its ranks make the group (each part makes its own at once)
-        self.async_group = dist.new_group(ranks=ranks, use_local_synchronization=len(ranks) < dist.get_world_size())
-        """the reducer's own group: its collectives never interleave with the caller's"""
-        process_group = self.async_group if self.async_group is not None else _default_group()
-        device = wire_device(process_group)
-        if world_size > 1:  # groups its calls need, made now with the others rather than in a step
-            config.spec.transport.prepare(self.async_group, self.session)
-        self.adaptive = AdaptiveController.of(config.spec, world_size, self.async_group, device,
-                                              getattr(model, "module", model))
-        """the adaptive sparsifier's controller (None for other pipelines)"""
-        self._calls = StepCalls(self.async_group, self.session)
-        self._process_group, self._wire_device = process_group, device
-        self._build_paths()
+        if self.group is None and self._model is not None:
+            self.group = getattr(self._model, "process_group", None)
+        self.config = replace(self.config, world_size=dist.get_world_size(self.group))
+        self.runtime = Runtime(self.config, self.group, self._model, self.stats)
         if self._loaded is not None:
             self.load_state_dict(self._loaded)
             self._loaded = None
 
-    def _build_paths(self) -> None:
-        """The paths of every route, over the reducer's current configuration and pipeline."""
-        self._parts = Parts(self.config, self.pipeline, self._calls, UncompressedFeedback(self.spec.feedback),
-                            self.stats, self._process_group, self._wire_device, dist.get_rank(self._process_group),
-                            self.adaptive)
-        paths: list[Path] = [PlainPath(self._parts), CompressedPath(self._parts), RowsPath(self._parts),
-                             DenseStepPath(self._parts), DevicePath(self._parts)]
-        self._paths = {path.route: path for path in paths}
+    @property
+    def pipeline(self) -> Pipeline:
+        """Every parameter's pipeline state (residuals, momenta, step counts), by name."""
+        return self.runtime.pipeline
+
+    @property
+    def adaptive(self) -> AdaptiveController | None:
+        """The ``adaptive`` sparsifier's controller (None for other pipelines)."""
+        return self.runtime.adaptive
 
     def suit_optimizer(self, optimizer: torch.optim.Optimizer) -> str | None:
         """Before the first step, take a pipeline that suits ``optimizer`` (`suited_spec`: no momentum
@@ -177,15 +153,8 @@ class GradientReducer:
             raise SparseCommError(f"{why} — but this reducer has already reduced gradients: suit it to the "
                                   "optimizer before the first step")
         self.config = replace(self.config, spec=spec)
-        if not self.started:
-            return why  # the ranks agree on it when the reducer starts
-        self.config.agree(self.group)
-        self.pipeline = Pipeline(self.spec, seed=self.config.seed, nonfinite=self.config.nonfinite,
-                                 world_size=self.config.world_size)
-        if self.adaptive is not None:
-            assert isinstance(spec.sparsifier, Adaptive)
-            self.adaptive.planner.suit(spec.sparsifier, spec.feedback.delay_horizon())
-        self._build_paths()
+        if self.started:  # else the ranks agree on it when the reducer starts
+            self.runtime.suit(self.config)
         return why
 
     @property
@@ -198,9 +167,11 @@ class GradientReducer:
 
     def check_matches(self, spec: str | PipelineSpec, seed: int, nonfinite: str, dense_below: int) -> None:
         """Raise `SparseCommError` unless this reducer was built with this spec (a preset, a spec
-        string or a parsed spec), seed, non-finite policy and plain route's size limit."""
-        self.config.check_matches(replace(self.config, spec=resolve(spec), seed=seed, nonfinite=nonfinite,
-                                          dense_below=dense_below))
+        string or a parsed spec), seed, non-finite policy and plain route's size limit; the spec it
+        was built with names the one `suit_optimizer` made of it."""
+        asked = resolve(spec)
+        self.config.check_matches(replace(self.config, spec=self.spec if asked == self._built_with else asked,
+                                          seed=seed, nonfinite=nonfinite, dense_below=dense_below))
 
     # -- one step ---------------------------------------------------------------------------------
     def allreduce_(self, named_gradients: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -249,13 +220,13 @@ class GradientReducer:
         step's first."""
         if not self.started:
             self._start()  # the first bucket: every rank is here, torch.distributed is initialised
-        layout = self.buckets.layout(bucket)
+        layout = self.runtime.buckets.layout(bucket)
         reduced = self._submit(layout.key, layout.gathered(bucket), layout.segments, layout.stats_key,
                                last=bucket.is_last() and layout.ddp_offsets is None)
         if layout.ddp_offsets is None:
             return reduced
         result = layout.to_ddp_later(reduced, bucket.buffer())  # reduced in the checkpoint's layout
-        self._calls.in_flight[-1] = result  # the step waits for the copy back too
+        self.runtime.calls.in_flight[-1] = result  # the step waits for the copy back too
         return result
 
     def finish_step(self) -> None:
@@ -265,7 +236,7 @@ class GradientReducer:
         Raises:
             SparseCommError: the first error any of the step's calls met.
         """
-        errors = self._calls.finish()
+        errors = self.runtime.calls.finish()
         if self.adaptive is not None and self.adaptive.plan is not None:
             share_density(self.pipeline)
             self.adaptive.end_step(self.stats.steps)
@@ -303,7 +274,7 @@ class GradientReducer:
             ```
         """
         future = self.reduce_async(key, tensor, segments)
-        self._calls.in_flight.remove(future)
+        self.runtime.calls.in_flight.remove(future)
         return future.wait()
 
     def reduce_async(self, key: str, tensor: torch.Tensor,
@@ -335,24 +306,24 @@ class GradientReducer:
         route = route_of(tensor, segments, self.config, plan)
         if route is Route.COMPRESSED and segments is None and self.config.sends_whole(tensor.shape):
             segments = (Segment(key, 0, tensor.numel(), whole=True),)  # a large vector under DGC's rule
+        sparse_dim = tensor.sparse_dim() if tensor.is_sparse else 0
+        if sparse_dim and route is not Route.ROWS:  # a sparsifier that selects from rows takes them dense
+            tensor = tensor.to_dense()
         number = self._counts.get(key, 0)
         self._counts[key] = number + 1
-        call = Call(key, tensor, segments, stats_key, number, last, in_step)
-        path = self._paths[route]
+        call = Call(key, tensor, segments, stats_key, number, last, in_step, sparse_dim)
+        path = self.runtime.paths[route]
         pending = path.post(call, plan, start)
         stats.route = route.value
         stats.select_s += pending.submitted - start
-        return attach(self._parts, call, path, pending, stats)
+        return attach(self.runtime.parts, call, path, pending, stats)
 
     # -- lifetime and checkpoints -----------------------------------------------------------------
     def close(self) -> None:
         """Wait for calls in flight, stop the worker thread and unhook the model. ``with
         GradientReducer(...) as reducer:`` calls it on leaving."""
-        if not self.started:
-            return
-        if self.adaptive is not None:
-            self.adaptive.close()
-        self.session.close()
+        if self.started:
+            self.runtime.close()
 
     def __enter__(self) -> GradientReducer:
         return self
@@ -391,11 +362,8 @@ class GradientReducer:
                 raise SparseCommError("this reducer has not started (torch.distributed was not initialised at "
                                       "its construction and it has reduced nothing): there is no state to save")
             return self._loaded
-        return {"format": FORMAT, "pipeline": self.pipeline.state_dict(), "calls": dict(self._counts),
-                "steps": self.stats.steps, "uncompressed": self._parts.uncompressed.state_dict(),
-                "session": self.session.state_dict(), "bucket_orders": self.buckets.state_dict(),
-                "row_errors": self._paths[Route.ROWS].state_dict(),
-                "adaptive": self.adaptive.state_dict() if self.adaptive is not None else None}
+        return {"format": FORMAT, "calls": dict(self._counts), "steps": self.stats.steps,
+                **self.runtime.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a checkpoint of any format this version reads (`migrate`).
@@ -412,15 +380,9 @@ class GradientReducer:
             self._loaded, self._counts = state, dict(state["calls"])  # restored when the reducer starts
             self.stats.steps = state["steps"]
             return
-        self.pipeline.load_state_dict(state["pipeline"])
+        self.runtime.load_state_dict(state)
         self._counts = dict(state["calls"])
         self.stats.steps = state["steps"]
-        self._parts.uncompressed.load_state_dict(state["uncompressed"])
-        self.session.load_state_dict(state["session"])
-        self._paths[Route.ROWS].load_state_dict(state["row_errors"])
-        self.buckets.load_state_dict(state["bucket_orders"])
-        if self.adaptive is not None and state["adaptive"] is not None:
-            self.adaptive.load_state_dict(state["adaptive"])
 
 
 def by_name(named_gradients: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -433,9 +395,3 @@ def by_name(named_gradients: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[s
     if len(set(names)) != len(names):
         raise SparseCommError(f"gradient names repeat: {sorted({n for n in names if names.count(n) > 1})}")
     return named
-
-
-def _default_group() -> dist.ProcessGroup:
-    from torch.distributed.distributed_c10d import _get_default_group
-
-    return _get_default_group()

@@ -35,6 +35,13 @@ class Sparsifier(Component):
         selecting from it saves little."""
         return math.prod(shape) < dense_below
 
+    def selects_rows(self) -> bool:
+        """Whether a sparse gradient (an ``nn.Embedding(sparse=True)``'s rows) goes through this
+        sparsifier as the dense tensor it stands for, rather than whole, row by row: by default
+        not, as the seeds that sum sparse gradients (SparCML, S2, DeepReduce, SKCompress) send a
+        sparse gradient's own entries."""
+        return False
+
 
 WARMUP_STAGES = 4
 WARMUP_BASE = 0.25

@@ -83,6 +83,11 @@ class DGCThreshold(CountedSparsifier):
         vectors (biases, norms' scales) go whole."""
         return len(shape) <= 1
 
+    def selects_rows(self) -> bool:
+        """Yes: DGC's code meets an embedding's gradient as the dense matrix PyTorch gives by
+        default, and sparsifies it as any other matrix."""
+        return True
+
     def sampled_threshold(self, flat: torch.Tensor, k: int,
                           generator: torch.Generator | None) -> float | torch.Tensor:
         return sampled_threshold(flat, k, self.sample, generator)

@@ -1,0 +1,100 @@
+"""`Runtime`: what a `GradientReducer` builds once it joins its process group — the pipeline, the
+transport session, the DDP bucket layouts, its own process group, the ``adaptive`` controller, the
+step's calls and every route's path. Rebuilt in part when the pipeline changes before the first
+step (`suit`); its state goes into the reducer's checkpoint (`state_dict`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from sparsecomm.adaptive.controller import AdaptiveController
+from sparsecomm.pipeline import Pipeline
+from sparsecomm.reducer.buckets import BucketLayouts
+from sparsecomm.reducer.call import Route
+from sparsecomm.reducer.config import ReducerConfig
+from sparsecomm.reducer.paths.base import Parts, Path
+from sparsecomm.reducer.paths.compressed import CompressedPath
+from sparsecomm.reducer.paths.dense_step import DenseStepPath
+from sparsecomm.reducer.paths.device import DevicePath
+from sparsecomm.reducer.paths.plain import PlainPath
+from sparsecomm.reducer.paths.rows import RowsPath
+from sparsecomm.reducer.stats import ReducerStats
+from sparsecomm.reducer.step_calls import StepCalls
+from sparsecomm.reducer.uncompressed import UncompressedFeedback
+from sparsecomm.sparsify.adaptive import Adaptive
+from sparsecomm.transport.collectives import wire_device
+from sparsecomm.transport.session import TransportSession
+
+
+class Runtime:
+    """A started reducer's machinery, over ``config`` (its world size known) on ``group``."""
+
+    def __init__(self, config: ReducerConfig, group: dist.ProcessGroup | None, model: nn.Module | None,
+                 stats: ReducerStats) -> None:
+        self.config, self.group, self.stats = config, group, stats
+        self.pipeline = Pipeline(config.spec, seed=config.seed, nonfinite=config.nonfinite,
+                                 world_size=config.world_size)
+        self.session = TransportSession()
+        self.buckets = BucketLayouts(model, config.sends_whole)
+        config.agree(group)
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(config.world_size))
+        # over a part of the world, only its ranks make the group (each part makes its own at once)
+        self.async_group = dist.new_group(ranks=ranks, use_local_synchronization=len(ranks) < dist.get_world_size())
+        """the reducer's own group: its collectives never interleave with the caller's"""
+        self.process_group = self.async_group if self.async_group is not None else _default_group()
+        self.wire_device = wire_device(self.process_group)
+        if config.world_size > 1:  # groups its calls need, made now with the others rather than in a step
+            config.spec.transport.prepare(self.async_group, self.session)
+        self.adaptive = AdaptiveController.of(config.spec, config.world_size, self.async_group, self.wire_device,
+                                              getattr(model, "module", model))
+        """the adaptive sparsifier's controller (None for other pipelines)"""
+        self.calls = StepCalls(self.async_group, self.session)
+        self._build_paths()
+
+    def _build_paths(self) -> None:
+        self.parts = Parts(self.config, self.pipeline, self.calls, UncompressedFeedback(self.config.spec.feedback),
+                           self.stats, self.process_group, self.wire_device, dist.get_rank(self.process_group),
+                           self.adaptive)
+        paths: list[Path] = [PlainPath(self.parts), CompressedPath(self.parts), RowsPath(self.parts),
+                             DenseStepPath(self.parts), DevicePath(self.parts)]
+        self.paths = {path.route: path for path in paths}
+
+    def suit(self, config: ReducerConfig) -> None:
+        """Take ``config``'s pipeline (before the first step; every rank alike, which it checks)."""
+        config.agree(self.group)
+        self.config = config
+        self.pipeline = Pipeline(config.spec, seed=config.seed, nonfinite=config.nonfinite,
+                                 world_size=config.world_size)
+        if self.adaptive is not None:
+            assert isinstance(config.spec.sparsifier, Adaptive)
+            self.adaptive.planner.suit(config.spec.sparsifier, config.spec.feedback.delay_horizon())
+        self._build_paths()
+
+    def close(self) -> None:
+        if self.adaptive is not None:
+            self.adaptive.close()
+        self.session.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"pipeline": self.pipeline.state_dict(), "uncompressed": self.parts.uncompressed.state_dict(),
+                "session": self.session.state_dict(), "bucket_orders": self.buckets.state_dict(),
+                "row_errors": self.paths[Route.ROWS].state_dict(),
+                "adaptive": self.adaptive.state_dict() if self.adaptive is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pipeline.load_state_dict(state["pipeline"])
+        self.parts.uncompressed.load_state_dict(state["uncompressed"])
+        self.session.load_state_dict(state["session"])
+        self.paths[Route.ROWS].load_state_dict(state["row_errors"])
+        self.buckets.load_state_dict(state["bucket_orders"])
+        if self.adaptive is not None and state["adaptive"] is not None:
+            self.adaptive.load_state_dict(state["adaptive"])
+
+
+def _default_group() -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    return _get_default_group()
