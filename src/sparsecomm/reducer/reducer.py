@@ -3,7 +3,8 @@ the DDP hook (`ddp_comm_hook`) and custom loops (`GradientReducer.allreduce_`).
 
 Each call — a named tensor, or a DDP bucket cut into its parameters (`BucketLayouts`) — takes one
 `Route` (`route_of`): its path runs the local stages and posts the collective (`paths/`), and one
-completion averages the sum, applies what the feedback owns and hands it back (`complete`). The
+completion averages the sum, applies what the feedback owns and hands it back (`complete`);
+`Runtime.submit` puts it on its way. The
 calls of a step go where `StepCalls` puts them; with the ``adaptive`` sparsifier an
 `AdaptiveController` plans every step. Rules every rank relies on:
 
@@ -13,15 +14,14 @@ calls of a step go where `StepCalls` puts them; with the ``adaptive`` sparsifier
 - non-finite input follows ``nonfinite``; under ``"raise"`` every rank raises together, none is left
   waiting. So does every rank when one rank's codec refuses its values (beyond fp16's range).
 
-The reducer owns all runtime state — its call counters and the `Runtime` it builds on starting
-(per-parameter pipeline state, the plain and rows paths' state, auto's measurements, the adaptive
+The reducer owns all runtime state — the `Runtime` it builds on starting (its call counters,
+per-parameter pipeline state, the plain and rows paths' state, auto's measurements, the adaptive
 controller, the worker thread) — checkpoints it with ``state_dict()`` (format `FORMAT`) and
 releases it with ``close()`` (or ``with``).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
@@ -35,13 +35,11 @@ from sparsecomm.adaptive.density import share_density
 from sparsecomm.errors import SparseCommError
 from sparsecomm.pipeline import Pipeline, Segment
 from sparsecomm.presets import resolve
-from sparsecomm.reducer.call import Call, Route, route_of
 from sparsecomm.reducer.checkpoint import FORMAT, migrate
-from sparsecomm.reducer.completion import attach
 from sparsecomm.reducer.config import DENSE_BELOW, ReducerConfig
 from sparsecomm.reducer.optimizers import suited_spec
 from sparsecomm.reducer.runtime import Runtime
-from sparsecomm.reducer.stats import ReducerStats, TensorStats
+from sparsecomm.reducer.stats import ReducerStats
 from sparsecomm.spec import PipelineSpec, format_spec
 from sparsecomm.transport.agreement import agree
 from sparsecomm.transport.request import Request
@@ -99,8 +97,6 @@ class GradientReducer:
         """the spec it was built with, which a call may name though `suit_optimizer` changed it"""
         self.group, self._model = group, model
         self.stats = ReducerStats()
-        self._counts: dict[str, int] = {}
-        """per stream key: calls so far (the agreement step checks every rank is at the same call)"""
         self._loaded: dict[str, Any] | None = None
         """a checkpoint loaded before the reducer started, restored when it starts"""
         self.runtime: Runtime
@@ -147,7 +143,7 @@ class GradientReducer:
         spec, why = suited_spec(self.spec, optimizer)
         if spec == self.spec:
             return None
-        if self._counts:
+        if self._reduced():
             if why is None:
                 return None  # only adaptive's dense start would change, and the steps have begun
             raise SparseCommError(f"{why} — but this reducer has already reduced gradients: suit it to the "
@@ -156,6 +152,12 @@ class GradientReducer:
         if self.started:  # else the ranks agree on it when the reducer starts
             self.runtime.suit(self.config)
         return why
+
+    def _reduced(self) -> bool:
+        """Whether any call has been made (counted in a checkpoint loaded before the start too)."""
+        if self.started:
+            return bool(self.runtime.counts)
+        return bool(self._loaded and self._loaded["calls"])
 
     @property
     def spec(self) -> PipelineSpec:
@@ -206,7 +208,7 @@ class GradientReducer:
         named = by_name(named_gradients)
         names = [name for name, _ in named]
         agree(self.group, Request(key="gradients " + ", ".join(names), call=self.stats.steps), len(names), 0)
-        pending = [(tensor, self._submit(name, tensor, last=i == len(named) - 1))
+        pending = [(tensor, self.runtime.submit(name, tensor, last=i == len(named) - 1))
                    for i, (name, tensor) in enumerate(named)]
         self.finish_step()
         for tensor, future in pending:
@@ -221,7 +223,7 @@ class GradientReducer:
         if not self.started:
             self._start()  # the first bucket: every rank is here, torch.distributed is initialised
         layout = self.runtime.buckets.layout(bucket)
-        reduced = self._submit(layout.key, layout.gathered(bucket), layout.segments, layout.stats_key,
+        reduced = self.runtime.submit(layout.key, layout.gathered(bucket), layout.segments, layout.stats_key,
                                last=bucket.is_last() and layout.ddp_offsets is None)
         if layout.ddp_offsets is None:
             return reduced
@@ -284,7 +286,7 @@ class GradientReducer:
         for it."""
         if not self.started:
             self._start()
-        return self._submit(key, tensor, segments, in_step=False)
+        return self.runtime.submit(key, tensor, segments, in_step=False)
 
     def reduce_flat_async(self, key: str, flat: torch.Tensor, segments: tuple[Segment, ...], stats_key: str = "",
                           last: bool = False) -> torch.futures.Future[torch.Tensor]:
@@ -292,31 +294,7 @@ class GradientReducer:
         name), as a DDP bucket's: a future of its average; ``last``: the step's last call."""
         if not self.started:
             self._start()
-        return self._submit(key, flat, segments, stats_key, last)
-
-    def _submit(self, key: str, tensor: torch.Tensor, segments: tuple[Segment, ...] | None = None,
-                stats_key: str = "", last: bool = False, in_step: bool = True) -> torch.futures.Future[torch.Tensor]:
-        """One call (see `Call`): its route, its path's local stages and collective; a future of its
-        average."""
-        stats = self.stats.tensors.setdefault(stats_key or key, TensorStats())
-        stats.steps += 1
-        stats.dense_bytes += tensor.numel() * 4
-        start = time.perf_counter()
-        plan = self.adaptive.plan_call(start) if self.adaptive is not None else None
-        route = route_of(tensor, segments, self.config, plan)
-        if route is Route.COMPRESSED and segments is None and self.config.sends_whole(tensor.shape):
-            segments = (Segment(key, 0, tensor.numel(), whole=True),)  # a large vector under DGC's rule
-        sparse_dim = tensor.sparse_dim() if tensor.is_sparse else 0
-        if sparse_dim and route is not Route.ROWS:  # a sparsifier that selects from rows takes them dense
-            tensor = tensor.to_dense()
-        number = self._counts.get(key, 0)
-        self._counts[key] = number + 1
-        call = Call(key, tensor, segments, stats_key, number, last, in_step, sparse_dim)
-        path = self.runtime.paths[route]
-        pending = path.post(call, plan, start)
-        stats.route = route.value
-        stats.select_s += pending.submitted - start
-        return attach(self.runtime.parts, call, path, pending, stats)
+        return self.runtime.submit(key, flat, segments, stats_key, last)
 
     # -- lifetime and checkpoints -----------------------------------------------------------------
     def close(self) -> None:
@@ -362,8 +340,7 @@ class GradientReducer:
                 raise SparseCommError("this reducer has not started (torch.distributed was not initialised at "
                                       "its construction and it has reduced nothing): there is no state to save")
             return self._loaded
-        return {"format": FORMAT, "calls": dict(self._counts), "steps": self.stats.steps,
-                **self.runtime.state_dict()}
+        return {"format": FORMAT, "steps": self.stats.steps, **self.runtime.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a checkpoint of any format this version reads (`migrate`).
@@ -377,11 +354,10 @@ class GradientReducer:
         """
         state = migrate(state)
         if not self.started:
-            self._loaded, self._counts = state, dict(state["calls"])  # restored when the reducer starts
+            self._loaded = state  # restored when the reducer starts
             self.stats.steps = state["steps"]
             return
         self.runtime.load_state_dict(state)
-        self._counts = dict(state["calls"])
         self.stats.steps = state["steps"]
 
 

@@ -1,19 +1,23 @@
 """`Runtime`: what a `GradientReducer` builds once it joins its process group — the pipeline, the
 transport session, the DDP bucket layouts, its own process group, the ``adaptive`` controller, the
-step's calls and every route's path. Rebuilt in part when the pipeline changes before the first
-step (`suit`); its state goes into the reducer's checkpoint (`state_dict`)."""
+step's calls, every route's path and the calls counted per stream — and `Runtime.submit`, which
+sends one call down its route. Rebuilt in part when the pipeline changes before the first step
+(`suit`); its state goes into the reducer's checkpoint (`state_dict`)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from sparsecomm.adaptive.controller import AdaptiveController
-from sparsecomm.pipeline import Pipeline
+from sparsecomm.pipeline import Pipeline, Segment
 from sparsecomm.reducer.buckets import BucketLayouts
-from sparsecomm.reducer.call import Route
+from sparsecomm.reducer.call import Call, Route, route_of
+from sparsecomm.reducer.completion import attach
 from sparsecomm.reducer.config import ReducerConfig
 from sparsecomm.reducer.paths.base import Parts, Path
 from sparsecomm.reducer.paths.compressed import CompressedPath
@@ -21,7 +25,7 @@ from sparsecomm.reducer.paths.dense_step import DenseStepPath
 from sparsecomm.reducer.paths.device import DevicePath
 from sparsecomm.reducer.paths.plain import PlainPath
 from sparsecomm.reducer.paths.rows import RowsPath
-from sparsecomm.reducer.stats import ReducerStats
+from sparsecomm.reducer.stats import ReducerStats, TensorStats
 from sparsecomm.reducer.step_calls import StepCalls
 from sparsecomm.reducer.uncompressed import UncompressedFeedback
 from sparsecomm.sparsify.adaptive import Adaptive
@@ -52,6 +56,8 @@ class Runtime:
                                               getattr(model, "module", model))
         """the adaptive sparsifier's controller (None for other pipelines)"""
         self.calls = StepCalls(self.async_group, self.session)
+        self.counts: dict[str, int] = {}
+        """per stream key: calls so far (the agreement step checks every rank is at the same call)"""
         self._build_paths()
 
     def _build_paths(self) -> None:
@@ -73,18 +79,44 @@ class Runtime:
             self.adaptive.planner.suit(config.spec.sparsifier, config.spec.feedback.delay_horizon())
         self._build_paths()
 
+    def submit(self, key: str, tensor: torch.Tensor, segments: tuple[Segment, ...] | None = None,
+               stats_key: str = "", last: bool = False, in_step: bool = True) -> torch.futures.Future[torch.Tensor]:
+        """One call (see `Call`): its route, its path's local stages and collective; a future of its
+        average."""
+        stats = self.stats.tensors.setdefault(stats_key or key, TensorStats())
+        stats.steps += 1
+        stats.dense_bytes += tensor.numel() * 4
+        start = time.perf_counter()
+        plan = self.adaptive.plan_call(start) if self.adaptive is not None else None
+        route = route_of(tensor, segments, self.config, plan)
+        if route is Route.COMPRESSED and segments is None and self.config.sends_whole(tensor.shape):
+            segments = (Segment(key, 0, tensor.numel(), whole=True),)  # a large vector under DGC's rule
+        sparse_dim = tensor.sparse_dim() if tensor.is_sparse else 0
+        if sparse_dim and route is not Route.ROWS:  # a sparsifier that selects from rows takes them dense
+            tensor = tensor.to_dense()
+        number = self.counts.get(key, 0)
+        self.counts[key] = number + 1
+        call = Call(key, tensor, segments, stats_key, number, last, in_step, sparse_dim)
+        path = self.paths[route]
+        pending = path.post(call, plan, start)
+        stats.route = route.value
+        stats.select_s += pending.submitted - start
+        return attach(self.parts, call, path, pending, stats)
+
     def close(self) -> None:
         if self.adaptive is not None:
             self.adaptive.close()
         self.session.close()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"pipeline": self.pipeline.state_dict(), "uncompressed": self.parts.uncompressed.state_dict(),
+        return {"calls": dict(self.counts), "pipeline": self.pipeline.state_dict(),
+                "uncompressed": self.parts.uncompressed.state_dict(),
                 "session": self.session.state_dict(), "bucket_orders": self.buckets.state_dict(),
                 "row_errors": self.paths[Route.ROWS].state_dict(),
                 "adaptive": self.adaptive.state_dict() if self.adaptive is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.counts = dict(state["calls"])
         self.pipeline.load_state_dict(state["pipeline"])
         self.parts.uncompressed.load_state_dict(state["uncompressed"])
         self.session.load_state_dict(state["session"])
