@@ -190,11 +190,14 @@ def test_on_two_nodes_each_preset_runs_flat_hierarchical_and_under_fsdp_and_the_
     if not ShapedNetwork.available()[0]:
         pytest.skip("this machine cannot shape a link")
     out = tmp_path / "nodes.json"
-    assert main(["train", "--nodes", "2", "--workers", "4", "--shaped", "1gbit", "--steps", "10", "--presets", "dgc",
-                 "--baselines", "hsdp", "--json", str(out)]) == 0
+    flat = "fsdp-flat:topk(ratio=0.01)+residual+fp32"
+    assert main(["train", "--nodes", "2", "--workers", "4", "--shaped", "1gbit", "--steps", "10", "--presets",
+                 f"dgc,{flat}", "--baselines", "hsdp", "--json", str(out)]) == 0
     assert "all that crossed the shaped link between nodes" in capsys.readouterr().out
     rows = {row["preset"]: row for row in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["torch-hsdp", "dense", "hier:dense", "fsdp:dense", "dgc", "hier:dgc", "fsdp:dgc"]
+    assert list(rows) == ["torch-hsdp", "dense", "hier:dense", "fsdp:dense", "dgc", "hier:dgc", "fsdp:dgc", flat]
+    # a row named with its layout runs once, as named: each owner gets the top 1% of its range
+    assert rows[flat]["bytes_per_step"] < 0.05 * rows["dense"]["bytes_per_step"]
     assert all(row["ranks_identical"] for row in rows.values())
     crossed = {name: row["link_bytes_per_step"] for name, row in rows.items()}
     # dense: each node's two ranks send half the model each between nodes, not a ring over four

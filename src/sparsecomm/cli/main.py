@@ -129,7 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "2M-parameter GPT over the standard library's source bytes, AdamW) or gpt-large (57M "
                             "parameters, for GPUs)")
     train.add_argument("--presets", default=None,
-                       help="comma-separated presets or specs (default: every available preset; gpt: adaptive, dgc)")
+                       help="comma-separated presets or specs (default: every available preset; gpt: adaptive, dgc); "
+                            "a row named fsdp-flat:SPEC trains under FSDP2 over every rank, each module's "
+                            "reduce-scatter compressed by SPEC (topk(ratio=R)+residual with fp32, fp16 or bf16 values)")
     train.add_argument("--baselines", default="all",
                        help="PyTorch's own DDP communication to run next to the presets, comma-separated: "
                             "allreduce, fp16, powersgd-r1, powersgd-r2, and FSDP2's fsdp and hsdp; 'all' (default: "
@@ -391,7 +393,7 @@ def _train(args: argparse.Namespace) -> int:
 
     from sparsecomm.presets import available_presets
     from sparsecomm.train import runner, summary
-    from sparsecomm.train.row_names import FSDP, HIERARCHICAL
+    from sparsecomm.train.row_names import FLAT_FSDP, FSDP, HIERARCHICAL, preset_of
     from sparsecomm.train.update_rule import UpdateRule
     from sparsecomm.train.workloads import workload
 
@@ -403,8 +405,9 @@ def _train(args: argparse.Namespace) -> int:
     if in_job:
         args.workers, args.nodes = runner.job_layout(args.workers, args.nodes)
     args.nodes = args.nodes or 1
-    if args.nodes > 1:  # each preset flat, hierarchical and under FSDP2, side by side
-        presets = [row for preset in presets for row in (preset, HIERARCHICAL + preset, FSDP + preset)]
+    if args.nodes > 1:  # each preset flat, hierarchical and under FSDP2; a row named with its layout stays
+        presets = [row for preset in presets for row in
+                   ((preset, HIERARCHICAL + preset, FSDP + preset) if preset_of(preset) == preset else (preset,))]
     presets = [*(name for name in _baselines(args.baselines, args.nodes) if name not in presets), *presets]
     args.workers = args.workers or runner.default_workers()
     if args.workers % args.nodes:
@@ -466,7 +469,8 @@ def _train(args: argparse.Namespace) -> int:
     if args.nodes > 1:
         print(f"  {HIERARCHICAL}PRESET: DDP, dense inside each node, PRESET between nodes; {FSDP}PRESET: "
               "FSDP2 sharded inside each node, PRESET between nodes: their bytes_per_step are what one rank sends "
-              "between nodes; torch-fsdp and torch-hsdp count their gradients' reduction only (FSDP all-gathers "
+              f"between nodes; {FLAT_FSDP}SPEC: FSDP2 over every rank, its reduce-scatter compressed (all a rank "
+              "sends); torch-fsdp and torch-hsdp count their gradients' reduction only (FSDP all-gathers "
               "parameters too)" + ("; link_bytes_per_step: all that crossed the shaped link between nodes, by its "
                                    "own counters, from the second step" if namespaces else ""))
     for row in result["rows"]:

@@ -15,11 +15,22 @@ HIERARCHICAL = "hier:"
 node, compressed between nodes)"""
 FSDP = "fsdp:"
 """a row name's prefix: its preset averages each node's FSDP shards across nodes (`register_fsdp_hooks`)"""
+FLAT_FSDP = "fsdp-flat:"
+"""a row name's prefix: FSDP2 over every rank, each module's reduce-scatter compressed by its spec
+(``topk(ratio=R)+residual`` with fp values: `register_fsdp_hooks`' flat form)"""
 
 
 def is_sharded(row: str) -> bool:
     """Whether the row trains under FSDP2."""
-    return row in SHARDED_BASELINES or row.startswith(FSDP)
+    return row in SHARDED_BASELINES or row.startswith((FSDP, FLAT_FSDP))
+
+
+def preset_of(row: str) -> str:
+    """The preset or spec a sparsecomm row's name carries, without its prefix."""
+    for prefix in (HIERARCHICAL, FSDP, FLAT_FSDP):
+        if row.startswith(prefix):
+            return row.removeprefix(prefix)
+    return row
 
 
 def is_flat(row: str) -> bool:

@@ -31,7 +31,7 @@ from sparsecomm.spec import format_spec
 from sparsecomm.train import sharded
 from sparsecomm.train.baselines import BASELINES, BytesMeter, has_sparse_gradients
 from sparsecomm.train.regime import matching_rate
-from sparsecomm.train.row_names import FSDP, HIERARCHICAL, SHARDED_BASELINES, is_sharded
+from sparsecomm.train.row_names import HIERARCHICAL, SHARDED_BASELINES, is_sharded, preset_of
 from sparsecomm.train.update_rule import UpdateRule
 from sparsecomm.train.workloads import Workload
 from sparsecomm.train.workloads import workload as load_workload
@@ -241,7 +241,7 @@ def run(workload: str | Workload, presets: list[str], workers: int, steps: int, 
     batch = task.default_batch if batch is None else batch
     for preset in presets:
         if preset not in BASELINES and preset not in SHARDED_BASELINES:
-            resolve(preset.removeprefix(HIERARCHICAL).removeprefix(FSDP))  # fail before starting any worker
+            resolve(preset_of(preset))  # fail before starting any worker
     if workers % nodes:
         raise SparseCommError(f"{workers} workers do not fill {nodes} nodes of equal size")
     sparse_gradients = has_sparse_gradients(task.model(seed))

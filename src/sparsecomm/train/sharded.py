@@ -7,6 +7,8 @@ sparsecomm's compression under it.
   all-reduced densely across nodes.
 - ``fsdp:PRESET``: sharded inside each node as HSDP, each shard averaged across nodes through
   PRESET (`register_fsdp_hooks`).
+- ``fsdp-flat:SPEC``: one FSDP group over every rank, each module's reduce-scatter sending each
+  owner only the largest entries of its range (SPEC: ``topk(ratio=R)+residual`` with fp values).
 
 A transformer's blocks (or else each child holding parameters) are FSDP modules, and the root another.
 """
@@ -24,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 from sparsecomm.reducer.fsdp_hook import FSDPCompression, register_fsdp_hooks
 from sparsecomm.reducer.topology import NODE, Topology
 from sparsecomm.train.baselines import BytesMeter
-from sparsecomm.train.row_names import FSDP
+from sparsecomm.train.row_names import FLAT_FSDP, FSDP
 
 if TYPE_CHECKING:
     from sparsecomm.reducer.sparse_reduce_scatter import FlatFSDPCompression
@@ -42,15 +44,19 @@ def shard(module: nn.Module, mesh: Any) -> nn.Module:
 
 def build(row: str, module: nn.Module, nodes: int, seed: int
           ) -> tuple[nn.Module, FSDPCompression | FlatFSDPCompression | None, BytesMeter | None]:
-    """The row's sharded model, and what counts its bytes: the compression's stats (``fsdp:``) or a
-    meter of the gradient bytes each rank hands its reduction (PyTorch's rows; the parameters'
-    all-gathers are on the link's counters only)."""
+    """The row's sharded model, and what counts its bytes: the compression's stats (``fsdp:``,
+    ``fsdp-flat:``) or a meter of the gradient bytes each rank hands its reduction (PyTorch's rows;
+    the parameters' all-gathers are on the link's counters only)."""
     world = dist.get_world_size()
     device_type = next(module.parameters()).device.type
     numel = sum(p.numel() for p in module.parameters())
     if row == "torch-fsdp":
         model = shard(module, init_device_mesh(device_type, (world,)))
         return model, None, BytesMeter(lambda steps: 4 * numel * steps)
+    if row.startswith(FLAT_FSDP):
+        flat = init_device_mesh(device_type, (world,))
+        model = shard(module, flat)
+        return model, register_fsdp_hooks(model, row.removeprefix(FLAT_FSDP), flat, seed=seed), None
     mesh = Topology(world // nodes).device_mesh(device_type)
     if row == "torch-hsdp":
         model = shard(module, mesh)  # a 2-D mesh: replicated across its first dimension, sharded in its second
