@@ -85,9 +85,9 @@ class CountedSparsifier(Sparsifier):
 
 
 def warmup_ratio(final: float, step: int, warmup_steps: int) -> float:
-    """DGC's exponential warm-up (§3.4): over ``warmup_steps`` split into 4 equal stages the density
-    is 0.25, 0.0625, 0.015625, 0.0039 (sparsity 75%, 93.75%, 98.4375%, 99.6%), never below ``final``;
-    from then on ``final`` (99.9% for ratio=0.001)."""
+    """DGC's exponential warm-up (§3.3, its schedule in §4.1): over ``warmup_steps`` split into 4
+    equal stages the density is 0.25, 0.0625, 0.015625, 0.0039 (sparsity 75%, 93.75%, 98.4375%,
+    99.6%), never below ``final``; from then on ``final`` (99.9% for ratio=0.001)."""
     if step >= warmup_steps:
         return final
     stage = step * WARMUP_STAGES // warmup_steps
