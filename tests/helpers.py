@@ -47,13 +47,13 @@ def contribution(rank: int, world: int, overlap: str, numel: int = 20_000, nnz: 
 
 
 def adaptive_at_once() -> str:
-    """The ``adaptive`` preset's spec with sparse steps allowed from the first step whatever the
-    optimizer (under AdamW it sends the first 20 dense): for tests of what sparse steps do within a
-    few steps."""
+    """The ``adaptive`` preset's spec at its floor density from the first step whatever the
+    optimizer (under AdamW its least density falls from 25% over the first 20 steps): for tests of
+    what sparse steps do within a few steps."""
     from dataclasses import replace
 
     from sparsecomm.presets import resolve
     from sparsecomm.spec import format_spec
 
     preset = resolve("adaptive")
-    return format_spec(replace(preset, sparsifier=replace(preset.sparsifier, dense_start=0)))
+    return format_spec(replace(preset, sparsifier=replace(preset.sparsifier, warmup=0)))

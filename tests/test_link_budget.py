@@ -75,6 +75,23 @@ def test_the_first_steps_are_dense_as_dgcs_warm_up_then_the_link_decides():
     assert next_plan(user).mode == SPARSE  # a user's byte budget holds from the first step
 
 
+def test_the_warm_up_eases_sparsity_in_from_a_quarter_of_the_entries_to_the_floor():
+    plan = Planner(Adaptive(warmup=4, floor=0.01), world_size=2)
+    plan.costs.total_numel = plan.costs.budget_numel = N
+    plan.costs.observe_link(12.5e6)  # a slow link, timed at start-up
+    slow = report(compute=0.002, throughput=12.5e6, fp32=0.3, per_nnz=2.0, magnitude=1.0, sparse=0.001)
+    plans = [next_plan(plan, slow if step else None) for step in range(11)]
+    assert all(p.mode == SPARSE for p in plans)
+    densities = [p.density for p in plans]
+    # a quarter for 4 steps, falling by (0.01 / 0.25) ** (1 / 4) a step over 4 more, then the
+    # planner's own choice above the floor
+    assert densities[:8] == pytest.approx([0.25] * 4 + [0.25 * 0.04 ** (step / 4) for step in range(4)])
+    assert min(densities[8:]) >= 0.01 and max(densities[8:]) < densities[7]
+    user = Planner(Adaptive(budget=1000, warmup=4, floor=0.01), world_size=2)
+    user.costs.total_numel = user.costs.budget_numel = N
+    assert next_plan(user) == Plan(SPARSE, 0.01)  # a user's byte budget holds from the first step
+
+
 def test_the_first_step_is_dense_and_so_is_every_probe_step():
     plan = budget(probe=10)
     assert next_plan(plan) == Plan(FP32)  # nothing measured yet

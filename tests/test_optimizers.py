@@ -35,18 +35,18 @@ def test_a_momentum_correcting_feedback_gives_way_to_an_optimizers_own_momentum(
     assert suited_feedback(Residual(), optimizer) == (Residual(), None)  # error feedback suits every optimizer
 
 
-@pytest.mark.parametrize(("optimizer", "dense_start", "least"), [
+@pytest.mark.parametrize(("optimizer", "warmup", "least"), [
     (torch.optim.SGD(parameters(), lr=0.1, momentum=0.9), -1, 0.001),  # linear in the gradient: sparse at once
     (torch.optim.AdamW(parameters()), 20, 0.05),  # normalizes it: a burst would stay in its second moment
     (torch.optim.Adagrad(parameters()), 20, 0.05),
 ])
-def test_adaptive_starts_dense_and_holds_less_back_under_an_optimizer_that_normalizes_the_gradient(
-        optimizer, dense_start, least):
+def test_adaptive_eases_sparsity_in_and_holds_less_back_under_an_optimizer_that_normalizes_the_gradient(
+        optimizer, warmup, least):
     sparsifier = suited_spec(resolve("adaptive"), optimizer)[0].sparsifier
-    assert sparsifier.dense_start == dense_start
+    assert (sparsifier.warmup, sparsifier.dense_start) == (warmup, 0)
     assert sparsifier.least == least and sparsifier.at_density(1e-6).density == least
-    told = suited_spec(resolve("adaptive(dense_start=3,floor=0.002)+residual+rice+int8+allgather"), optimizer)[0]
-    assert (told.sparsifier.dense_start, told.sparsifier.least) == (3, 0.002)  # as the user set them
+    told = suited_spec(resolve("adaptive(warmup=3,floor=0.002)+residual+rice+int8+allgather"), optimizer)[0]
+    assert (told.sparsifier.warmup, told.sparsifier.least) == (3, 0.002)  # as the user set them
 
 
 def adamw_training(rank: int, world: int, preset: str) -> dict:
@@ -65,7 +65,8 @@ def adamw_training(rank: int, world: int, preset: str) -> dict:
         optimizer.step()
         losses.append(float(loss.detach()))
     horizon = reducer.adaptive.planner.costs.feedback_horizon if reducer.adaptive is not None else None
-    modes = {} if reducer.adaptive is None else {str(m): n for m, n in reducer.adaptive.planner.mode_steps.items()}
+    planned = reducer.adaptive.planner.sparsifier if reducer.adaptive is not None else None
+    easing = (planned.warmup, planned.least) if planned is not None else None
     try:
         sc.check_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5), reducer)
         late = "no error"
@@ -73,7 +74,7 @@ def adamw_training(rank: int, world: int, preset: str) -> dict:
         late = str(err)
     reducer.close()
     return {"warnings": [str(w.message) for w in caught], "feedback": reducer.spec.feedback.name,
-            "digest": digest(model), "losses": losses, "horizon": horizon, "late": late, "modes": modes}
+            "digest": digest(model), "losses": losses, "horizon": horizon, "late": late, "easing": easing}
 
 
 @pytest.mark.parametrize("preset", ["dgc", "adaptive"])
@@ -87,7 +88,7 @@ def test_adamw_trains_with_error_feedback_in_place_of_dgcs_momentum_alike_on_eve
     assert results[0]["digest"] == results[1]["digest"]
     if preset == "adaptive":
         assert results[0]["horizon"] == 1.0  # error feedback delivers within a step, not a momentum's memory
-        assert results[0]["modes"]["fp32"] >= 20  # AdamW's first 20 steps are dense (of 24: the link decides after)
+        assert results[0]["easing"] == (20, 0.05)  # the planner eases sparsity in over 20 steps, to 5%
 
 
 def loop_under_adamw(rank: int, world: int) -> str:

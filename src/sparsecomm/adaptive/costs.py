@@ -71,6 +71,9 @@ class Costs:
     """κ_e, κ_d: the slowest rank's calibrated marginal seconds per payload byte"""
     max_magnitude: float = math.inf
     """the largest |value| any rank sent lately (unknown: fp16 not allowed)"""
+    least: float = 0.0
+    """this step's least density: the sparsifier's floor, or above it during its warm-up (the
+    planner sets it every step; 0 until then: the floor)"""
 
     def __post_init__(self) -> None:
         for name in WINDOWS:
@@ -139,9 +142,13 @@ class Costs:
         return self.fixed_bytes + density * self.budget_numel * self.bytes_per_nnz
 
     def sparse_at(self, budget: float) -> Plan:
-        """A sparse step that sends ``budget`` bytes."""
+        """A sparse step that sends ``budget`` bytes (at least this step's `least` density)."""
         density = (budget - self.fixed_bytes) / (self.bytes_per_nnz * self.budget_numel)
-        return Plan(Mode.SPARSE, self.sparsifier.at_density(min(density, self.config.max_sparse_density)).density)
+        return self.sparse(min(density, self.config.max_sparse_density))
+
+    def sparse(self, density: float) -> Plan:
+        """A sparse step at ``density``, raised to this step's `least` (and the sparsifier's floor)."""
+        return Plan(Mode.SPARSE, self.sparsifier.at_density(max(density, self.least)).density)
 
     def predicted(self, budget: float) -> dict[Mode, tuple[float, Plan]]:
         """Each allowed mode's predicted whole step time times one plus its margin, and the plan
@@ -157,9 +164,9 @@ class Costs:
             costs[Mode.FP16] = (fp16_cost * (1 + config.fp16_margin), Plan(Mode.FP16))
         exploring = not self.sparse_overhead_s
         if exploring:
-            sparse = Plan(Mode.SPARSE, self.sparsifier.least)
+            sparse = self.sparse(self.least)
         elif self.preferred_density:
-            sparse = Plan(Mode.SPARSE, self.sparsifier.at_density(statistics.median(self.preferred_density)).density)
+            sparse = self.sparse(statistics.median(self.preferred_density))
         else:
             sparse = self.sparse_at(budget)
         carrying = self.per_byte_s(throughput) * self.step_bytes(sparse.density)

@@ -5,13 +5,15 @@ sparse.
 
 Every rank measures its step (`StepMeasurement`) and reports it (`Report`); every rank plans from
 the agreed reports alone (`Costs`, `Trials`), so every rank's plan is the same. The first step runs
-sparse at the ``floor`` density when the link was timed at start-up (`link_probe`), fp32
-otherwise (to measure it). A step is fp32 on every ``probe``-th step (to measure again), and
-whenever the link carries the whole fp32 gradient within the compute time. fp16 is allowed while
-the largest magnitude sent leaves `AdaptiveConfig.fp16_headroom` of fp16's range. Until sparse
-steps have been measured their fixed overhead counts as 0, so a link slower than the compute gets
-sparse steps at the ``floor`` density — the first warms the sparse path up and is not counted —
-until their cost is known, cheaply where sparse does not pay.
+sparse at the least density when the link was timed at start-up (`link_probe`), fp32 otherwise (to
+measure it). The least density is the ``floor``, or during the ``warmup`` steps higher: it falls
+geometrically from `AdaptiveConfig.max_sparse_density` to the floor, as DGC eases sparsity in. A
+step is fp32 on every ``probe``-th step (to measure again), and whenever the link carries the whole
+fp32 gradient within the compute time. fp16 is allowed while the largest magnitude sent leaves
+`AdaptiveConfig.fp16_headroom` of fp16's range. Until sparse steps have been measured their fixed
+overhead counts as 0, so a link slower than the compute gets sparse steps at the least density —
+the first warms the sparse path up and is not counted — until their cost is known, cheaply where
+sparse does not pay.
 
 A user-set ``budget`` (bytes per step) replaces the measured one and the preferred density, and
 turns the probes off: bytes alone decide the mode (fp32, fp16 or sparse, whichever the budget
@@ -153,12 +155,14 @@ class Planner:
     def plan(self) -> Plan:
         """This step's plan, from agreed numbers only (so every rank's is the same)."""
         sparsifier, costs = self.sparsifier, self.costs
-        if self.world_size == 1 or (self.step < max(0, sparsifier.dense_start) and not sparsifier.budget):
-            return Plan(Mode.FP32)  # a user's byte budget holds from the first step
+        if self.world_size == 1 or (self.step < sparsifier.dense_start and not sparsifier.budget):
+            return Plan(Mode.FP32)
+        # a user's byte budget holds from the first step; a measured one eases sparsity in
+        costs.least = sparsifier.least_at(self.step, self.config.max_sparse_density) if not sparsifier.budget else 0.0
         if self.step == 0 and costs.throughput and not sparsifier.budget:
-            # (dense_start=0) the link probed at start-up, the compute not timed yet: sparse at the
-            # floor density, cheap on any link, and a first sparse step warms the sparse path up
-            return Plan(Mode.SPARSE, sparsifier.least)
+            # the link probed at start-up, the compute not timed yet: sparse at the least density,
+            # cheap on any link, and a first sparse step warms the sparse path up
+            return costs.sparse(costs.least)
         dense_bytes = costs.dense_bytes()
         if costs.budget_numel == 0:
             if self.step == 0 and 0 < sparsifier.budget < dense_bytes / 2:

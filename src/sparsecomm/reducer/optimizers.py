@@ -2,9 +2,8 @@
 correction, `Feedback.applies_momentum`) must not meet an optimizer that applies its own — SGD with
 momentum, Adam and its kin — or the momentum is applied twice. Error feedback on the gradient
 (``residual``) leaves the momentum to the optimizer, and suits every optimizer. An optimizer other
-than SGD normalizes the gradient, so ``adaptive`` starts with dense steps under it
-(``dense_start=-1``: `DENSE_START`) and holds no entry back for long (``floor=0``:
-`NORMALIZED_FLOOR`)."""
+than SGD normalizes the gradient, so under it ``adaptive`` eases sparsity in (``warmup=-1``:
+`WARMUP` steps) and holds no entry back for long (``floor=0``: `NORMALIZED_FLOOR`)."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import torch
 
 from sparsecomm.feedback.base import Feedback
 from sparsecomm.feedback.residual import Residual
-from sparsecomm.sparsify.adaptive import DENSE_START, NORMALIZED_FLOOR, Adaptive
+from sparsecomm.sparsify.adaptive import NORMALIZED_FLOOR, WARMUP, Adaptive
 from sparsecomm.spec import PipelineSpec
 
 
@@ -36,14 +35,14 @@ def suited_feedback(feedback: Feedback, optimizer: torch.optim.Optimizer) -> tup
 def suited_spec(spec: PipelineSpec, optimizer: torch.optim.Optimizer) -> tuple[PipelineSpec, str | None]:
     """(the spec to use with ``optimizer``, why its feedback differs, or None): `suited_feedback`,
     and, under an optimizer other than SGD, ``adaptive``'s choices left to the optimizer made:
-    ``dense_start=-1`` `DENSE_START`, ``floor=0`` `NORMALIZED_FLOOR`."""
+    ``warmup=-1`` `WARMUP`, ``floor=0`` `NORMALIZED_FLOOR`."""
     feedback, why = suited_feedback(spec.feedback, optimizer)
     suited = replace(spec, feedback=feedback)
     sparsifier = spec.sparsifier
     if isinstance(sparsifier, Adaptive) and normalizes(optimizer):
-        dense_start = DENSE_START if sparsifier.dense_start == -1 else sparsifier.dense_start
+        warmup = WARMUP if sparsifier.warmup == -1 else sparsifier.warmup
         floor = sparsifier.floor or NORMALIZED_FLOOR
-        suited = replace(suited, sparsifier=replace(sparsifier, dense_start=dense_start, floor=floor))
+        suited = replace(suited, sparsifier=replace(sparsifier, warmup=warmup, floor=floor))
     return suited, why
 
 

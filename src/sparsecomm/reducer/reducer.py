@@ -135,7 +135,7 @@ class GradientReducer:
 
     def suit_optimizer(self, optimizer: torch.optim.Optimizer) -> str | None:
         """Before the first step, take a pipeline that suits ``optimizer`` (`suited_spec`: no momentum
-        applied twice; ``adaptive``'s dense start); every rank calls it alike. Returns why the
+        applied twice; ``adaptive``'s warm-up and floor); every rank calls it alike. Returns why the
         feedback changed, or None.
 
         Raises:
@@ -145,7 +145,7 @@ class GradientReducer:
             return None
         if self._reduced():
             if why is None:
-                return None  # only adaptive's dense start would change, and the steps have begun
+                return None  # only adaptive's warm-up and floor would change, and the steps have begun
             raise SparseCommError(f"{why} — but this reducer has already reduced gradients: suit it to the "
                                   "optimizer before the first step")
         self.config = replace(self.config, spec=spec)

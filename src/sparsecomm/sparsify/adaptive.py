@@ -3,9 +3,8 @@
 Inside a `GradientReducer` the density is set every step by the reducer's adaptive controller (see
 `sparsecomm.adaptive`) from the measured link, compute and gradient, as every tensor's
 floor (`sparsecomm.sparsify.shared_threshold` adds the entries that stand above the rest of the
-model); ``budget``, ``floor``, ``probe``, ``dense_start`` and ``horizon`` are that controller's
-settings. Used alone,
-it keeps ``density``.
+model); ``budget``, ``floor``, ``probe``, ``dense_start``, ``warmup`` and ``horizon`` are that
+controller's settings. Used alone, it keeps ``density``.
 
 Selection: a threshold estimated from a strided sample (as DGC's), then one pass; if that selects
 more than ``UPPER``·k, the threshold is raised to the k-th largest of the selected magnitudes, and
@@ -24,8 +23,9 @@ from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.sparsify.base import SPARSIFIERS, Sparsifier, count_from, gather
 from sparsecomm.sparsify.dgc_threshold import refined_selection, sampled_threshold
 
-DENSE_START = 20
-"""dense steps before any sparse one under an optimizer that normalizes the gradient (``dense_start=-1``)"""
+WARMUP = 20
+"""steps over which the least density falls to the floor under an optimizer that normalizes the
+gradient (``warmup=-1``)"""
 FLOOR, NORMALIZED_FLOOR = 0.001, 0.05
 """the least density (``floor=0``): under SGD, and under an optimizer that normalizes the gradient,
 where an entry held back many steps arrives as a burst its second moment remembers"""
@@ -45,12 +45,15 @@ class Adaptive(Sparsifier):
     (`check_optimizer` tells it; untold, `FLOOR`)"""
     probe: int = 200
     """with a measured budget, every ``probe`` steps one step is sent dense to re-measure the link (0: never)"""
-    dense_start: int = -1
-    """with a measured budget, the first ``dense_start`` steps send every entry, in the spirit of
-    DGC's warm-up training (§3.3, which eases sparsity in); -1: by the optimizer — `DENSE_START`
-    under one that normalizes the gradient (Adam's kin: what error feedback holds back arrives later
-    in one burst, which its second moment remembers for many steps), 0 under SGD, whose update is
-    linear in the gradient (`check_optimizer` tells it; untold, 0)"""
+    dense_start: int = 0
+    """with a measured budget, the first ``dense_start`` steps send every entry in fp32"""
+    warmup: int = -1
+    """with a measured budget, over the first ``warmup`` steps the least density falls geometrically
+    from `AdaptiveConfig.max_sparse_density` to the floor, as DGC's warm-up training raises the
+    sparsity exponentially (§3.3); -1: by the optimizer — `WARMUP` under one that normalizes the
+    gradient (Adam's kin: what error feedback holds back arrives later in one burst, which its second
+    moment remembers for many steps), 0 under SGD, whose update is linear in the gradient
+    (`check_optimizer` tells it; untold, 0)"""
     horizon: float = 0.0
     """with a measured budget, a step's k entries are taken to deliver what the ``horizon``·k largest
     of one step's gradient hold: error feedback sends what a step leaves out some steps later
@@ -67,8 +70,10 @@ class Adaptive(Sparsifier):
             raise SparseCommError("adaptive floor must be in [0, 1] (0: by the optimizer) and density in (0, 1]")
         if self.probe < 0:
             raise SparseCommError("adaptive probe must be >= 0 steps")
-        if self.dense_start < -1:
-            raise SparseCommError("adaptive dense_start must be >= 0 steps, or -1 (by the optimizer)")
+        if self.dense_start < 0:
+            raise SparseCommError("adaptive dense_start must be >= 0 steps")
+        if self.warmup < -1:
+            raise SparseCommError("adaptive warmup must be >= 0 steps, or -1 (by the optimizer)")
         if not (self.horizon == 0.0 or self.horizon >= 1.0):
             raise SparseCommError("adaptive horizon must be >= 1 step, or 0 (from the feedback)")
         if not 0.0 < self.sample <= 1.0:
@@ -78,6 +83,13 @@ class Adaptive(Sparsifier):
     def least(self) -> float:
         """The least density the budget may set: ``floor``, or `FLOOR` where it is left to the optimizer."""
         return self.floor if self.floor > 0 else FLOOR
+
+    def least_at(self, step: int, top: float) -> float:
+        """The least density at ``step``: ``top`` over the first ``warmup`` steps, then falling
+        geometrically to `least` over as many more."""
+        if step >= 2 * self.warmup or top <= self.least:
+            return self.least
+        return top * (self.least / top) ** (max(0, step - self.warmup) / self.warmup)
 
     def at_density(self, density: float) -> Adaptive:
         """The same sparsifier keeping ``density`` (clamped to [`least`, 1])."""
