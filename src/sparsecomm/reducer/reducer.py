@@ -4,9 +4,8 @@ the DDP hook (`ddp_comm_hook`) and custom loops (`GradientReducer.allreduce_`).
 Each call — a named tensor, or a DDP bucket cut into its parameters (`BucketLayouts`) — takes one
 `Route` (`route_of`): its path runs the local stages and posts the collective (`paths/`), and one
 completion averages the sum, applies what the feedback owns and hands it back (`complete`);
-`Runtime.submit` puts it on its way. The
-calls of a step go where `StepCalls` puts them; with the ``adaptive`` sparsifier an
-`AdaptiveController` plans every step. Rules every rank relies on:
+`Runtime.submit` puts it on its way. The calls of a step go where `StepCalls` puts them; with the
+``adaptive`` sparsifier an `AdaptiveController` plans every step. Rules every rank relies on:
 
 - at construction all ranks check they have the same spec, seed, options and world size;
 - every call's agreement step carries the stream's key and call number: ranks that pass different
