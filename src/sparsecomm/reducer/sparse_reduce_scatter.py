@@ -33,10 +33,11 @@ FORMAT = 1
 
 class SparseReduceScatter(ReduceScatter):
     """One FSDP module's reduce-scatter (``FSDPModule.set_custom_reduce_scatter``), keeping the
-    ``ratio`` of largest entries of each rank's range, values sent as ``values``."""
+    ``ratio`` of largest entries of each rank's range, values sent as ``values``; it counts into its
+    own ``stats`` and the model's step count (``totals``: the calls of the module called most)."""
 
-    def __init__(self, ratio: float, values: torch.dtype, stats: TensorStats) -> None:
-        self.ratio, self.values, self.stats = ratio, values, stats
+    def __init__(self, ratio: float, values: torch.dtype, stats: TensorStats, totals: ReducerStats) -> None:
+        self.ratio, self.values, self.stats, self.totals = ratio, values, stats, totals
         self.residual: torch.Tensor | None = None
         """what this rank has held back, by range (the error feedback)"""
 
@@ -69,6 +70,7 @@ class SparseReduceScatter(ReduceScatter):
         self.stats.steps += 1
         self.stats.bytes_sent += (ranks - 1) * k * (indices.element_size() + sent.element_size())
         self.stats.dense_bytes += (ranks - 1) * numel * input_tensor.element_size()  # a dense ring's share
+        self.totals.steps = max(self.totals.steps, self.stats.steps)
         return None
 
 
@@ -104,7 +106,7 @@ class FlatFSDPCompression(CheckpointsPerRank):
         self.spec = spec
         self.stats = ReducerStats()
         self.comms = {name: SparseReduceScatter(sparsifier.ratio, values.wire_dtype,
-                                                self.stats.tensors.setdefault(name, TensorStats()))
+                                                self.stats.tensors.setdefault(name, TensorStats()), self.stats)
                       for name in modules}
         for name, module in modules.items():
             module.set_custom_reduce_scatter(self.comms[name])
@@ -118,15 +120,13 @@ class FlatFSDPCompression(CheckpointsPerRank):
         return None
 
     def finish_step(self) -> None:
-        """Count the steps: the calls of the module called most (every module, each step)."""
-        self.stats.steps = max(t.steps for t in self.stats.tensors.values())
+        """Nothing to wait for: each module's reduce-scatter returns done, and counts the steps."""
 
     def close(self) -> None:
         """Nothing runs in the background."""
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's error feedback by FSDP module (format `FORMAT`)."""
-        self.finish_step()
         return {"format": FORMAT, "world_size": self.world_size, "steps": self.stats.steps,
                 "residuals": {name: comm.residual for name, comm in self.comms.items()}}
 
