@@ -47,11 +47,9 @@ from sparsecomm.transport.request import Request
 class GradientReducer:
     """Averages gradients over ``group`` with the pipeline named by ``spec`` (a spec or a preset).
 
-    The engine behind the DDP hook (`ddp_comm_hook`) and custom loops (`allreduce_`). It owns all
-    runtime state — each parameter's pipeline state by name, call counters every rank checks,
-    ``auto``'s measurements, the ``adaptive`` controller, a worker thread and a process group of its
-    own — checkpoints it with `state_dict` and releases it with `close` (or ``with``). ``stats``
-    counts what it sent (``stats.summary()``). Build one on every rank, with the same arguments.
+    The engine behind the DDP hook (`ddp_comm_hook`) and custom loops (`allreduce_`). Its `Runtime`
+    holds all runtime state; it checkpoints it with `state_dict` and releases it with `close` (or
+    ``with``). ``stats`` counts what it sent (``stats.summary()``). Build one on every rank, with the same arguments.
     Built before torch.distributed is initialised (a trainer such as Lightning initialises it), it
     starts — joins the group and checks the ranks agree — at its first call.
 
@@ -101,17 +99,19 @@ class GradientReducer:
         self.runtime: Runtime
         """its machinery, built when it starts"""
         if dist.is_initialized():
-            self._start()
+            self._running()
 
     @property
     def started(self) -> bool:
-        """Whether the reducer has joined its process group: at construction when torch.distributed is
-        initialised, else at its first call (a trainer that initialises it, such as Lightning)."""
+        """Whether the reducer has joined its process group: at construction, or at its first call."""
         return self.config.world_size > 0
 
-    def _start(self) -> None:
-        """Join the process group: agree on the configuration, build the `Runtime`, and restore a
-        checkpoint loaded before."""
+    def _running(self) -> Runtime:
+        """The runtime; on the first call (every rank is there, torch.distributed initialised — by a
+        trainer such as Lightning), join the process group: agree on the configuration, build the
+        `Runtime`, and restore a checkpoint loaded before."""
+        if self.started:
+            return self.runtime
         if not dist.is_initialized():
             raise SparseCommError("torch.distributed is not initialised: call init_process_group first")
         if self.group is None and self._model is not None:
@@ -121,6 +121,7 @@ class GradientReducer:
         if self._loaded is not None:
             self.load_state_dict(self._loaded)
             self._loaded = None
+        return self.runtime
 
     @property
     def pipeline(self) -> Pipeline:
@@ -142,7 +143,8 @@ class GradientReducer:
         spec, why = suited_spec(self.spec, optimizer)
         if spec == self.spec:
             return None
-        if self._reduced():
+        calls = self.runtime.counts if self.started else (self._loaded or {}).get("calls")  # a loaded run's too
+        if calls:
             if why is None:
                 return None  # only adaptive's warm-up and floor would change, and the steps have begun
             raise SparseCommError(f"{why} — but this reducer has already reduced gradients: suit it to the "
@@ -151,12 +153,6 @@ class GradientReducer:
         if self.started:  # else the ranks agree on it when the reducer starts
             self.runtime.suit(self.config)
         return why
-
-    def _reduced(self) -> bool:
-        """Whether any call has been made (counted in a checkpoint loaded before the start too)."""
-        if self.started:
-            return bool(self.runtime.counts)
-        return bool(self._loaded and self._loaded["calls"])
 
     @property
     def spec(self) -> PipelineSpec:
@@ -174,7 +170,6 @@ class GradientReducer:
         self.config.check_matches(replace(self.config, spec=self.spec if asked == self._built_with else asked,
                                           seed=seed, nonfinite=nonfinite, dense_below=dense_below))
 
-    # -- one step ---------------------------------------------------------------------------------
     def allreduce_(self, named_gradients: Iterable[tuple[str, torch.Tensor]]) -> None:
         """One step of a custom loop: replace each gradient by its average over ranks (dense in
         place; sparse COO by ``copy_``). Tensors are matched across ranks by name — every rank must
@@ -202,12 +197,11 @@ class GradientReducer:
             print(reducer.stats.summary()["compression_ratio"])
             ```
         """
-        if not self.started:
-            self._start()
+        runtime = self._running()
         named = by_name(named_gradients)
         names = [name for name, _ in named]
         agree(self.group, Request(key="gradients " + ", ".join(names), call=self.stats.steps), len(names), 0)
-        pending = [(tensor, self.runtime.submit(name, tensor, last=i == len(named) - 1))
+        pending = [(tensor, runtime.submit(name, tensor, last=i == len(named) - 1))
                    for i, (name, tensor) in enumerate(named)]
         self.finish_step()
         for tensor, future in pending:
@@ -219,15 +213,14 @@ class GradientReducer:
         """A future of DDP's ``bucket`` averaged over ranks, in DDP's layout, its parameters' state
         found by name (`ddp_comm_hook` calls it). Errors reach the future; `finish_step` raises the
         step's first."""
-        if not self.started:
-            self._start()  # the first bucket: every rank is here, torch.distributed is initialised
-        layout = self.runtime.buckets.layout(bucket)
-        reduced = self.runtime.submit(layout.key, layout.gathered(bucket), layout.segments, layout.stats_key,
-                               last=bucket.is_last() and layout.ddp_offsets is None)
+        runtime = self._running()
+        layout = runtime.buckets.layout(bucket)
+        reduced = runtime.submit(layout.key, layout.gathered(bucket), layout.segments, layout.stats_key,
+                                 last=bucket.is_last() and layout.ddp_offsets is None)
         if layout.ddp_offsets is None:
             return reduced
         result = layout.to_ddp_later(reduced, bucket.buffer())  # reduced in the checkpoint's layout
-        self.runtime.calls.in_flight[-1] = result  # the step waits for the copy back too
+        runtime.calls.in_flight[-1] = result  # the step waits for the copy back too
         return result
 
     def finish_step(self) -> None:
@@ -280,25 +273,18 @@ class GradientReducer:
 
     def reduce_async(self, key: str, tensor: torch.Tensor,
                      segments: tuple[Segment, ...] | None = None) -> torch.futures.Future[torch.Tensor]:
-        """`reduce` without waiting: local stages now, the collective on the worker thread, a future
-        of the average (errors reach it). The call belongs to the open step: `finish_step` waits
-        for it."""
-        if not self.started:
-            self._start()
-        return self.runtime.submit(key, tensor, segments, in_step=False)
+        """`reduce` without waiting: a future of the average (errors reach it). The call belongs to
+        the open step, which `finish_step` waits for."""
+        return self._running().submit(key, tensor, segments, in_step=False)
 
     def reduce_flat_async(self, key: str, flat: torch.Tensor, segments: tuple[Segment, ...], stats_key: str = "",
                           last: bool = False) -> torch.futures.Future[torch.Tensor]:
         """A step's call on one flat buffer of named tensors at ``segments`` (each keeps its state by
         name), as a DDP bucket's: a future of its average; ``last``: the step's last call."""
-        if not self.started:
-            self._start()
-        return self.runtime.submit(key, flat, segments, stats_key, last)
+        return self._running().submit(key, flat, segments, stats_key, last)
 
-    # -- lifetime and checkpoints -----------------------------------------------------------------
     def close(self) -> None:
-        """Wait for calls in flight, stop the worker thread and unhook the model. ``with
-        GradientReducer(...) as reducer:`` calls it on leaving."""
+        """Wait for calls in flight, stop the worker thread, unhook the model (``with`` calls it)."""
         if self.started:
             self.runtime.close()
 

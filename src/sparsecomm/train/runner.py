@@ -141,7 +141,7 @@ def _wrapped(row: str, module: nn.Module, world: int, nodes: int, seed: int
         return sharded.build(row, module, nodes, seed)
     model = DistributedDataParallel(module)
     topology = Topology(world // nodes) if row.startswith(HIERARCHICAL) else None
-    return model, register_ddp_hook(model, row.removeprefix(HIERARCHICAL), seed=seed, topology=topology), None
+    return model, register_ddp_hook(model, preset_of(row), seed=seed, topology=topology), None
 
 
 def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: int, rule: UpdateRule,

@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 from sparsecomm.reducer.fsdp_hook import FSDPCompression, register_fsdp_hooks
 from sparsecomm.reducer.topology import NODE, Topology
 from sparsecomm.train.baselines import BytesMeter
-from sparsecomm.train.row_names import FLAT_FSDP, FSDP
+from sparsecomm.train.row_names import FLAT_FSDP, preset_of
 
 if TYPE_CHECKING:
     from sparsecomm.reducer.sparse_reduce_scatter import FlatFSDPCompression
@@ -56,13 +56,13 @@ def build(row: str, module: nn.Module, nodes: int, seed: int
     if row.startswith(FLAT_FSDP):
         flat = init_device_mesh(device_type, (world,))
         model = shard(module, flat)
-        return model, register_fsdp_hooks(model, row.removeprefix(FLAT_FSDP), flat, seed=seed), None
+        return model, register_fsdp_hooks(model, preset_of(row), flat, seed=seed), None
     mesh = Topology(world // nodes).device_mesh(device_type)
     if row == "torch-hsdp":
         model = shard(module, mesh)  # a 2-D mesh: replicated across its first dimension, sharded in its second
         return model, None, BytesMeter(lambda steps: 4 * numel * steps // (world // nodes))
     model = shard(module, mesh[NODE])
-    return model, register_fsdp_hooks(model, row.removeprefix(FSDP), mesh, seed=seed), None
+    return model, register_fsdp_hooks(model, preset_of(row), mesh, seed=seed), None
 
 
 def full_parameters(model: nn.Module) -> list[torch.Tensor]:
