@@ -11,7 +11,8 @@ import sparsecomm as sc
 from helpers import FLOAT_DTYPES, random_sparse
 from sparsecomm.payload import as_tensor
 
-INDEX_CODECS = ["raw", "raw(bits=64)", "bitmap", "rle", "delta_binary", "huffman", "rice", "rice(parameter=0)"]
+INDEX_CODECS = ["raw", "raw(bits=64)", "packed", "bitmap", "rle", "delta_binary", "huffman", "rice",
+                "rice(parameter=0)"]
 LOSSLESS_VALUES = ["fp32", "deflate", "deflate(shuffle=false,level=1)", "zstd"]
 ALL_VALUES = LOSSLESS_VALUES + ["fp16", "bf16", "qsgd", "qsgd(bits=2,bucket=3)"]
 
@@ -70,6 +71,17 @@ def test_raw32_refuses_tensors_it_cannot_address():
     grad = sc.SparseGradient(torch.tensor([2**31 + 5]), torch.ones(1), torch.Size([2**31 + 10]))
     with pytest.raises(sc.SparseCommError, match="raw\\(bits=64\\)"):
         sc.encode(grad, "raw")
+
+
+def test_packed_indices_refuse_tensors_beyond_32_bits_and_read_any_width_up_to_them():
+    grad = sc.SparseGradient(torch.tensor([2**32 + 5]), torch.ones(1), torch.Size([2**32 + 10]))
+    with pytest.raises(sc.SparseCommError, match="2\\*\\*32"):
+        sc.encode(grad, "packed")
+    indices = torch.tensor([0, 1, 2**31 + 7, 2**32 - 1])
+    grad = sc.SparseGradient(indices, torch.ones(4), torch.Size([2**32]))
+    payload = sc.encode(grad, "packed")
+    assert torch.equal(sc.decode(payload).indices, indices)
+    assert sc.read_info(payload).index_bytes == 17  # two blocks: two 3-bit counts and four 31-bit offsets
 
 
 def test_unsorted_indices_are_sorted_with_their_values():

@@ -164,7 +164,7 @@ def test_rice_positions_that_wrap_int32_are_refused(count):
     assert isinstance(outcome, sc.PayloadError) and "strictly increasing" in str(outcome)
 
 
-@pytest.mark.parametrize("index_codec", ["raw", "bitmap", "rle", "delta_binary", "huffman", "rice"])
+@pytest.mark.parametrize("index_codec", ["raw", "packed", "bitmap", "rle", "delta_binary", "huffman", "rice"])
 def test_the_densest_claim_each_index_codec_allows_stays_within_the_bound(index_codec):
     numel = 1 << 20
     payload = sc.encode(random_sparse(numel, numel // 4, seed=4), index_codec, "fp16")

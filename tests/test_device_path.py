@@ -21,10 +21,12 @@ HOST_SPEC = "dgc(ratio=0.01)+dgc_momentum(momentum=0.9)+rle+fp32+allgather"
 
 
 def buffer_bytes(model: nn.Module, ratio: float) -> int:
-    """The device route's bytes per step for ``model`` in one bucket: a header word, then an index
-    and a value per entry — ceil(ratio·numel) of each matrix, every entry of each vector."""
-    entries = sum(math.ceil(ratio * p.numel()) if p.dim() > 1 else p.numel() for p in model.parameters())
-    return 4 * (1 + 2 * entries)
+    """The device route's bytes per step for ``model`` in one bucket (raw indices, fp32 values): a
+    header word, an index and a value per selected entry — ceil(ratio·numel) of each matrix — and
+    a value per entry of each vector, sent whole."""
+    selected = sum(math.ceil(ratio * p.numel()) for p in model.parameters() if p.dim() > 1)
+    whole = sum(p.numel() for p in model.parameters() if p.dim() == 1)
+    return 4 * (1 + 2 * selected + whole)
 
 
 def train(rank: int, world: int, spec: str, steps: int) -> dict:
@@ -51,6 +53,15 @@ def test_ddp_trains_through_the_device_route_with_ranks_alike_and_the_bytes_its_
     assert device[0]["loss"] < 0.5 * initial
     assert device[0]["loss"] <= host[0]["loss"] + 0.15, (device[0]["loss"], host[0]["loss"])
     assert device[0]["bytes"] == steps * buffer_bytes(mlp(0), 0.01)
+
+
+@pytest.mark.parametrize("codecs", ["packed+fp16", "packed+int8"])
+def test_packed_indices_and_narrow_values_train_as_raw_fp32_does_in_fewer_bytes(codecs):
+    steps = 60
+    narrow = run_local(2, train, DEVICE_SPEC.replace("raw+fp32", codecs), steps)
+    assert narrow[0]["routes"] == {"device"} and narrow[0]["digest"] == narrow[1]["digest"]
+    assert narrow[0]["loss"] < 0.5 * full_loss(mlp(0))
+    assert narrow[0]["bytes"] < 0.8 * steps * buffer_bytes(mlp(0), 0.01)
 
 
 def train_manual(rank: int, world: int, specs: tuple[str, str], steps: int, resume_at: int | None) -> str:

@@ -1,14 +1,21 @@
 """The device path's stages on their own: which pipelines it runs, the fixed-size selection, the
 feedback's propose/commit against the host feedback, and the fixed-size wire."""
 
+import math
+
 import pytest
 import torch
 
+from sparsecomm.device import indices as packed_indices
+from sparsecomm.device import values as device_values
+from sparsecomm.device.bitpack import pack_fields, unpack_fields, width_for, words_for
 from sparsecomm.device.feedback import buffer_names, commit, propose
 from sparsecomm.device.layout import BucketLayout
 from sparsecomm.device.selection import select
 from sparsecomm.device.support import device_native
-from sparsecomm.device.wire import pack, unpack_sum, words
+from sparsecomm.device.wire import WireFormat
+from sparsecomm.encode.base import VALUE_CODECS
+from sparsecomm.encode.value.int8 import Int8Values
 from sparsecomm.feedback.dgc_momentum import DGCMomentum
 from sparsecomm.feedback.residual import Residual
 from sparsecomm.pipeline import Segment
@@ -22,9 +29,12 @@ DEVICE_SPEC = "dgc(ratio=0.01)+dgc_momentum(momentum=0.9)+raw+fp32+allgather"
     (DEVICE_SPEC, None),
     ("dgc(ratio=0.01)+residual+raw+fp32+allgather", None),
     ("dgc(ratio=0.01)+none+raw+fp32+allgather", None),
-    ("dgc(ratio=0.01)+dgc_momentum(momentum=0.9)+rle+fp32+allgather", "codecs"),
-    ("dgc(ratio=0.01)+residual+raw+fp16+allgather", "codecs"),
-    ("dgc(ratio=0.01)+residual+raw(bits=64)+fp32+allgather", "codecs"),
+    ("dgc(ratio=0.01)+residual+packed+fp16+allgather", None),
+    ("dgc(ratio=0.01)+residual+packed+int8(bucket=64)+allgather", None),
+    ("dgc(ratio=0.01)+residual+raw+bf16+allgather", None),
+    ("dgc(ratio=0.01)+dgc_momentum(momentum=0.9)+rle+fp32+allgather", "index codec rle"),
+    ("dgc(ratio=0.01)+residual+raw(bits=64)+fp32+allgather", "index codec raw"),
+    ("dgc(ratio=0.01)+residual+packed+qsgd+allgather", "value codec qsgd"),
     ("topk(ratio=0.01)+residual+raw+fp32+allgather", "sparsifier"),
     ("dgc(k=10)+residual+raw+fp32+allgather", "sparsifier"),
     ("dgc(ratio=0.01)+dgc_momentum(momentum=0.9,clip=1.0)+raw+fp32+allgather", "clipping"),
@@ -43,15 +53,20 @@ def layout_of(sizes: list[int], whole: frozenset[int] = frozenset()) -> BucketLa
     return BucketLayout.of(segments, start, torch.device("cpu"))
 
 
+def padded(values: torch.Tensor) -> torch.Tensor:
+    """A bucket's values as `select` takes them: the padding entry, zero, after them."""
+    return torch.cat([values, torch.zeros(1)])
+
+
 def test_a_selection_has_the_capacity_never_an_entry_sent_whole_and_no_repeats(global_rng_untouched):
     layout = layout_of([3000, 17, 50_000, 400, 9000], whole=frozenset({1, 3}))
     values = torch.randn(layout.numel, generator=torch.Generator().manual_seed(1))
-    chosen = select(values, layout, 0.01, torch.Generator().manual_seed(2))
+    chosen = select(padded(values), layout, 0.01, torch.Generator().manual_seed(2))
     _, capacity = layout.at_ratio(0.01)
     assert capacity == 30 + 500 + 90 and chosen.numel() == capacity
     assert chosen.unique().numel() == capacity
     assert not set(chosen.tolist()) & set(layout.whole.tolist())
-    again = select(values, layout, 0.01, torch.Generator().manual_seed(2))
+    again = select(padded(values), layout, 0.01, torch.Generator().manual_seed(2))
     assert torch.equal(chosen.sort().values, again.sort().values)  # seeded alike, chosen alike
 
 
@@ -63,7 +78,7 @@ def test_each_tensor_sends_about_its_share_whatever_its_scale():
     values[205_000:205_700] *= 0.01
     shares = torch.zeros(len(sizes))
     for seed in range(10):
-        chosen = select(values, layout, 0.01, torch.Generator().manual_seed(seed))
+        chosen = select(padded(values), layout, 0.01, torch.Generator().manual_seed(seed))
         shares += torch.bucketize(chosen, torch.tensor([200_000, 205_000, 205_700]), right=True).bincount(
             minlength=len(sizes))
     counts = torch.tensor([-(-numel // 100) for numel in sizes])
@@ -76,7 +91,7 @@ def test_each_tensor_sends_its_own_top_k_as_dgc_does(ratio):
     layout = layout_of(sizes, whole=frozenset({2}))
     values = torch.randn(layout.numel, generator=torch.Generator().manual_seed(8))
     values[2560:133_632] *= 100
-    chosen = set(select(values, layout, ratio, torch.Generator().manual_seed(1)).tolist())
+    chosen = set(select(padded(values), layout, ratio, torch.Generator().manual_seed(1)).tolist())
     for segment in layout.segments:
         if not segment.whole:
             k = max(1, -(-int(segment.numel * ratio * 1e6) // 10**6))
@@ -84,58 +99,133 @@ def test_each_tensor_sends_its_own_top_k_as_dgc_does(ratio):
             assert set(top.tolist()) <= chosen, segment
 
 
+def fresh(feedback, numel: int, fill: float = 0.0) -> tuple[dict, dict]:
+    """A bucket's current and spare buffers for ``feedback``: ``numel`` entries and the padding."""
+    current = {name: torch.full((numel + 1,), fill) for name in buffer_names(feedback)}
+    for buffer in current.values():
+        buffer[-1] = 0.0
+    return current, {name: torch.zeros(numel + 1) for name in current}
+
+
 @pytest.mark.parametrize("feedback", [Residual(), DGCMomentum(momentum=0.9), DGCMomentum(momentum=0.9, nesterov=True),
                                       DGCMomentum(momentum=0.5, masking=False)])
 def test_propose_and_commit_leave_the_host_feedbacks_state(feedback):
     generator = torch.Generator().manual_seed(6)
     host: dict = {}
-    buffers = {name: torch.zeros(500) for name in buffer_names(feedback)}
+    current, spare = fresh(feedback, 500)
     for step in range(4):
         grad = torch.randn(500, generator=generator)
         sent = torch.randperm(500, generator=generator)[:37]
         accumulated = feedback.accumulate(grad, host)
         expected = accumulated[sent].clone()
         feedback.update(accumulated, SparseGradient(sent, expected, accumulated.shape), host)
-        proposal = propose(feedback, grad, buffers)
+        proposal = propose(feedback, grad, current, spare)
         assert torch.allclose(proposal.accumulated[sent], expected, rtol=0, atol=1e-6)
-        commit(feedback, buffers, proposal, sent, None, None)
-        for name, buffer in buffers.items():
-            assert torch.allclose(buffer, host[name], rtol=0, atol=1e-6), (name, step)
+        commit(feedback, proposal, torch.cat([sent, torch.tensor([500])]), None)  # and an unused slot
+        current, spare = spare, current
+        for name, buffer in current.items():
+            assert torch.allclose(buffer[:-1], host[name], rtol=0, atol=1e-6), (name, step)
+            assert float(buffer[-1]) == 0.0  # the padding stays zero
 
 
-def test_a_non_finite_step_commits_nothing_and_entries_sent_whole_hold_nothing():
+@pytest.mark.parametrize("feedback", [Residual(), DGCMomentum(momentum=0.9)])
+def test_what_a_lossy_value_codec_rounds_off_stays_in_the_feedback(feedback):
+    current, spare = fresh(feedback, 100)
+    grad = torch.randn(100, generator=torch.Generator().manual_seed(5))
+    proposal = propose(feedback, grad, current, spare)
+    sent = torch.tensor([3, 50, 99])
+    delivered = proposal.accumulated[sent].half().float()
+    lost = proposal.accumulated[sent] - delivered
+    commit(feedback, proposal, sent, None, delivered)
+    held = proposal.state["residual" if isinstance(feedback, Residual) else "accumulated"]
+    assert torch.equal(held[sent], lost) and bool(lost.abs().max() > 0)
+
+
+def test_a_proposal_touches_only_the_spare_buffers_and_entries_sent_whole_hold_nothing():
     feedback = DGCMomentum(momentum=0.9)
-    buffers = {name: torch.full((10,), 2.0) for name in buffer_names(feedback)}
-    before = {name: buffer.clone() for name, buffer in buffers.items()}
-    proposal = propose(feedback, torch.full((10,), float("nan")), buffers)
-    commit(feedback, buffers, proposal, torch.tensor([1, 2]), None, torch.tensor(False))
-    assert all(torch.equal(buffers[name], before[name]) for name in buffers)
-    proposal = propose(feedback, torch.ones(10), buffers)
-    commit(feedback, buffers, proposal, torch.tensor([1]), torch.tensor([7, 8]), torch.tensor(True))
-    assert all(float(buffers[name][7:9].abs().sum()) == 0 for name in buffers)
-    assert float(buffers["accumulated"][1]) == 0 and float(buffers["accumulated"][0]) != 0
+    current, spare = fresh(feedback, 10, fill=2.0)
+    before = {name: buffer.clone() for name, buffer in current.items()}
+    propose(feedback, torch.full((10,), float("nan")), current, spare)  # a step that is never committed
+    assert all(torch.equal(current[name], before[name]) for name in current)
+    proposal = propose(feedback, torch.ones(10), current, spare)
+    commit(feedback, proposal, torch.tensor([1]), torch.tensor([7, 8]))
+    assert all(float(spare[name][7:9].abs().sum()) == 0 for name in spare)
+    assert float(spare["accumulated"][1]) == 0 and float(spare["accumulated"][0]) != 0
 
 
-def test_the_wire_sums_every_ranks_entries_and_flags_a_stranger():
+FORMATS = [("fp32", False), ("fp32", True), ("fp16", True), ("bf16", False), ("int8(bucket=4)", True)]
+
+
+@pytest.mark.parametrize(("value_codec", "packed"), FORMATS)
+def test_the_wire_sums_every_ranks_entries_as_each_sender_says_they_arrive_and_flags_a_stranger(value_codec, packed):
     numel, capacity, digest = 50, 6, 1234
+    whole = torch.tensor([47, 48, 49])
+    form = WireFormat(numel, capacity, whole.numel(), VALUE_CODECS.parse(value_codec), packed=packed)
     generator = torch.Generator().manual_seed(7)
     buffers, expected = [], torch.zeros(numel)
     for _ in range(3):
-        indices = torch.randperm(numel, generator=generator)[:capacity]
-        values = torch.randn(capacity, generator=generator)
-        expected.index_add_(0, indices, values)
-        buffers.append(pack(torch.empty(words(capacity), dtype=torch.int32), digest, indices, values).clone())
-    total, agreed = unpack_sum(torch.cat(buffers), 3, numel, digest, torch.device("cpu"))
-    assert bool(agreed) and torch.allclose(total, expected)
+        indices = torch.randperm(47, generator=generator)[:capacity].sort().values
+        values, whole_values = torch.randn(capacity, generator=generator), torch.randn(3, generator=generator)
+        buffer = torch.empty(form.words, dtype=torch.int32)
+        delivered = form.pack(buffer, digest, indices, values, whole_values)
+        assert torch.allclose(delivered, values, rtol=0.01, atol=0.03)
+        expected.index_add_(0, indices, delivered).index_add_(0, whole, whole_values)
+        buffers.append(buffer)
+    total, agreed = form.unpack_sum(torch.cat(buffers), 3, digest, whole, torch.device("cpu"))
+    assert bool(agreed) and torch.allclose(total, expected, rtol=0, atol=1e-6)
     stranger = buffers[2].clone()
     stranger[0] = digest + 1
-    stranger[1] = 10**6  # out of range: clamped, never out of bounds
-    _, agreed = unpack_sum(torch.cat([buffers[0], buffers[1], stranger]), 3, numel, digest, torch.device("cpu"))
+    stranger[1] = -1  # out of range: clamped, never out of bounds
+    _, agreed = form.unpack_sum(torch.cat([buffers[0], buffers[1], stranger]), 3, digest, whole,
+                                torch.device("cpu"))
     assert not bool(agreed)
+
+
+def test_bit_fields_round_trip_at_every_width():
+    generator = torch.Generator().manual_seed(8)
+    assert [width_for(n) for n in (1, 2, 3, 166_000, 2**32)] == [1, 1, 2, 18, 32]
+    for width in range(1, 33):
+        for count in (0, 1, 31, 100):
+            fields = torch.randint(0, 2**width, (count,), generator=generator, dtype=torch.int64)
+            words = pack_fields(fields, width, torch.empty(words_for(count, width), dtype=torch.int32))
+            assert torch.equal(unpack_fields(words, width, count), fields), (width, count)
+
+
+@pytest.mark.parametrize("density", [0.0005, 0.001, 0.01, 0.05, 0.25, 0.5])
+def test_packed_indices_round_trip_within_half_again_the_information_bound(density):
+    space = 1 << 20
+    count = int(space * density)
+    chosen = torch.randperm(space, generator=torch.Generator().manual_seed(3))[:count].sort().values
+    words = packed_indices.encode(chosen, space, torch.empty(packed_indices.nwords(space, count), dtype=torch.int32))
+    back, sound = packed_indices.decode(words, space, count)
+    assert torch.equal(back, chosen) and bool(sound)
+    bound = (math.lgamma(space + 1) - math.lgamma(count + 1) - math.lgamma(space - count + 1)) / math.log(2)
+    assert 32 * words.numel() <= 1.5 * bound + 64, (32 * words.numel() / count, bound / count)
+    assert 32 * words.numel() <= space + 32  # never more than a bitmap
+
+
+def test_packed_indices_whose_counts_do_not_add_up_are_flagged():
+    space, count = 10_000, 40
+    chosen = torch.randperm(space, generator=torch.Generator().manual_seed(4))[:count].sort().values
+    words = packed_indices.encode(chosen, space, torch.empty(packed_indices.nwords(space, count), dtype=torch.int32))
+    words[0] ^= 1 << 3  # one block's count
+    back, sound = packed_indices.decode(words, space, count)
+    assert not bool(sound) and back.numel() == count
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_value_makes_its_int8_block_decode_non_finite(bad):
+    codec = Int8Values(bucket=4)
+    values = torch.tensor([1.0, bad, 2.0, 3.0, 0.5, 0.25])
+    out = torch.empty(device_values.nwords(codec, 6), dtype=torch.int32)
+    delivered = device_values.encode(codec, values, out)
+    decoded = device_values.decode(codec, out[None], 6)[0]
+    assert torch.equal(decoded.isfinite(), delivered.isfinite())
+    assert not bool(decoded[:4].isfinite().any()) and bool(decoded[4:].isfinite().all())
 
 
 def test_an_empty_tensor_in_a_bucket_sends_nothing_and_breaks_nothing():
     layout = layout_of([0, 500, 0])
-    chosen = select(torch.randn(500, generator=torch.Generator().manual_seed(9)), layout, 0.01,
+    chosen = select(padded(torch.randn(500, generator=torch.Generator().manual_seed(9))), layout, 0.01,
                     torch.Generator().manual_seed(0))
     assert chosen.numel() == 5 and bool((chosen < 500).all())

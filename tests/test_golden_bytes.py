@@ -22,7 +22,7 @@ GRAD = sc.SparseGradient(
 )
 CASES = {
     **{f"{name}+fp32": (name, "fp32") for name in
-       ["raw", "raw(bits=64)", "bitmap", "rle", "delta_binary", "huffman", "rice", "rice(parameter=2)",
+       ["raw", "raw(bits=64)", "packed", "bitmap", "rle", "delta_binary", "huffman", "rice", "rice(parameter=2)",
         "rice(parameter=11)", "bloom(policy=p0)", "bloom(policy=p2,fpr=0.1)", "skcompress",
         "skcompress(coder=ans,keys=rice)"]},
     **{f"raw+{name}": ("raw", name) for name in

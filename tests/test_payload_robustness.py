@@ -13,7 +13,7 @@ import sparsecomm as sc
 from helpers import random_sparse
 from sparsecomm.payload import _HEADER, FORMAT_VERSION
 
-PAIRS = [(i, v) for i in ["raw", "bitmap", "rle", "delta_binary", "huffman", "rice"]
+PAIRS = [(i, v) for i in ["raw", "packed", "bitmap", "rle", "delta_binary", "huffman", "rice"]
          for v in ["fp32", "qsgd(bits=4,bucket=16)", "deflate", "zstd"]]
 PAIRS += [("bloom(policy=p0,fpr=0.01)", "fp32"), ("bloom(policy=p2)", "polyfit"), ("bloom(policy=naive)", "dexp"),
           ("rice", "polyfit(degree=2,segments=3)"), ("skcompress", "fp32"), ("skcompress(coder=ans,keys=rice)", "fp32")]

@@ -71,7 +71,7 @@ _SPARSIFIERS = st.sampled_from(
      "threshold(value=0.5)", "block_topk(ratio=0.25,block=16)", "bucketed_topk(k=2,bucket=64)", "nonzero"]
 )
 _FEEDBACK = st.sampled_from(["none", "residual"])
-_INDEX = st.sampled_from(["raw", "raw(bits=64)", "bitmap", "rle", "delta_binary", "huffman", "rice",
+_INDEX = st.sampled_from(["raw", "raw(bits=64)", "packed", "bitmap", "rle", "delta_binary", "huffman", "rice",
                           "rice(parameter=5)", "bloom(policy=p0,fpr=0.01)"])
 _TRANSPORT = st.sampled_from(["allgather", "dense(dtype=bf16)", "sparse_allreduce(algorithm=ssar_rd)", "auto",
                               "sketch_allreduce(ratio=2.0,rows=3)"])

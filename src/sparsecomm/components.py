@@ -11,6 +11,7 @@ from sparsecomm.encode.index.bitmap import BitmapIndices
 from sparsecomm.encode.index.bloom import BloomIndices
 from sparsecomm.encode.index.delta_binary import DeltaBinaryIndices
 from sparsecomm.encode.index.huffman import HuffmanIndices
+from sparsecomm.encode.index.packed import PackedIndices
 from sparsecomm.encode.index.raw import RawIndices
 from sparsecomm.encode.index.rice import RiceIndices
 from sparsecomm.encode.index.rle import RunLengthIndices
@@ -66,6 +67,7 @@ __all__ = [
     "IndexCodec",
     "NoFeedback",
     "Nonzero",
+    "PackedIndices",
     "PolyfitValues",
     "QSGDValues",
     "RandomK",

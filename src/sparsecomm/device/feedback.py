@@ -1,8 +1,10 @@
 """A feedback's step on a bucket's flat buffers, in two halves: `propose` computes the tensor to
-select from and the state the step would leave, touching nothing; `commit` keeps that state once
-the sum is known good (and, on a rank whose gradient was not finite, keeps the old one, on the
-device, with no host read). The same arithmetic as `sparsecomm.feedback`'s, whose per-parameter
-state names the buffers carry, so a checkpoint reads the same either way."""
+select from and the state the step would leave into a spare set of buffers, touching nothing
+else; `commit` settles what was sent in it, and the caller swaps it in once the sum is known good
+and this rank's gradient was finite (both known from the call's one host read; otherwise the old
+state stays, and the spare is overwritten next time). The same arithmetic as
+`sparsecomm.feedback`'s, whose per-parameter state names the buffers carry, so a checkpoint reads
+the same either way."""
 
 from __future__ import annotations
 
@@ -31,38 +33,46 @@ class Proposal:
     state: dict[str, torch.Tensor]
 
 
-def propose(feedback: Feedback, grad: torch.Tensor, buffers: dict[str, torch.Tensor]) -> Proposal:
-    """``grad`` (flat) through ``feedback``, into new tensors (what it proposes for entries sent whole
-    is never sent, and `commit` clears it)."""
+def propose(feedback: Feedback, grad: torch.Tensor, current: dict[str, torch.Tensor],
+            spare: dict[str, torch.Tensor]) -> Proposal:
+    """``grad`` (flat) through ``feedback``: the state it reads is ``current``'s, the state it would
+    leave goes into ``spare``, touching nothing else. Each buffer holds one entry more than
+    ``grad``, the padding a selection's unused slots name, which stays zero (what the proposal holds
+    for entries sent whole is never sent, and `commit` clears it)."""
     if isinstance(feedback, Residual):
-        accumulated = buffers["residual"] + grad
+        accumulated = spare["residual"]
+        torch.add(current["residual"][:-1], grad, out=accumulated[:-1])
         return Proposal(accumulated, {"residual": accumulated})
     if isinstance(feedback, DGCMomentum):  # b ← m·b + g;  v ← v + b  (Nesterov: v ← v + g + m·b)
-        momentum = torch.add(grad, buffers["momentum_buffer"], alpha=feedback.momentum)
+        momentum, accumulated = spare["momentum_buffer"], spare["accumulated"]
+        torch.add(grad, current["momentum_buffer"][:-1], alpha=feedback.momentum, out=momentum[:-1])
         if feedback.nesterov:
-            accumulated = torch.add(buffers["accumulated"], grad).add_(momentum, alpha=feedback.momentum)
+            torch.add(current["accumulated"][:-1], grad, out=accumulated[:-1]).add_(momentum[:-1],
+                                                                                    alpha=feedback.momentum)
         else:
-            accumulated = torch.add(buffers["accumulated"], momentum)
+            torch.add(current["accumulated"][:-1], momentum[:-1], out=accumulated[:-1])
         return Proposal(accumulated, {"momentum_buffer": momentum, "accumulated": accumulated})
-    return Proposal(grad, {})
+    accumulated = torch.empty(grad.numel() + 1, dtype=grad.dtype, device=grad.device)
+    accumulated[:-1] = grad
+    accumulated[-1] = 0.0
+    return Proposal(accumulated, {})
 
 
-def commit(feedback: Feedback, buffers: dict[str, torch.Tensor], proposal: Proposal, sent: torch.Tensor,
-           whole: torch.Tensor | None, finite: torch.Tensor | None) -> None:
-    """Keep ``proposal`` in ``buffers`` (in place) with the ``sent`` entries delivered — exactly, in
-    fp32 — and DGC's momentum masked there; the entries sent ``whole`` hold nothing; where
-    ``finite`` (a 0-d bool) is false, keep the old."""
+def commit(feedback: Feedback, proposal: Proposal, sent: torch.Tensor, whole: torch.Tensor | None,
+           delivered: torch.Tensor | None = None) -> None:
+    """Make ``proposal`` the state to keep, in place: the ``sent`` entries delivered — as
+    ``delivered`` says (what the receivers decoded), or exactly where it is None — and DGC's
+    momentum masked there; the entries sent ``whole`` hold nothing. The caller keeps it (in place
+    of the current state) once the sum is known good and this rank's gradient was finite."""
     state = proposal.state
     if not state:
         return
-    proposal.accumulated.index_fill_(0, sent, 0.0)
+    if delivered is None:
+        proposal.accumulated.index_fill_(0, sent, 0.0)
+    else:  # what a lossy value codec rounded off stays, and goes with a later step
+        proposal.accumulated.index_add_(0, sent, delivered, alpha=-1.0)
     if isinstance(feedback, DGCMomentum) and feedback.masking:
         state["momentum_buffer"].index_fill_(0, sent, 0.0)
-    for name, new in state.items():
-        if whole is not None:
+    if whole is not None:
+        for new in state.values():
             new.index_fill_(0, whole, 0.0)
-        old = buffers[name]
-        if finite is None:
-            old.copy_(new)
-        else:
-            torch.where(finite, new, old, out=old)

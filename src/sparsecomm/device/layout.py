@@ -14,7 +14,11 @@ from sparsecomm.sparsify.base import count_from
 from sparsecomm.transport.collectives import fingerprint
 
 SAMPLES = 1024
-"""magnitudes sampled per tensor for its threshold (all of a smaller tensor's)"""
+"""magnitudes sampled per tensor for its threshold, at least (all of a smaller tensor's)"""
+SAMPLED_ABOVE = 32
+"""and enough that about this many samples stand above it: its count then errs by about 1/√32"""
+CANDIDATES = 2
+"""a tensor's threshold is set where about this many times its count stand above it"""
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,10 @@ class BucketLayout:
     """the indices, among ``segments``, of those sparsified"""
     starts: torch.Tensor = field(init=False)
     """where each segment starts"""
+    segment_ids: torch.Tensor = field(init=False)
+    """each entry's segment, and for the padding entry at ``numel`` (the place every unused slot of
+    a selection names) one past the last (int32: a gather by it is cheaper than repeating
+    per-segment values)"""
     digest: int = field(init=False)
     _grids: dict[float, tuple[SampleGrid, int]] = field(init=False, default_factory=dict)
     _counts: dict[float, torch.Tensor] = field(init=False, default_factory=dict)
@@ -55,10 +63,19 @@ class BucketLayout:
         self.sizes = torch.tensor([s.numel for s in self.segments], dtype=torch.int64, device=device)
         whole = [torch.arange(s.start, s.start + s.numel, dtype=torch.int64) for s in self.segments if s.whole]
         self.whole = torch.cat(whole).to(device) if whole else None
+        count = len(self.segments)
+        self.segment_ids = torch.repeat_interleave(torch.arange(count + 1, dtype=torch.int32),
+                                                   torch.cat([self.sizes.cpu(), torch.ones(1, dtype=torch.int64)]),
+                                                   output_size=self.numel + 1).to(device)
         self.starts = torch.tensor([s.start for s in self.segments], dtype=torch.int64, device=device)
         self.sparsified = torch.tensor([i for i, s in enumerate(self.segments) if not s.whole and s.numel],
                                        dtype=torch.int64, device=device)
         self.digest = fingerprint(self.numel, [(s.start, s.numel, s.whole) for s in self.segments])
+
+    @property
+    def sparsified_segments(self) -> list[tuple[int, Segment]]:
+        """Each sparsified segment with its place among ``segments``."""
+        return [(i, s) for i, s in enumerate(self.segments) if not s.whole and s.numel]
 
     @classmethod
     def of(cls, segments: Sequence[Segment], numel: int, device: torch.device) -> BucketLayout:
@@ -73,15 +90,18 @@ class BucketLayout:
         return self._grids[ratio]
 
     def counts(self, ratio: float) -> torch.Tensor:
-        """Per segment, how many of its entries it sends at ``ratio`` (0 for those sent whole)."""
+        """Per segment, how many of its entries it sends at ``ratio`` (0 for those sent whole), and 0
+        for the padding."""
         if ratio not in self._counts:
             self._counts[ratio] = torch.tensor([0 if s.whole else count_from(s.numel, ratio, None)
-                                                for s in self.segments], dtype=torch.int64, device=self.device)
+                                                for s in self.segments] + [0], dtype=torch.int64, device=self.device)
         return self._counts[ratio]
 
     def _grid(self, ratio: float) -> SampleGrid:
         sparsified = [s for s in self.segments if not s.whole and s.numel]  # an empty one has nothing to send
-        counts = [min(s.numel, SAMPLES) for s in sparsified]
+        above = [min(s.numel, CANDIDATES * count_from(s.numel, ratio, None)) for s in sparsified]
+        counts = [min(s.numel, max(SAMPLES, math.ceil(SAMPLED_ABOVE * s.numel / n)))
+                  for s, n in zip(sparsified, above, strict=True)]
         width = max(counts, default=1)
         strides = [s.numel // count for s, count in zip(sparsified, counts, strict=True)]
         columns = torch.arange(width, dtype=torch.int64)
@@ -90,9 +110,9 @@ class BucketLayout:
             if sparsified else torch.zeros(0, width, dtype=torch.int64)
         padded = columns[None, :] >= torch.tensor(counts, dtype=torch.int64)[:, None] if sparsified \
             else torch.zeros(0, width, dtype=torch.bool)
-        # the sample's share of the segment's count: about that many entries score 1 or more
-        ranks = [min(count, max(1, math.ceil(count * count_from(s.numel, ratio, None) / s.numel - 1e-9)))
-                 for s, count in zip(sparsified, counts, strict=True)]
+        # the sample's share of the entries meant to stand above the threshold
+        ranks = [min(count, max(1, math.ceil(count * n / s.numel - 1e-9)))
+                 for s, count, n in zip(sparsified, counts, above, strict=True)]
         device = self.device
         return SampleGrid(base.to(device), torch.tensor(strides, dtype=torch.int64, device=device)[:, None],
                           padded.to(device), torch.tensor(ranks, dtype=torch.int64, device=device)[:, None] - 1,

@@ -1,12 +1,18 @@
 """`select`: a bucket's capacity's worth of entries, chosen on the device in a fixed number of ops.
 
-Each sparsified segment's threshold is DGC's: a sampled magnitude near its count's. Every entry
-is scored by its magnitude over its segment's threshold, so scores compare across tensors, and
-the top `SLACK` times the capacity are the candidates. Among them each segment keeps its own top
-count — DGC's top-k per tensor, whenever a tensor's top entries are among the candidates — and
-what is left of the capacity (where a tensor had fewer candidates than its count) goes to the best
-of the rest. So a rank's selection has the same size every step; the entries sent whole go
-besides, by their fixed indices.
+Each sparsified segment's threshold is DGC's, sampled, and set where about twice its count stand
+above it (`sparsecomm.device.layout`). One pass marks the entries above their own segment's
+threshold, and a fixed-size compaction keeps the first `SLACK` times the capacity of them: the
+candidates. Each is scored by its magnitude over its threshold, so scores compare across tensors.
+Among them each segment keeps its own top count — DGC's top-k per tensor, whenever its top
+entries are among the candidates — and what is left of the capacity (where a tensor had fewer
+candidates than its count) goes to the best of the rest. So a rank's selection has the same size
+every step; where there are fewer candidates than the capacity, the rest of it names the padding
+entry at ``numel``, which holds zero. The entries sent whole go besides, by their fixed indices.
+
+The thresholds sample enough (`SAMPLED_ABOVE`) that more candidates than the compaction keeps —
+twice what is expected — come about once in a million tensor-steps; then the earliest are kept,
+and what the rest would have sent stays in the feedback for a later step.
 """
 
 from __future__ import annotations
@@ -16,17 +22,22 @@ import torch
 from sparsecomm.device.layout import BucketLayout
 
 TINY = 1e-30
-"""the least threshold: a segment of zeros scores zero, not NaN"""
+"""the least threshold: a segment of zeros has no candidates, not every entry"""
 
 SLACK = 4
-"""candidates per entry of the capacity: room for each tensor's top count when thresholds err"""
+"""candidates per entry of the capacity: twice what the thresholds aim at"""
+
+STATIC_NONZERO_ON_CUDA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 6)
+"""torch.nonzero_static runs on CUDA from PyTorch 2.6"""
 
 
 def thresholds(magnitudes: torch.Tensor, layout: BucketLayout, ratio: float,
                generator: torch.Generator) -> torch.Tensor:
-    """Per segment, the threshold its entries are scored against (infinity for segments sent whole)."""
+    """Per segment, the threshold its entries are compared with (NaN, which no entry reaches, for
+    segments sent whole and for the padding)."""
     grid, _ = layout.at_ratio(ratio)
-    per_segment = torch.full((len(layout.segments),), float("inf"), dtype=magnitudes.dtype, device=magnitudes.device)
+    per_segment = torch.full((len(layout.segments) + 1,), float("nan"), dtype=magnitudes.dtype,
+                             device=magnitudes.device)
     if grid.base.numel() == 0:
         return per_segment
     offsets = torch.rand(grid.strides.shape, generator=generator, device=generator.device)
@@ -39,23 +50,49 @@ def thresholds(magnitudes: torch.Tensor, layout: BucketLayout, ratio: float,
 
 def select(accumulated: torch.Tensor, layout: BucketLayout, ratio: float,
            generator: torch.Generator) -> torch.Tensor:
-    """The indices (int64, as many as the capacity at ``ratio``) of the sparsified entries to send;
-    the entries sent whole (`BucketLayout.whole`) are never among them."""
+    """The indices (int64, as many as the capacity at ``ratio``, ascending) of the sparsified entries
+    to send, or ``numel`` for an unused slot. ``accumulated`` holds ``numel + 1`` entries, the last
+    (the padding) zero; the entries sent whole (`BucketLayout.whole`) are never among them."""
     _, capacity = layout.at_ratio(ratio)
+    numel = layout.numel
     magnitudes = accumulated.abs()
-    scale = thresholds(magnitudes, layout, ratio, generator).reciprocal_()
-    scores = magnitudes.mul_(torch.repeat_interleave(scale, layout.sizes, output_size=layout.numel))
-    whole = 0
-    if layout.whole is not None:
-        whole = layout.whole.numel()
-        scores.index_fill_(0, layout.whole, -1.0)  # below every sparsified entry's score
-    candidates = torch.topk(scores, min(SLACK * capacity, layout.numel - whole), sorted=False).indices
-    # by segment, best first: each entry's rank within its segment
-    best_first = candidates[torch.argsort(scores[candidates], descending=True, stable=True)]
-    segment = torch.searchsorted(layout.starts, best_first, right=True) - 1
-    by_segment = torch.argsort(segment, stable=True)
-    best_first, segment = best_first[by_segment], segment[by_segment]
-    rank = torch.arange(segment.numel(), device=segment.device) - torch.searchsorted(segment, segment)
-    kept = rank < layout.counts(ratio)[segment]
+    threshold = thresholds(magnitudes, layout, ratio, generator)
+    above = _above(magnitudes[:numel], threshold, layout)
+    candidates = compact(above, SLACK * capacity, fill=numel)
+    segment = layout.segment_ids[candidates].long()
+    scores = magnitudes[candidates] / threshold[segment]
+    scores = torch.where(candidates < numel, scores, -1.0)  # the padding: below every candidate
+    # by segment, best first: each candidate's rank within its segment
+    best_first = torch.argsort(scores, descending=True, stable=True)
+    by_segment = torch.argsort(segment[best_first], stable=True)
+    best_first = best_first[by_segment]
+    ordered = segment[best_first]
+    rank = torch.arange(ordered.numel(), device=ordered.device) - torch.searchsorted(ordered, ordered)
+    kept = rank < layout.counts(ratio)[ordered]
     priority = torch.where(kept, float("inf"), scores[best_first])
-    return best_first[torch.topk(priority, capacity, sorted=False).indices]
+    chosen = candidates[best_first[torch.topk(priority, capacity, sorted=False).indices]]
+    return torch.sort(chosen).values  # in index order: a value codec's blocks then stay within a tensor
+
+
+def _above(magnitudes: torch.Tensor, threshold: torch.Tensor, layout: BucketLayout) -> torch.Tensor:
+    """Whether each entry reaches its segment's threshold: one comparison with the thresholds
+    gathered per entry, or on a CPU, where that gather costs more than the comparison, one
+    comparison per sparsified segment (no host read either way: each threshold stays a tensor)."""
+    if magnitudes.device.type != "cpu":
+        return magnitudes >= threshold.index_select(0, layout.segment_ids[:layout.numel])
+    above = torch.zeros(layout.numel, dtype=torch.bool)
+    for index, segment in layout.sparsified_segments:
+        end = segment.start + segment.numel
+        torch.ge(magnitudes[segment.start:end], threshold[index], out=above[segment.start:end])
+    return above
+
+
+def compact(mask: torch.Tensor, size: int, fill: int) -> torch.Tensor:
+    """The positions of the first ``size`` true entries of ``mask``, padded with ``fill``: a fixed
+    size, with no host read."""
+    if mask.device.type != "cuda" or STATIC_NONZERO_ON_CUDA:
+        return torch.nonzero_static(mask, size=size, fill_value=fill).view(-1)
+    place = mask.cumsum(0)  # the 1-based place of each true entry
+    target = torch.where(mask & (place <= size), place - 1, size)
+    out = torch.full((size + 1,), fill, dtype=torch.int64, device=mask.device)
+    return out.scatter_(0, target, torch.arange(mask.numel(), device=mask.device))[:size]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from sparsecomm.device import values
+from sparsecomm.encode.index.packed import PackedIndices
 from sparsecomm.encode.index.raw import RawIndices
-from sparsecomm.encode.value.floats import Float32Values
 from sparsecomm.feedback.dgc_momentum import DGCMomentum
 from sparsecomm.feedback.none import NoFeedback
 from sparsecomm.feedback.residual import Residual
@@ -17,8 +18,8 @@ def device_native(spec: PipelineSpec) -> str | None:
 
     It runs there with DGC's sampled threshold at a ratio (its count is near k, not exactly k, as
     the device path's is per tensor), error feedback, DGC's momentum without local clipping, or no
-    feedback, raw 32-bit indices and fp32 values (the payload's own bytes, in a fixed buffer), and
-    the allgather transport.
+    feedback, raw 32-bit or packed indices with fp32, fp16, bf16 or int8 values (in a fixed buffer),
+    and the allgather transport.
     """
     sparsifier, feedback = spec.sparsifier, spec.feedback
     if not isinstance(sparsifier, DGCThreshold) or sparsifier.ratio is None:
@@ -27,8 +28,10 @@ def device_native(spec: PipelineSpec) -> str | None:
         return f"its feedback {feedback.name} has no device form"
     if isinstance(feedback, DGCMomentum) and feedback.clip > 0:
         return "dgc_momentum's local clipping has no device form yet"
-    if spec.index_codec != RawIndices(bits=32) or not isinstance(spec.value_codec, Float32Values):
-        return "its codecs are not raw (32-bit indices) and fp32"
+    if spec.index_codec not in (RawIndices(bits=32), PackedIndices()):
+        return f"its index codec {spec.index_codec.name} is not raw (32-bit) or packed"
+    if not values.supported(spec.value_codec):
+        return f"its value codec {spec.value_codec.name} is not fp32, fp16, bf16 or int8"
     if not isinstance(spec.transport, AllgatherTransport):
         return f"its transport {spec.transport.name} is not allgather"
     return None

@@ -1,42 +1,86 @@
-"""One fixed-size int32 buffer per bucket and rank: a header word (the bucket layout's digest),
-then the capacity's indices, then their fp32 values' bits. Every rank's is the same size, so one
-equal-size all_gather carries them; the receiver sums them on the device, rank by rank (each
-rank's indices are distinct, so every sum is made in the same order everywhere)."""
+"""One fixed-size int32 buffer per bucket and rank: a header word (the bucket layout's digest), the
+capacity's indices (32-bit words, or `sparsecomm.device.indices`' fixed-size stream; ``numel``, the
+padding, for an unused slot), their values (in the
+value codec's device form), then the values of the entries sent whole, in fp32 and without
+indices (every rank's layout names them). Every rank's buffer is the same size, so one equal-size
+all_gather carries them; the receiver sums them on the device, rank by rank (each rank's indices
+are distinct, so every sum is made in the same order everywhere)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from sparsecomm.device import indices as packed_indices
+from sparsecomm.device import values as device_values
+from sparsecomm.encode.base import ValueCodec
 
 HEADER = 1
 """words before the indices: the layout's digest"""
 
 
-def words(capacity: int) -> int:
-    """The buffer's length for ``capacity`` entries."""
-    return HEADER + 2 * capacity
+@dataclass(frozen=True)
+class WireFormat:
+    """The buffer of a bucket of ``numel`` entries: ``capacity`` selected entries, ``whole`` sent whole."""
 
+    numel: int
+    capacity: int
+    whole: int
+    values: ValueCodec
+    packed: bool = False
+    """indices as `sparsecomm.device.indices` packs them, else one 32-bit word each"""
 
-def pack(out: torch.Tensor, digest: int, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Write the header, ``indices`` and fp32 ``values`` into ``out`` (int32, `words` long)."""
-    capacity = indices.numel()
-    out[0] = digest
-    out[HEADER:HEADER + capacity].copy_(indices)
-    out[HEADER + capacity:].view(torch.float32).copy_(values)
-    return out
+    @property
+    def index_words(self) -> int:
+        if self.packed:
+            return packed_indices.nwords(self.numel + 1, self.capacity)  # the padding entry too
+        return self.capacity
 
+    @property
+    def value_words(self) -> int:
+        return device_values.nwords(self.values, self.capacity)
 
-def unpack_sum(gathered: torch.Tensor, world_size: int, numel: int, digest: int,
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ranks' buffers (``gathered``, world_size of them end to end) summed into a dense fp32
-    tensor of ``numel`` on ``device``, and a 0-d bool: whether every rank's header matched
-    ``digest`` (its indices are clamped into range, so a stranger's buffer sums to garbage, never
-    out of bounds; the caller raises on the flag)."""
-    rows = gathered.to(device).view(world_size, -1)
-    capacity = (rows.shape[1] - HEADER) // 2
-    agreed = (rows[:, 0] == digest).all()
-    indices = rows[:, HEADER:HEADER + capacity].long().clamp_(0, max(numel - 1, 0))
-    values = rows[:, HEADER + capacity:].contiguous().view(torch.float32)
-    total = torch.zeros(numel, dtype=torch.float32, device=device)
-    for rank in range(world_size):
-        total.index_add_(0, indices[rank], values[rank])
-    return total, agreed
+    @property
+    def words(self) -> int:
+        return HEADER + self.index_words + self.value_words + self.whole
+
+    def pack(self, out: torch.Tensor, digest: int, indices: torch.Tensor, values: torch.Tensor,
+             whole_values: torch.Tensor | None) -> torch.Tensor:
+        """Write the buffer into ``out`` (int32, `words` long); returns the selected values as every
+        receiver decodes them."""
+        out[0] = digest
+        index_end = HEADER + self.index_words
+        if self.packed:
+            packed_indices.encode(indices, self.numel + 1, out[HEADER:index_end])
+        else:
+            out[HEADER:index_end].copy_(indices)
+        value_end = index_end + self.value_words
+        decoded = device_values.encode(self.values, values, out[index_end:value_end])
+        if whole_values is not None:
+            out[value_end:].view(torch.float32).copy_(whole_values)
+        return decoded
+
+    def unpack_sum(self, gathered: torch.Tensor, world_size: int, digest: int, whole: torch.Tensor | None,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ranks' buffers (``gathered``, world_size of them end to end) summed into a dense fp32
+        tensor of ``numel`` on ``device``, and a 0-d bool: whether every rank's header matched
+        ``digest`` and its indices were sound (they are clamped into range, so a stranger's buffer
+        sums to garbage, never out of bounds; the caller raises on the flag)."""
+        rows = gathered.to(device).view(world_size, self.words)
+        agreed = (rows[:, 0] == digest).all()
+        index_end = HEADER + self.index_words
+        value_end = index_end + self.value_words
+        values = device_values.decode(self.values, rows[:, index_end:value_end], self.capacity)
+        whole_values = rows[:, value_end:].contiguous().view(torch.float32)
+        total = torch.zeros(self.numel + 1, dtype=torch.float32, device=device)  # and the padding entry
+        for rank in range(world_size):
+            if self.packed:
+                indices, sound = packed_indices.decode(rows[rank, HEADER:index_end], self.numel + 1, self.capacity)
+                agreed = agreed & sound
+            else:
+                indices = rows[rank, HEADER:index_end].long()
+            total.index_add_(0, indices.clamp_(0, self.numel), values[rank])
+            if whole is not None:
+                total.index_add_(0, whole, whole_values[rank])
+        return total[:self.numel], agreed

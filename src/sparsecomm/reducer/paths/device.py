@@ -20,10 +20,12 @@ from typing import Any
 import torch
 
 from sparsecomm.adaptive.config import Plan
+from sparsecomm.device import values as device_values
 from sparsecomm.device.feedback import Proposal, buffer_names, commit, propose
 from sparsecomm.device.layout import BucketLayout
 from sparsecomm.device.selection import select
-from sparsecomm.device.wire import pack, unpack_sum, words
+from sparsecomm.device.wire import WireFormat
+from sparsecomm.encode.index.packed import PackedIndices
 from sparsecomm.errors import SparseCommError
 from sparsecomm.feedback.dgc_momentum import DGCMomentum
 from sparsecomm.pipeline import Segment, TensorState, key_hash, seeded_generator
@@ -34,32 +36,72 @@ from sparsecomm.transport.collectives import all_gather_single, on_wire
 
 
 @dataclass
-class Bucket:
-    """One stream's fixed parts: its layout and its feedback's flat buffers (each parameter's state
-    a view of them)."""
+class BufferSet:
+    """A feedback's flat buffers for one bucket (one entry more than the bucket, the padding, zero),
+    and each sparsified parameter's view of them, by state and name."""
 
-    layout: BucketLayout
     buffers: dict[str, torch.Tensor]
     views: list[tuple[TensorState, str, torch.Tensor]]
+
+    def like(self) -> BufferSet:
+        """A set of zeros of the same shapes, with its own views."""
+        buffers = {name: torch.zeros_like(buffer) for name, buffer in self.buffers.items()}
+        views = [(state, name, buffers[name][offset(view, self.buffers[name]):][:view.numel()])
+                 for state, name, view in self.views]
+        return BufferSet(buffers, views)
+
+
+def offset(view: torch.Tensor, buffer: torch.Tensor) -> int:
+    return int(view.storage_offset() - buffer.storage_offset())
+
+
+@dataclass
+class Bucket:
+    """One stream's fixed parts: its layout, the feedback's buffers each parameter's state is a
+    view of (``held``), and a spare set, which a call fills and, once its sum is good, keeps as the
+    state: the two alternate, with no copy (a call while another of the stream is in flight fills
+    a new set)."""
+
+    layout: BucketLayout
+    held: BufferSet
+    spare: BufferSet | None = None
 
     def current(self) -> bool:
         """Whether every parameter's state still is this bucket's view (not after a checkpoint was
         loaded, or the parameter moved to another bucket)."""
-        return all(state.feedback.get(name) is view for state, name, view in self.views)
+        return all(state.feedback.get(name) is view for state, name, view in self.held.views)
+
+    def take_spare(self) -> BufferSet:
+        spare, self.spare = self.spare, None
+        return spare if spare is not None else self.held.like()
+
+    def keep(self, filled: BufferSet) -> None:
+        """``filled`` becomes the state, each parameter's a view of it; the old set the spare."""
+        self.held, self.spare = filled, self.held
+        for state, name, view in filled.views:
+            state.feedback[name] = view
 
 
 @dataclass
 class DeviceSent:
-    """What one call sent and proposed: the indices, the feedback's proposal, this rank's
-    finiteness (None: no check), the gathered buffers and their bytes."""
+    """What one call sent and proposed: its buffer's format, the indices and their values as
+    delivered, the feedback's proposal, this rank's finiteness (None: no check), the gathered
+    buffers and their bytes."""
 
     bucket: Bucket
+    spare: BufferSet
+    """the set the proposal fills"""
+    form: WireFormat
     indices: torch.Tensor
+    delivered: torch.Tensor | None
+    """the selected values as the receivers decode them (None: exactly as sent)"""
     proposal: Proposal
     finite: torch.Tensor | None
     gathered: torch.Tensor
     nbytes: int
     agreed: torch.Tensor | None = field(default=None)
+    kept: bool = False
+    """whether this rank's gradient was finite, once the sum is checked"""
 
 
 class DevicePath(Path):
@@ -81,22 +123,27 @@ class DevicePath(Path):
         sparsifier = config.spec.sparsifier.at_step(first.step)
         assert isinstance(sparsifier, CountedSparsifier) and sparsifier.ratio is not None
         grad, finite = self._screened(flat)
-        proposal = propose(config.spec.feedback, grad, bucket.buffers)
+        spare = bucket.take_spare()
+        proposal = propose(config.spec.feedback, grad, bucket.held.buffers, spare.buffers)
         generator = seeded_generator(flat.device, config.seed, key_hash(call.key), first.step)
         indices = select(proposal.accumulated, layout, sparsifier.ratio, generator)
         values = proposal.accumulated[indices]
-        if layout.whole is not None:  # the parameters sent whole, every entry as it is
-            indices, values = torch.cat([indices, layout.whole]), torch.cat([values, grad[layout.whole]])
+        whole = grad[layout.whole] if layout.whole is not None else None  # sent whole, every entry as it is
         if finite is not None:  # a non-finite rank sends NaN (raise: every rank raises) or nothing (skip)
-            values = torch.where(finite, values, math.nan if config.nonfinite == "raise" else 0.0)
+            poison = math.nan if config.nonfinite == "raise" else 0.0
+            values = torch.where(finite, values, poison)
+            whole = torch.where(finite, whole, poison) if whole is not None else None
+        form = WireFormat(layout.numel, indices.numel(), 0 if whole is None else whole.numel(),
+                          config.spec.value_codec, packed=isinstance(config.spec.index_codec, PackedIndices))
         # a new buffer per call: a stream's earlier call (reduce_async) may still be on the wire
-        wire = pack(torch.empty(words(indices.numel()), dtype=torch.int32, device=flat.device), layout.digest,
-                    indices, values)
+        wire = torch.empty(form.words, dtype=torch.int32, device=flat.device)
+        delivered = form.pack(wire, layout.digest, indices, values, whole)
         posted = on_wire(wire, parts.wire_device)
         parts.calls.session.drain()  # after the worker thread's collectives (a custom loop's plain calls), in order
         gathered = torch.empty(config.world_size * wire.numel(), dtype=wire.dtype, device=posted.device)
         work = all_gather_single(gathered, posted, group=parts.process_group, async_op=True)
-        sent = DeviceSent(bucket, indices, proposal, finite, gathered, wire.numel() * wire.element_size())
+        sent = DeviceSent(bucket, spare, form, indices, None if device_values.lossless(form.values) else delivered,
+                          proposal, finite, gathered, wire.numel() * wire.element_size())
         return Pending(work.get_future(), time.perf_counter(),
                        finish_with_step=call.in_step and flat.device.type == "cpu", sent=sent)
 
@@ -121,7 +168,7 @@ class DevicePath(Path):
         states = [pipeline.states.setdefault(s.key, TensorState()) for s in segments]
         buffers, views = {}, []
         for name in buffer_names(feedback):
-            buffer = torch.zeros_like(flat)
+            buffer = flat.new_zeros(flat.numel() + 1)
             for segment, state in zip(segments, states, strict=True):
                 if segment.whole:
                     continue
@@ -134,14 +181,14 @@ class DevicePath(Path):
                     state.feedback["averaged"] = False  # this rank's own momentum, not the ranks' common one
                 views.append((state, name, view))
             buffers[name] = buffer
-        return Bucket(BucketLayout.of(segments, flat.numel(), flat.device), buffers, views)
+        return Bucket(BucketLayout.of(segments, flat.numel(), flat.device), BufferSet(buffers, views))
 
     def summed(self, call: Call, pending: Pending, done: torch.futures.Future) -> Summed:
         done.wait()
         sent: DeviceSent = pending.sent
         layout = sent.bucket.layout
-        total, sent.agreed = unpack_sum(sent.gathered, self.parts.config.world_size, layout.numel, layout.digest,
-                                        call.tensor.device)
+        total, sent.agreed = sent.form.unpack_sum(sent.gathered, self.parts.config.world_size, layout.digest,
+                                                  layout.whole, call.tensor.device)
         return Summed(total, sent.nbytes, owned=True)
 
     def checked(self, call: Call, pending: Pending, summed: Summed) -> torch.Tensor:
@@ -149,7 +196,11 @@ class DevicePath(Path):
         finite: the call's one host read."""
         sent: DeviceSent = pending.sent
         assert sent.agreed is not None
-        if not bool(sent.agreed & torch.isfinite(summed.total.sum())):  # one reduction: overflow counts
+        # one read: whether the sum is good (one reduction: overflow counts) and this rank's own
+        # gradient was finite (under "skip" it sent zeros, and keeps its state)
+        good, sent.kept = torch.stack([sent.agreed & torch.isfinite(summed.total.sum()),
+                                       sent.finite if sent.finite is not None else sent.agreed]).tolist()
+        if not good:
             if not bool(sent.agreed):
                 raise SparseCommError(f"the ranks' buckets differ in {call.key!r}: every rank must build the same "
                                       "model and DDP the same buckets")
@@ -159,8 +210,12 @@ class DevicePath(Path):
 
     def after_average(self, call: Call, pending: Pending, total: torch.Tensor) -> torch.Tensor:
         sent: DeviceSent = pending.sent
-        commit(self.parts.config.spec.feedback, sent.bucket.buffers, sent.proposal, sent.indices,
-               sent.bucket.layout.whole, sent.finite)
+        if sent.finite is None or sent.kept:
+            commit(self.parts.config.spec.feedback, sent.proposal, sent.indices, sent.bucket.layout.whole,
+                   sent.delivered)
+            sent.bucket.keep(sent.spare)
+        else:
+            sent.bucket.spare = sent.spare
         states = self.parts.pipeline.states
         for segment in call.segments or (Segment(call.key, 0, total.numel()),):
             states[segment.key].step += 1

@@ -1,0 +1,72 @@
+"""Sorted indices in a fixed number of bits, packed and unpacked by tensor ops on any device: the
+index form of the ``packed`` codec and of the device route.
+
+The positions ``[0, space)`` are cut into blocks of 2**b; the stream holds each block's count
+(enough bits for the most it can hold), then each index's offset inside its block in b bits. The
+size depends only on ``space`` and the count, which fix b (the smallest stream): a bitmap where
+most blocks of one would hold an index (b = 0, one bit per position), plain fixed-width indices
+where few are (one block), and at every density within 1.5x of the information bound log2 C(N, k)
+(11.0 bits an index at a density of 1%, 14.3 at 0.1%, against the bound's 8.1 and 11.4, which
+``rice`` comes within 1.5% of).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from sparsecomm.device.bitpack import pack_at, pack_fields, unpack_fields, width_for, words_for
+from sparsecomm.device.selection import compact
+
+
+@lru_cache(maxsize=4096)
+def block_bits(space: int, count: int) -> int:
+    """The b that makes ``count`` indices into ``space`` positions the fewest bits."""
+    return min(range(width_for(space) + 1), key=lambda b: stream_bits(space, count, b))
+
+
+def stream_bits(space: int, count: int, b: int) -> int:
+    blocks = ((space - 1) >> b) + 1
+    return blocks * _count_width(count, b) + count * b
+
+
+def _count_width(count: int, b: int) -> int:
+    return width_for(min(1 << b, count) + 1)
+
+
+def nwords(space: int, count: int) -> int:
+    """32-bit words that ``count`` indices into ``space`` positions take."""
+    return words_for(stream_bits(space, count, block_bits(space, count)), 1)
+
+
+def encode(indices: torch.Tensor, space: int, out: torch.Tensor) -> torch.Tensor:
+    """``indices`` (int64, ascending, in ``[0, space)``) into ``out`` (int32, `nwords` long)."""
+    count = indices.numel()
+    b = block_bits(space, count)
+    blocks, width = ((space - 1) >> b) + 1, _count_width(count, b)
+    counts = torch.zeros(blocks, dtype=torch.int64, device=indices.device)
+    counts.scatter_add_(0, indices >> b, torch.ones_like(indices))
+    if not b:
+        return pack_fields(counts, width, out)
+    places = torch.arange(blocks + count, dtype=torch.int64, device=indices.device)
+    places[:blocks] *= width
+    places[blocks:] -= blocks
+    places[blocks:] *= b
+    places[blocks:] += blocks * width
+    return pack_at(torch.cat([counts, indices & ((1 << b) - 1)]), places, out)
+
+
+def decode(words: torch.Tensor, space: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``count`` indices (int64, ascending where the stream is sound) that ``words`` hold, and a
+    0-d bool: whether the blocks' counts add up to ``count`` (else the indices are garbage, though
+    below ``space`` rounded up to a whole block)."""
+    b = block_bits(space, count)
+    blocks, width = ((space - 1) >> b) + 1, _count_width(count, b)
+    counts = unpack_fields(words, width, blocks)
+    ends = counts.cumsum(0)
+    sound = ends[-1] == count
+    if not b:  # a bitmap: one compaction
+        return compact(counts.bool(), count, fill=space - 1), sound
+    block = torch.searchsorted(ends, torch.arange(count, device=words.device), right=True).clamp_(max=blocks - 1)
+    return (block << b) | unpack_fields(words, b, count, start=blocks * width), sound
