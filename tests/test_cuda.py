@@ -24,6 +24,8 @@ LOSSY = ["sparse_allreduce(algorithm=dsar_sa,qsgd_bits=4)", "sketch_allreduce(ra
 OVERLAPS = ["random", "full", "all_empty", "dense_result"]
 DEVICE_ROUTE = "dgc(ratio=0.01)+dgc_momentum(momentum=0.9)+raw+fp32+allgather"
 """a pipeline on the device route (`sparsecomm.device`)"""
+DEVICE_ROUTE_PACKED = "dgc(ratio=0.01)+residual+packed+int8+allgather"
+"""the device route with packed indices and 8-bit values"""
 
 
 def every_transport(rank: int, world: int, cpu_group_backend: str) -> dict:
@@ -115,12 +117,12 @@ def rank_disagreements(rank: int, world: int, preset: str, steps: int) -> int:
     return disagreements
 
 
-@pytest.mark.parametrize("preset", ["adaptive", "dense", "dgc", DEVICE_ROUTE])
+@pytest.mark.parametrize("preset", ["adaptive", "dense", "dgc", DEVICE_ROUTE, DEVICE_ROUTE_PACKED])
 def test_every_rank_applies_the_same_sum_on_every_step_when_gloo_carries_cuda_gradients(preset):
     assert run_local(2, rank_disagreements, preset, 30, timeout=240) == [0, 0]
 
 
-@pytest.mark.parametrize("preset", [*sc.available_presets(), DEVICE_ROUTE])
+@pytest.mark.parametrize("preset", [*sc.available_presets(), DEVICE_ROUTE, DEVICE_ROUTE_PACKED])
 def test_the_ddp_hook_runs_every_preset_on_nccl(preset):
     (gpu,) = run_local(1, ddp_steps, preset, "cuda", 4, backend="nccl", timeout=240)
     (cpu,) = run_local(1, ddp_steps, preset, "cpu", 4, backend="gloo", timeout=240)
@@ -272,3 +274,22 @@ def test_lightnings_ddp_strategy_registers_a_reducer_built_before_torch_distribu
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", str(script)]
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "steps 12" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
+
+
+@pytest.mark.parametrize("density", [0.001, 0.05, 0.5])
+def test_the_device_routes_wire_is_the_same_bits_on_a_gpu(density):
+    from sparsecomm.device.wire import WireFormat
+
+    numel = 100_003
+    generator = torch.Generator().manual_seed(5)
+    indices = torch.randperm(numel, generator=generator)[:int(numel * density)].sort().values
+    values, whole = torch.randn(indices.numel(), generator=generator), torch.randn(7, generator=generator)
+    form = WireFormat(numel, indices.numel(), 7, sc.VALUE_CODECS.parse("int8"), packed=True)
+    words = {}
+    for device in ("cpu", "cuda"):
+        out = torch.empty(form.words, dtype=torch.int32, device=device)
+        delivered = form.pack(out, 7, indices.to(device), values.to(device), whole.to(device))
+        total, agreed = form.unpack_sum(out, 1, 7, torch.arange(numel - 7, numel, device=device), torch.device(device))
+        assert bool(agreed) and total.device.type == device
+        words[device] = (out.cpu(), delivered.cpu(), total.cpu())
+    assert all(torch.equal(a, b) for a, b in zip(words["cpu"], words["cuda"], strict=True))

@@ -62,25 +62,26 @@ class WireFormat:
         return decoded
 
     def unpack_sum(self, gathered: torch.Tensor, world_size: int, digest: int, whole: torch.Tensor | None,
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+                   device: torch.device, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The ranks' buffers (``gathered``, world_size of them end to end) summed into a dense fp32
         tensor of ``numel`` on ``device``, and a 0-d bool: whether every rank's header matched
         ``digest`` and its indices were sound (they are clamped into range, so a stranger's buffer
-        sums to garbage, never out of bounds; the caller raises on the flag)."""
+        sums to garbage, never out of bounds; the caller raises on the flag). The sum lands in
+        ``out`` (fp32, ``numel``) where one is given; an unused slot adds its zero to the last entry."""
         rows = gathered.to(device).view(world_size, self.words)
         agreed = (rows[:, 0] == digest).all()
         index_end = HEADER + self.index_words
         value_end = index_end + self.value_words
         values = device_values.decode(self.values, rows[:, index_end:value_end], self.capacity)
         whole_values = rows[:, value_end:].contiguous().view(torch.float32)
-        total = torch.zeros(self.numel + 1, dtype=torch.float32, device=device)  # and the padding entry
+        total = out.zero_() if out is not None else torch.zeros(self.numel, dtype=torch.float32, device=device)
         for rank in range(world_size):
             if self.packed:
                 indices, sound = packed_indices.decode(rows[rank, HEADER:index_end], self.numel + 1, self.capacity)
                 agreed = agreed & sound
             else:
                 indices = rows[rank, HEADER:index_end].long()
-            total.index_add_(0, indices.clamp_(0, self.numel), values[rank])
+            total.index_add_(0, indices.clamp_(0, max(self.numel - 1, 0)), values[rank])
             if whole is not None:
                 total.index_add_(0, whole, whole_values[rank])
-        return total[:self.numel], agreed
+        return total, agreed

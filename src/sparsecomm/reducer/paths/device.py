@@ -187,8 +187,11 @@ class DevicePath(Path):
         done.wait()
         sent: DeviceSent = pending.sent
         layout = sent.bucket.layout
+        tensor = call.tensor  # this rank's gradient is in the wire: the sum may land in its buffer
+        out = tensor.view(-1) if not tensor.is_sparse and tensor.dtype == torch.float32 and tensor.is_contiguous() \
+            else None
         total, sent.agreed = sent.form.unpack_sum(sent.gathered, self.parts.config.world_size, layout.digest,
-                                                  layout.whole, call.tensor.device)
+                                                  layout.whole, tensor.device, out)
         return Summed(total, sent.nbytes, owned=True)
 
     def checked(self, call: Call, pending: Pending, summed: Summed) -> torch.Tensor:
