@@ -49,10 +49,12 @@ def pack_at(values: torch.Tensor, places: torch.Tensor, out: torch.Tensor) -> to
 
 
 def unpack_fields(words: torch.Tensor, width: int, count: int, start: int = 0) -> torch.Tensor:
-    """The ``count`` fields (int64) of ``width`` bits from stream bit ``start`` of ``words`` (int32)."""
+    """The ``count`` fields (int64) of ``width`` bits from stream bit ``start`` of ``words`` (int32;
+    each row of a 2-D ``words`` a stream of its own, giving a row of fields)."""
     places = start + torch.arange(count, dtype=torch.int64, device=words.device) * width
     word, shift = places >> 5, places & 31
-    wide = torch.zeros(words.numel() + 1, dtype=torch.int64, device=words.device)
-    wide[:-1] = words.to(torch.int64) & LOW_WORD
-    joined = (wide[(word + 1).clamp_(max=words.numel())] << 32) | wide[word.clamp_(max=words.numel())]
-    return (joined >> shift) & ((1 << width) - 1)  # the sign bit only ever lands above the field
+    wide = torch.zeros(*words.shape[:-1], words.shape[-1] + 1, dtype=torch.int64, device=words.device)
+    wide[..., :-1] = words
+    wide &= LOW_WORD
+    joined = (wide[..., word + 1] << 32) | wide[..., word]  # the sign bit only ever lands above the field
+    return (joined >> shift) & ((1 << width) - 1)

@@ -17,7 +17,9 @@ from functools import lru_cache
 import torch
 
 from sparsecomm.device.bitpack import pack_at, pack_fields, unpack_fields, width_for, words_for
-from sparsecomm.device.selection import compact
+
+STATIC_NONZERO_ON_CUDA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 6)
+"""torch.nonzero_static runs on CUDA from PyTorch 2.6"""
 
 
 @lru_cache(maxsize=4096)
@@ -50,23 +52,35 @@ def encode(indices: torch.Tensor, space: int, out: torch.Tensor) -> torch.Tensor
     if not b:
         return pack_fields(counts, width, out)
     places = torch.arange(blocks + count, dtype=torch.int64, device=indices.device)
-    places[:blocks] *= width
-    places[blocks:] -= blocks
-    places[blocks:] *= b
-    places[blocks:] += blocks * width
+    places = torch.where(places < blocks, places * width, (places - blocks) * b + blocks * width)
     return pack_at(torch.cat([counts, indices & ((1 << b) - 1)]), places, out)
 
 
 def decode(words: torch.Tensor, space: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``count`` indices (int64, ascending where the stream is sound) that ``words`` hold, and a
-    0-d bool: whether the blocks' counts add up to ``count`` (else the indices are garbage, though
-    below ``space`` rounded up to a whole block)."""
+    bool: whether the blocks' counts add up to ``count`` (else the indices are garbage, though
+    below ``space`` rounded up to a whole block). A 2-D ``words`` holds a stream per row, and gives
+    a row of indices and a bool per row."""
     b = block_bits(space, count)
     blocks, width = ((space - 1) >> b) + 1, _count_width(count, b)
     counts = unpack_fields(words, width, blocks)
-    ends = counts.cumsum(0)
-    sound = ends[-1] == count
-    if not b:  # a bitmap: one compaction
-        return compact(counts.bool(), count, fill=space - 1), sound
-    block = torch.searchsorted(ends, torch.arange(count, device=words.device), right=True).clamp_(max=blocks - 1)
+    ends = counts.cumsum(-1)
+    sound = ends[..., -1] == count
+    if not b:  # a bitmap: one compaction (rows after one that is not sound are garbage too)
+        rows = counts.view(-1, blocks)
+        places = compact(rows.bool().view(-1), rows.shape[0] * count, fill=rows.numel() - 1) % blocks
+        return places.view(*words.shape[:-1], count), sound
+    wanted = torch.arange(count, device=words.device).expand(*ends.shape[:-1], count).contiguous()
+    block = torch.searchsorted(ends, wanted, right=True).clamp_(max=blocks - 1)
     return (block << b) | unpack_fields(words, b, count, start=blocks * width), sound
+
+
+def compact(mask: torch.Tensor, size: int, fill: int) -> torch.Tensor:
+    """The positions of the first ``size`` true entries of ``mask``, padded with ``fill``: a fixed
+    size, with no host read."""
+    if mask.device.type != "cuda" or STATIC_NONZERO_ON_CUDA:
+        return torch.nonzero_static(mask, size=size, fill_value=fill).view(-1)
+    place = mask.cumsum(0)  # the 1-based place of each true entry
+    target = torch.where(mask & (place <= size), place - 1, size)
+    out = torch.full((size + 1,), fill, dtype=torch.int64, device=mask.device)
+    return out.scatter_(0, target, torch.arange(mask.numel(), device=mask.device))[:size]

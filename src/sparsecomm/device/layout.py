@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -72,7 +73,7 @@ class BucketLayout:
                                        dtype=torch.int64, device=device)
         self.digest = fingerprint(self.numel, [(s.start, s.numel, s.whole) for s in self.segments])
 
-    @property
+    @cached_property
     def sparsified_segments(self) -> list[tuple[int, Segment]]:
         """Each sparsified segment with its place among ``segments``."""
         return [(i, s) for i, s in enumerate(self.segments) if not s.whole and s.numel]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from sparsecomm.device.indices import compact
 from sparsecomm.device.layout import BucketLayout
 
 TINY = 1e-30
@@ -27,8 +28,9 @@ TINY = 1e-30
 SLACK = 4
 """candidates per entry of the capacity: twice what the thresholds aim at"""
 
-STATIC_NONZERO_ON_CUDA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 6)
-"""torch.nonzero_static runs on CUDA from PyTorch 2.6"""
+FEW_SEGMENTS = 8
+"""on a CPU, up to this many sparsified segments are compared one by one: a few ops, each on a large
+tensor, cost less than gathering a threshold for every entry"""
 
 
 def thresholds(magnitudes: torch.Tensor, layout: BucketLayout, ratio: float,
@@ -77,22 +79,13 @@ def select(accumulated: torch.Tensor, layout: BucketLayout, ratio: float,
 def _above(magnitudes: torch.Tensor, threshold: torch.Tensor, layout: BucketLayout) -> torch.Tensor:
     """Whether each entry reaches its segment's threshold: one comparison with the thresholds
     gathered per entry, or on a CPU, where that gather costs more than the comparison, one
-    comparison per sparsified segment (no host read either way: each threshold stays a tensor)."""
-    if magnitudes.device.type != "cpu":
+    comparison per sparsified segment where there are few (no host read either way: each
+    threshold stays a tensor)."""
+    segments = layout.sparsified_segments
+    if magnitudes.device.type != "cpu" or len(segments) > FEW_SEGMENTS:
         return magnitudes >= threshold.index_select(0, layout.segment_ids[:layout.numel])
     above = torch.zeros(layout.numel, dtype=torch.bool)
-    for index, segment in layout.sparsified_segments:
+    for index, segment in segments:
         end = segment.start + segment.numel
         torch.ge(magnitudes[segment.start:end], threshold[index], out=above[segment.start:end])
     return above
-
-
-def compact(mask: torch.Tensor, size: int, fill: int) -> torch.Tensor:
-    """The positions of the first ``size`` true entries of ``mask``, padded with ``fill``: a fixed
-    size, with no host read."""
-    if mask.device.type != "cuda" or STATIC_NONZERO_ON_CUDA:
-        return torch.nonzero_static(mask, size=size, fill_value=fill).view(-1)
-    place = mask.cumsum(0)  # the 1-based place of each true entry
-    target = torch.where(mask & (place <= size), place - 1, size)
-    out = torch.full((size + 1,), fill, dtype=torch.int64, device=mask.device)
-    return out.scatter_(0, target, torch.arange(mask.numel(), device=mask.device))[:size]

@@ -45,13 +45,14 @@ def encode(codec: ValueCodec, values: torch.Tensor, out: torch.Tensor) -> torch.
         padded[:count] = values
         grid = padded.view(blocks, codec.bucket)
         scales = grid.abs().amax(dim=1) if blocks else padded.new_zeros(0)
-        levels = torch.where(scales[:, None] > 0, grid / scales[:, None] * LEVELS, 0.0).round_()
+        column = scales[:, None]
+        levels = grid.mul(LEVELS).div_(column).round_()  # a block of zeros: 0/0, NaN, then level 0
         levels = torch.nan_to_num_(levels, nan=0.0).clamp_(-LEVELS, LEVELS).to(torch.int8)
         out[:blocks].copy_(scales.view(torch.int32))
         stored = torch.zeros(4 * (out.numel() - blocks), dtype=torch.int8, device=values.device)
         stored[:count] = levels.view(-1)[:count]
         out[blocks:].copy_(stored.view(torch.int32))
-        return _scaled(levels[None], scales[None]).view(-1)[:count]
+        return levels.float().div_(LEVELS).mul_(column).view(-1)[:count]
     assert isinstance(codec, FloatValues)
     cast = torch.zeros(out.numel() * 4 // torch.empty(0, dtype=codec.wire_dtype).element_size(),
                        dtype=codec.wire_dtype, device=values.device)

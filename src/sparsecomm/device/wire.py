@@ -75,13 +75,14 @@ class WireFormat:
         values = device_values.decode(self.values, rows[:, index_end:value_end], self.capacity)
         whole_values = rows[:, value_end:].contiguous().view(torch.float32)
         total = out.zero_() if out is not None else torch.zeros(self.numel, dtype=torch.float32, device=device)
+        if self.packed:
+            indices, sound = packed_indices.decode(rows[:, HEADER:index_end], self.numel + 1, self.capacity)
+            agreed = agreed & sound.all()
+        else:
+            indices = rows[:, HEADER:index_end].long()
+        indices = indices.clamp_(0, max(self.numel - 1, 0))
         for rank in range(world_size):
-            if self.packed:
-                indices, sound = packed_indices.decode(rows[rank, HEADER:index_end], self.numel + 1, self.capacity)
-                agreed = agreed & sound
-            else:
-                indices = rows[rank, HEADER:index_end].long()
-            total.index_add_(0, indices.clamp_(0, max(self.numel - 1, 0)), values[rank])
+            total.index_add_(0, indices[rank], values[rank])
             if whole is not None:
                 total.index_add_(0, whole, whole_values[rank])
         return total, agreed

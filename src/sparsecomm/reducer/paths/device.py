@@ -201,9 +201,10 @@ class DevicePath(Path):
         assert sent.agreed is not None
         # one read: whether the sum is good (one reduction: overflow counts) and this rank's own
         # gradient was finite (under "skip" it sent zeros, and keeps its state)
-        good, sent.kept = torch.stack([sent.agreed & torch.isfinite(summed.total.sum()),
-                                       sent.finite if sent.finite is not None else sent.agreed]).tolist()
-        if not good:
+        good = sent.agreed & torch.isfinite(summed.total.sum())
+        flags = int((good.int() + 2 * (sent.finite if sent.finite is not None else good).int()).item())
+        sent.kept = flags >= 2
+        if not flags & 1:
             if not bool(sent.agreed):
                 raise SparseCommError(f"the ranks' buckets differ in {call.key!r}: every rank must build the same "
                                       "model and DDP the same buckets")
