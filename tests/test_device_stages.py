@@ -229,3 +229,17 @@ def test_an_empty_tensor_in_a_bucket_sends_nothing_and_breaks_nothing():
     chosen = select(padded(torch.randn(500, generator=torch.Generator().manual_seed(9))), layout, 0.01,
                     torch.Generator().manual_seed(0))
     assert chosen.numel() == 5 and bool((chosen < 500).all())
+
+
+@pytest.mark.parametrize(("value_codec", "packed"), FORMATS)
+def test_a_bucket_of_zeros_fills_its_capacity_with_the_padding_and_sums_to_zero(value_codec, packed):
+    layout = layout_of([3000, 40, 9000], whole=frozenset({1}))
+    chosen = select(torch.zeros(layout.numel + 1), layout, 0.01, torch.Generator().manual_seed(0))
+    _, capacity = layout.at_ratio(0.01)
+    assert chosen.numel() == capacity and bool((chosen == layout.numel).all())
+    form = WireFormat(layout.numel, capacity, 40, VALUE_CODECS.parse(value_codec), packed=packed)
+    buffer = torch.empty(form.words, dtype=torch.int32)
+    form.pack(buffer, layout.digest, chosen, torch.zeros(capacity), torch.zeros(40))
+    total, agreed = form.unpack_sum(torch.cat([buffer, buffer]), 2, layout.digest, layout.whole,
+                                    torch.device("cpu"))
+    assert bool(agreed) and not bool(total.any())
