@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import torch
 
@@ -44,13 +43,12 @@ class BucketLayout:
     segments: tuple[Segment, ...]
     numel: int
     device: torch.device
-    sizes: torch.Tensor = field(init=False)
     whole: torch.Tensor | None = field(init=False)
     """the indices of the entries sent whole (None: none are)"""
+    sparsified_segments: list[tuple[int, Segment]] = field(init=False)
+    """each sparsified segment (not sent whole, not empty) with its place among ``segments``"""
     sparsified: torch.Tensor = field(init=False)
-    """the indices, among ``segments``, of those sparsified"""
-    starts: torch.Tensor = field(init=False)
-    """where each segment starts"""
+    """the same places, on the device"""
     segment_ids: torch.Tensor = field(init=False)
     """each entry's segment, and for the padding entry at ``numel`` (the place every unused slot of
     a selection names) one past the last (int32: a gather by it is cheaper than repeating
@@ -61,22 +59,14 @@ class BucketLayout:
 
     def __post_init__(self) -> None:
         device = self.device
-        self.sizes = torch.tensor([s.numel for s in self.segments], dtype=torch.int64, device=device)
         whole = [torch.arange(s.start, s.start + s.numel, dtype=torch.int64) for s in self.segments if s.whole]
         self.whole = torch.cat(whole).to(device) if whole else None
-        count = len(self.segments)
-        self.segment_ids = torch.repeat_interleave(torch.arange(count + 1, dtype=torch.int32),
-                                                   torch.cat([self.sizes.cpu(), torch.ones(1, dtype=torch.int64)]),
+        self.sparsified_segments = [(i, s) for i, s in enumerate(self.segments) if not s.whole and s.numel]
+        self.sparsified = torch.tensor([i for i, _ in self.sparsified_segments], dtype=torch.int64, device=device)
+        sizes = torch.tensor([s.numel for s in self.segments] + [1], dtype=torch.int64)  # and the padding
+        self.segment_ids = torch.repeat_interleave(torch.arange(len(self.segments) + 1, dtype=torch.int32), sizes,
                                                    output_size=self.numel + 1).to(device)
-        self.starts = torch.tensor([s.start for s in self.segments], dtype=torch.int64, device=device)
-        self.sparsified = torch.tensor([i for i, s in enumerate(self.segments) if not s.whole and s.numel],
-                                       dtype=torch.int64, device=device)
         self.digest = fingerprint(self.numel, [(s.start, s.numel, s.whole) for s in self.segments])
-
-    @cached_property
-    def sparsified_segments(self) -> list[tuple[int, Segment]]:
-        """Each sparsified segment with its place among ``segments``."""
-        return [(i, s) for i, s in enumerate(self.segments) if not s.whole and s.numel]
 
     @classmethod
     def of(cls, segments: Sequence[Segment], numel: int, device: torch.device) -> BucketLayout:
@@ -99,7 +89,7 @@ class BucketLayout:
         return self._counts[ratio]
 
     def _grid(self, ratio: float) -> SampleGrid:
-        sparsified = [s for s in self.segments if not s.whole and s.numel]  # an empty one has nothing to send
+        sparsified = [s for _, s in self.sparsified_segments]
         above = [min(s.numel, CANDIDATES * count_from(s.numel, ratio, None)) for s in sparsified]
         counts = [min(s.numel, max(SAMPLES, math.ceil(SAMPLED_ABOVE * s.numel / n)))
                   for s, n in zip(sparsified, above, strict=True)]

@@ -32,8 +32,7 @@ def nwords(codec: ValueCodec, count: int) -> int:
     if isinstance(codec, Int8Values):
         return -(-count // codec.bucket) + -(-count // 4)
     assert isinstance(codec, FloatValues)
-    itemsize = torch.empty(0, dtype=codec.wire_dtype).element_size()
-    return -(-count * itemsize // 4)
+    return -(-count * codec.itemsize // 4)
 
 
 def encode(codec: ValueCodec, values: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -45,17 +44,15 @@ def encode(codec: ValueCodec, values: torch.Tensor, out: torch.Tensor) -> torch.
         padded[:count] = values
         grid = padded.view(blocks, codec.bucket)
         scales = grid.abs().amax(dim=1) if blocks else padded.new_zeros(0)
-        column = scales[:, None]
-        levels = grid.mul(LEVELS).div_(column).round_()  # a block of zeros: 0/0, NaN, then level 0
+        levels = grid.mul(LEVELS).div_(scales[:, None]).round_()  # a block of zeros: 0/0, NaN, then level 0
         levels = torch.nan_to_num_(levels, nan=0.0).clamp_(-LEVELS, LEVELS).to(torch.int8)
         out[:blocks].copy_(scales.view(torch.int32))
         stored = torch.zeros(4 * (out.numel() - blocks), dtype=torch.int8, device=values.device)
         stored[:count] = levels.view(-1)[:count]
         out[blocks:].copy_(stored.view(torch.int32))
-        return levels.float().div_(LEVELS).mul_(column).view(-1)[:count]
+        return _scaled(levels, scales).view(-1)[:count]
     assert isinstance(codec, FloatValues)
-    cast = torch.zeros(out.numel() * 4 // torch.empty(0, dtype=codec.wire_dtype).element_size(),
-                       dtype=codec.wire_dtype, device=values.device)
+    cast = torch.zeros(out.numel() * 4 // codec.itemsize, dtype=codec.wire_dtype, device=values.device)
     cast[:count] = values
     out.copy_(cast.view(torch.int32))
     return cast[:count].float()
@@ -77,5 +74,6 @@ def decode(codec: ValueCodec, words: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def _scaled(levels: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Levels (ranks × blocks × bucket) times their block's scale / 127, in fp32."""
+    """Levels (… × blocks × bucket) times their block's scale / 127, in fp32: the sender's and the
+    receivers' one arithmetic, so both get the same bits."""
     return levels.float().div_(LEVELS).mul_(scales[..., None])

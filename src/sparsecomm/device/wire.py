@@ -1,10 +1,10 @@
 """One fixed-size int32 buffer per bucket and rank: a header word (the bucket layout's digest), the
 capacity's indices (32-bit words, or `sparsecomm.device.indices`' fixed-size stream; ``numel``, the
-padding, for an unused slot), their values (in the
-value codec's device form), then the values of the entries sent whole, in fp32 and without
-indices (every rank's layout names them). Every rank's buffer is the same size, so one equal-size
-all_gather carries them; the receiver sums them on the device, rank by rank (each rank's indices
-are distinct, so every sum is made in the same order everywhere)."""
+padding, for an unused slot), their values (in the value codec's device form), then the values of
+the entries sent whole, in fp32 and without indices (every rank's layout names them). Every rank's
+buffer is the same size, so one equal-size all_gather carries them; the receiver sums them on the
+device, rank by rank (each rank's indices are distinct, so every sum is made in the same order
+everywhere)."""
 
 from __future__ import annotations
 

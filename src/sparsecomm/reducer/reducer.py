@@ -49,9 +49,9 @@ class GradientReducer:
 
     The engine behind the DDP hook (`ddp_comm_hook`) and custom loops (`allreduce_`). Its `Runtime`
     holds all runtime state; it checkpoints it with `state_dict` and releases it with `close` (or
-    ``with``). ``stats`` counts what it sent (``stats.summary()``). Build one on every rank, with the same arguments.
-    Built before torch.distributed is initialised (a trainer such as Lightning initialises it), it
-    starts — joins the group and checks the ranks agree — at its first call.
+    ``with``). ``stats`` counts what it sent (``stats.summary()``). Build one on every rank, with the
+    same arguments. Built before torch.distributed is initialised (a trainer such as Lightning
+    initialises it), it starts — joins the group and checks the ranks agree — at its first call.
 
     Args:
         spec: a preset name (``"dgc"``), a pipeline spec string, or a parsed `PipelineSpec`.
