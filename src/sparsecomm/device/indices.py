@@ -16,7 +16,7 @@ from functools import lru_cache
 
 import torch
 
-from sparsecomm.device.bitpack import pack_at, pack_fields, unpack_fields, width_for, words_for
+from sparsecomm.device.bitpack import pack_at, unpack_fields, width_for, words_for
 
 STATIC_NONZERO_ON_CUDA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 6)
 """torch.nonzero_static runs on CUDA from PyTorch 2.6"""
@@ -37,42 +37,64 @@ def _count_width(count: int, b: int) -> int:
     return width_for(min(1 << b, count) + 1)
 
 
-def nwords(space: int, count: int) -> int:
-    """32-bit words that ``count`` indices into ``space`` positions take."""
-    return words_for(stream_bits(space, count, block_bits(space, count)), 1)
+def nwords(space: int, count: int, padded: bool = False) -> int:
+    """32-bit words that ``count`` indices into ``space`` positions take (``padded``: some of them
+    perhaps unused, see `encode`)."""
+    bits = stream_bits(space, count, block_bits(space, count))
+    return words_for(bits + (_unused_width(count) if padded else 0), 1)
 
 
-def encode(indices: torch.Tensor, space: int, out: torch.Tensor) -> torch.Tensor:
-    """``indices`` (int64, ascending, in ``[0, space)``) into ``out`` (int32, `nwords` long)."""
+def _unused_width(count: int) -> int:
+    return width_for(count + 1)
+
+
+def encode(indices: torch.Tensor, space: int, out: torch.Tensor, padded: bool = False) -> torch.Tensor:
+    """``indices`` (int64, ascending, in ``[0, space)``) into ``out`` (int32, `nwords` long). With
+    ``padded``, slots holding ``space`` after the others are unused: the stream starts with their
+    number, and the blocks count the used ones only (so no block's count outgrows its field)."""
     count = indices.numel()
     b = block_bits(space, count)
     blocks, width = ((space - 1) >> b) + 1, _count_width(count, b)
+    start = _unused_width(count) if padded else 0
+    used = indices < space
     counts = torch.zeros(blocks, dtype=torch.int64, device=indices.device)
-    counts.scatter_add_(0, indices >> b, torch.ones_like(indices))
-    if not b:
-        return pack_fields(counts, width, out)
-    places = torch.arange(blocks + count, dtype=torch.int64, device=indices.device)
-    places = torch.where(places < blocks, places * width, (places - blocks) * b + blocks * width)
-    return pack_at(torch.cat([counts, indices & ((1 << b) - 1)]), places, out)
+    counts.scatter_add_(0, (indices >> b).clamp_(max=blocks - 1), used.long())
+    fields = [counts]
+    places = [start + torch.arange(blocks, dtype=torch.int64, device=indices.device) * width]
+    if b:
+        fields.append(indices & ((1 << b) - 1))
+        places.append(start + blocks * width + torch.arange(count, dtype=torch.int64, device=indices.device) * b)
+    if padded:
+        fields.append((count - used.sum()).view(1))
+        places.append(torch.zeros(1, dtype=torch.int64, device=indices.device))
+    return pack_at(torch.cat(fields), torch.cat(places), out)
 
 
-def decode(words: torch.Tensor, space: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``count`` indices (int64, ascending where the stream is sound) that ``words`` hold, and a
-    bool: whether the blocks' counts add up to ``count`` (else the indices are garbage, though
-    below ``space`` rounded up to a whole block). A 2-D ``words`` holds a stream per row, and gives
-    a row of indices and a bool per row."""
+def decode(words: torch.Tensor, space: int, count: int, padded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``count`` indices (int64, ascending where the stream is sound; ``space`` in unused slots
+    where ``padded``) that ``words`` hold, and a bool: whether the blocks' counts add up to the
+    used slots (else the indices are garbage, though below ``space`` rounded up to a whole block).
+    A 2-D ``words`` holds a stream per row, and gives a row of indices and a bool per row."""
     b = block_bits(space, count)
     blocks, width = ((space - 1) >> b) + 1, _count_width(count, b)
-    counts = unpack_fields(words, width, blocks)
+    start = _unused_width(count) if padded else 0
+    used = count - unpack_fields(words, start, 1)[..., 0] if padded else torch.tensor(count, device=words.device)
+    counts = unpack_fields(words, width, blocks, start=start)
     ends = counts.cumsum(-1)
-    sound = ends[..., -1] == count
-    if not b:  # a bitmap: one compaction (rows after one that is not sound are garbage too)
-        rows = counts.view(-1, blocks)
-        places = compact(rows.bool().view(-1), rows.shape[0] * count, fill=rows.numel() - 1) % blocks
-        return places.view(*words.shape[:-1], count), sound
-    wanted = torch.arange(count, device=words.device).expand(*ends.shape[:-1], count).contiguous()
-    block = torch.searchsorted(ends, wanted, right=True).clamp_(max=blocks - 1)
-    return (block << b) | unpack_fields(words, b, count, start=blocks * width), sound
+    sound = ends[..., -1] == used
+    wanted = torch.arange(count, device=words.device)
+    if not b:  # a bitmap: each row's set positions, in order
+        bits = counts.bool()
+        rank = bits.cumsum(-1) - 1
+        target = torch.where(bits & (rank < count), rank, count)
+        places = torch.zeros(*bits.shape[:-1], count + 1, dtype=torch.int64, device=words.device)
+        indices = places.scatter_(-1, target, torch.arange(blocks, device=words.device).expand_as(target))[..., :count]
+    else:
+        block = torch.searchsorted(ends, wanted.expand(*ends.shape[:-1], count).contiguous(), right=True)
+        indices = (block.clamp_(max=blocks - 1) << b) | unpack_fields(words, b, count, start=start + blocks * width)
+    if padded:
+        indices = torch.where(wanted < used[..., None], indices, space)
+    return indices, sound
 
 
 def compact(mask: torch.Tensor, size: int, fill: int) -> torch.Tensor:

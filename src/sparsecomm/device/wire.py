@@ -34,7 +34,7 @@ class WireFormat:
     @property
     def index_words(self) -> int:
         if self.packed:
-            return packed_indices.nwords(self.numel + 1, self.capacity)  # the padding entry too
+            return packed_indices.nwords(self.numel, self.capacity, padded=True)
         return self.capacity
 
     @property
@@ -52,7 +52,7 @@ class WireFormat:
         out[0] = digest
         index_end = HEADER + self.index_words
         if self.packed:
-            packed_indices.encode(indices, self.numel + 1, out[HEADER:index_end])
+            packed_indices.encode(indices, self.numel, out[HEADER:index_end], padded=True)
         else:
             out[HEADER:index_end].copy_(indices)
         value_end = index_end + self.value_words
@@ -76,7 +76,7 @@ class WireFormat:
         whole_values = rows[:, value_end:].contiguous().view(torch.float32)
         total = out.zero_() if out is not None else torch.zeros(self.numel, dtype=torch.float32, device=device)
         if self.packed:
-            indices, sound = packed_indices.decode(rows[:, HEADER:index_end], self.numel + 1, self.capacity)
+            indices, sound = packed_indices.decode(rows[:, HEADER:index_end], self.numel, self.capacity, padded=True)
             agreed = agreed & sound.all()
         else:
             indices = rows[:, HEADER:index_end].long()
