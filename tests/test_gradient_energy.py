@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from sparsecomm.adaptive.gradient_energy import energy_share
+from sparsecomm.bench.op_counts import count_ops
 
 FRACTIONS = torch.tensor([0.0, 0.001, 0.01, 0.05, 0.2, 0.5, 1.0])
 
@@ -43,3 +44,10 @@ def test_a_gradient_with_no_energy_or_a_non_finite_one_has_no_curve():
     assert energy_share(torch.zeros(100), FRACTIONS).tolist() == [0.0] * len(FRACTIONS)
     assert energy_share(torch.tensor([1.0, math.inf, 2.0]), FRACTIONS).tolist() == [0.0] * len(FRACTIONS)
     assert energy_share(torch.tensor([1.0, math.nan, 2.0]), FRACTIONS).tolist() == [0.0] * len(FRACTIONS)
+
+
+def test_the_curve_is_read_without_a_host_read_and_entries_far_below_the_largest_hold_nothing():
+    squares = torch.cat([torch.tensor([1.0]), torch.full((99,), 1e-30)])  # 2^-99 below: the last bin
+    counts = count_ops(lambda: energy_share(squares, FRACTIONS), 1)
+    assert counts.syncs == 0
+    assert energy_share(squares, torch.tensor([0.01, 0.5])).tolist() == pytest.approx([1.0, 1.0])

@@ -176,26 +176,30 @@ class Costs:
 
     def energy_density(self, samples: list[torch.Tensor]) -> float:
         """The density at which the sampled gradient (``samples``, squared entries) sends the most
-        of its energy per second of step: the argmax over the candidate densities d of
-        E(min(1, H·d)) / (compute + O_s + per-byte cost · bytes(d)), from the agreed costs (so every
-        rank weighs alike) and this rank's own gradient (0: not measurable yet). With error
-        feedback an entry left out is sent some steps later, and one sent within H steps moves the
-        weights about as it would have on time, so a step's k entries carry about what the H·k
-        largest of one step's gradient hold."""
+        of its energy per second of step (`energy_choice`), read (0: not measurable yet)."""
+        choice = self.energy_choice(samples)
+        return 0.0 if choice is None else float(choice)
+
+    def energy_choice(self, samples: list[torch.Tensor]) -> torch.Tensor | None:
+        """That density as a 0-d float64 tensor on the samples' device, unread (0: the gradient has
+        no energy; None: no samples, or no costs measured yet): the argmax over the candidate
+        densities d of E(min(1, H·d)) / (compute + O_s + per-byte cost · bytes(d)), from the agreed
+        costs (so every rank weighs alike) and this rank's own gradient. With error feedback an
+        entry left out is sent some steps later, and one sent within H steps moves the weights
+        about as it would have on time, so a step's k entries carry about what the H·k largest of
+        one step's gradient hold."""
         if not samples or not self.compute_s or not self.throughput or self.budget_numel == 0:
-            return 0.0
+            return None
         squares = torch.cat(samples)
         low = self.sparsifier.least
         densities = torch.logspace(math.log10(low), math.log10(max(low, self.config.max_sparse_density)),
-                                   self.config.density_candidates, dtype=torch.float64)
+                                   self.config.density_candidates, dtype=torch.float64, device=squares.device)
         horizon = self.sparsifier.horizon or self.feedback_horizon
         energy = energy_share(squares, (densities * horizon).clamp(max=1.0))
-        if not bool(energy[-1] > 0):
-            return 0.0
         overhead = typical(self.sparse_overhead_s) if self.sparse_overhead_s else 0.0
         seconds = (statistics.median(self.compute_s) + overhead
                    + self.per_byte_s(statistics.median(self.throughput)) * self.step_bytes(densities))
-        return float(densities[int((energy / seconds).argmax())])
+        return torch.where(energy[-1] > 0, densities[(energy / seconds).argmax()], 0.0)
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
