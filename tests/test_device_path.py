@@ -12,12 +12,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm as sc
+from sparsecomm.adaptive.config import Mode
 from sparsecomm.bench.op_counts import count_ops
 from sparsecomm.launch import run_local
 from test_training import batches, digest, full_loss, mlp
 
 DEVICE_SPEC = "dgc(ratio=0.01)+dgc_momentum(momentum=0.9)+raw+fp32+allgather"
 HOST_SPEC = "dgc(ratio=0.01)+dgc_momentum(momentum=0.9)+rle+fp32+allgather"
+ADAPTIVE_SPEC = "adaptive(budget=20000)+residual+packed+int8+allgather"
 
 
 def buffer_bytes(model: nn.Module, ratio: float) -> int:
@@ -165,9 +167,39 @@ def syncs_per_step(rank: int, world: int, layers: int, spec: str) -> tuple[float
     return counts.syncs, counts.ops
 
 
-@pytest.mark.parametrize("codecs", ["raw+fp32", "packed+int8"])
-def test_host_syncs_per_step_on_the_device_route_do_not_grow_with_the_number_of_tensors(codecs):
-    spec = DEVICE_SPEC.replace("raw+fp32", codecs)
+@pytest.mark.parametrize("spec", [DEVICE_SPEC, DEVICE_SPEC.replace("raw+fp32", "packed+int8"),
+                                  ADAPTIVE_SPEC.replace("20000", "30000")])
+def test_host_syncs_per_step_on_the_device_route_do_not_grow_with_the_number_of_tensors(spec):
     few = run_local(2, syncs_per_step, 6, spec)  # 12 tensors
     many = run_local(2, syncs_per_step, 24, spec)  # 48 tensors
     assert few[0][0] == many[0][0] == 1, (few, many)  # one bucket, one read
+
+
+def train_budgeted(rank: int, world: int, spec: str, steps: int) -> dict:
+    model = DDP(mlp(0))
+    reducer = sc.register_ddp_hook(model, spec, seed=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    sent = []
+    for data, labels in batches(rank, world, steps):
+        optimizer.zero_grad()
+        before = reducer.stats.summary()["bytes_sent"]
+        F.cross_entropy(model(data), labels).backward()
+        optimizer.step()
+        sent.append(reducer.stats.summary()["bytes_sent"] - before)
+    routes = {stats.route for stats in reducer.stats.tensors.values()}
+    modes = dict(reducer.adaptive.planner.mode_steps)
+    reducer.close()
+    return {"loss": full_loss(model), "digest": digest(model), "routes": routes, "sent": sent, "modes": modes}
+
+
+def test_adaptive_sparse_steps_take_the_device_route_and_send_their_byte_budget_to_the_byte():
+    results = run_local(2, train_budgeted, ADAPTIVE_SPEC, 40)
+    host = run_local(2, train_budgeted, ADAPTIVE_SPEC.replace("packed", "rice"), 40)[0]
+    first = results[0]
+    assert first["routes"] == {"device"} and first["digest"] == results[1]["digest"]
+    assert set(first["modes"]) == {Mode.SPARSE}
+    # as far as the host path at the same budget (which buys it more entries: see the docs' routing page)
+    assert first["loss"] < 0.92 * full_loss(mlp(0)) and first["loss"] < host["loss"] + 0.05, (first, host)
+    # a fixed-size buffer per density: once the planner knows its bytes per entry, each step's bytes
+    # are the budget's, within an entry's
+    assert all(abs(sent - 20_000) <= 8 for sent in first["sent"][10:]), first["sent"]

@@ -6,12 +6,14 @@ import math
 import pytest
 import torch
 
+from sparsecomm.bench.op_counts import count_ops
 from sparsecomm.device import indices as packed_indices
 from sparsecomm.device import values as device_values
 from sparsecomm.device.bitpack import pack_fields, unpack_fields, width_for, words_for
 from sparsecomm.device.feedback import buffer_names, commit, propose
 from sparsecomm.device.layout import BucketLayout
 from sparsecomm.device.selection import select
+from sparsecomm.device.status import Status, read
 from sparsecomm.device.support import device_native
 from sparsecomm.device.wire import WireFormat
 from sparsecomm.encode.base import VALUE_CODECS
@@ -32,6 +34,8 @@ DEVICE_SPEC = "dgc(ratio=0.01)+dgc_momentum(momentum=0.9)+raw+fp32+allgather"
     ("dgc(ratio=0.01)+residual+packed+fp16+allgather", None),
     ("dgc(ratio=0.01)+residual+packed+int8(bucket=64)+allgather", None),
     ("dgc(ratio=0.01)+residual+raw+bf16+allgather", None),
+    ("adaptive+dgc_momentum(masking=false,nesterov=true)+packed+int8+allgather", None),
+    ("adaptive+dgc_momentum(masking=false,nesterov=true)+rice+int8+allgather", "index codec rice"),
     ("dgc(ratio=0.01)+dgc_momentum(momentum=0.9)+rle+fp32+allgather", "index codec rle"),
     ("dgc(ratio=0.01)+residual+raw(bits=64)+fp32+allgather", "index codec raw"),
     ("dgc(ratio=0.01)+residual+packed+qsgd+allgather", "value codec qsgd"),
@@ -62,7 +66,7 @@ def test_a_selection_has_the_capacity_never_an_entry_sent_whole_and_no_repeats(g
     layout = layout_of([3000, 17, 50_000, 400, 9000], whole=frozenset({1, 3}))
     values = torch.randn(layout.numel, generator=torch.Generator().manual_seed(1))
     chosen = select(padded(values), layout, 0.01, torch.Generator().manual_seed(2))
-    _, capacity = layout.at_ratio(0.01)
+    capacity = layout.at_ratio(0.01).capacity
     assert capacity == 30 + 500 + 90 and chosen.numel() == capacity
     assert chosen.unique().numel() == capacity
     assert not set(chosen.tolist()) & set(layout.whole.tolist())
@@ -82,21 +86,25 @@ def test_each_tensor_sends_about_its_share_whatever_its_scale():
         shares += torch.bucketize(chosen, torch.tensor([200_000, 205_000, 205_700]), right=True).bincount(
             minlength=len(sizes))
     counts = torch.tensor([-(-numel // 100) for numel in sizes])
-    assert torch.equal(shares / 10, counts.float()), shares / 10  # each its own count
+    # each near its own count: the scores compare each tensor's entries with its own threshold
+    assert ((shares / 10 - counts).abs() <= 0.1 * counts + 1).all(), shares / 10
 
 
 @pytest.mark.parametrize("ratio", [0.001, 0.01, 0.2])
-def test_each_tensor_sends_its_own_top_k_as_dgc_does(ratio):
+def test_each_tensor_sends_its_own_largest_entries_about_k_of_them_as_dgc_does(ratio):
     sizes = [2560, 131_072, 300, 40_000, 7]
     layout = layout_of(sizes, whole=frozenset({2}))
     values = torch.randn(layout.numel, generator=torch.Generator().manual_seed(8))
     values[2560:133_632] *= 100
-    chosen = set(select(padded(values), layout, ratio, torch.Generator().manual_seed(1)).tolist())
+    chosen = select(padded(values), layout, ratio, torch.Generator().manual_seed(1))
     for segment in layout.segments:
-        if not segment.whole:
-            k = max(1, -(-int(segment.numel * ratio * 1e6) // 10**6))
-            top = torch.topk(values[segment.start:segment.start + segment.numel].abs(), k).indices + segment.start
-            assert set(top.tolist()) <= chosen, segment
+        if segment.whole:
+            continue
+        k = max(1, -(-int(segment.numel * ratio * 1e6) // 10**6))
+        mine = chosen[(chosen >= segment.start) & (chosen < segment.start + segment.numel)]
+        top = torch.topk(values[segment.start:segment.start + segment.numel].abs(), mine.numel()).indices
+        assert set((top + segment.start).tolist()) == set(mine.tolist()), segment  # its largest, none skipped
+        assert abs(mine.numel() - k) <= 0.35 * k + 2, (segment, mine.numel(), k)  # about its k
 
 
 def fresh(feedback, numel: int, fill: float = 0.0) -> tuple[dict, dict]:
@@ -204,6 +212,22 @@ def test_packed_indices_round_trip_within_half_again_the_information_bound(densi
     assert 32 * words.numel() <= space + 32  # never more than a bitmap
 
 
+@pytest.mark.parametrize(("space", "capacity"), [(76_810, 3918), (1000, 600), (1000, 10), (64, 64), (100_000, 3)])
+def test_padded_packed_indices_carry_any_number_of_unused_slots_row_by_row(space, capacity):
+    """The device route's selection names ``space`` in its unused slots: however many (a bucket whose
+    gradient is mostly zeros leaves most of its capacity unused), each row decodes as it was sent."""
+    generator = torch.Generator().manual_seed(space + capacity)
+    rows = []
+    for used in (capacity, capacity - 1, capacity // 2, 0):
+        chosen = torch.randperm(space, generator=generator)[:used].sort().values
+        rows.append(torch.cat([chosen, torch.full((capacity - used,), space)]))
+    words = torch.stack([packed_indices.encode(row, space, torch.empty(packed_indices.nwords(space, capacity, True),
+                                                                       dtype=torch.int32), padded=True)
+                         for row in rows])
+    back, sound = packed_indices.decode(words, space, capacity, padded=True)
+    assert torch.equal(back, torch.stack(rows)) and bool(sound.all())
+
+
 def test_packed_indices_whose_counts_do_not_add_up_are_flagged():
     space, count = 10_000, 40
     chosen = torch.randperm(space, generator=torch.Generator().manual_seed(4))[:count].sort().values
@@ -235,7 +259,7 @@ def test_an_empty_tensor_in_a_bucket_sends_nothing_and_breaks_nothing():
 def test_a_bucket_of_zeros_fills_its_capacity_with_the_padding_and_sums_to_zero(value_codec, packed):
     layout = layout_of([3000, 40, 9000], whole=frozenset({1}))
     chosen = select(torch.zeros(layout.numel + 1), layout, 0.01, torch.Generator().manual_seed(0))
-    _, capacity = layout.at_ratio(0.01)
+    capacity = layout.at_ratio(0.01).capacity
     assert chosen.numel() == capacity and bool((chosen == layout.numel).all())
     form = WireFormat(layout.numel, capacity, 40, VALUE_CODECS.parse(value_codec), packed=packed)
     buffer = torch.empty(form.words, dtype=torch.int32)
@@ -243,3 +267,16 @@ def test_a_bucket_of_zeros_fills_its_capacity_with_the_padding_and_sums_to_zero(
     total, agreed = form.unpack_sum(torch.cat([buffer, buffer]), 2, layout.digest, layout.whole,
                                     torch.device("cpu"))
     assert bool(agreed) and not bool(total.any())
+
+
+@pytest.mark.parametrize("flags", [0, 1, 2, 3])
+def test_a_status_word_brings_the_flags_the_magnitude_rounded_up_and_the_density_in_one_read(flags):
+    magnitude, density = torch.tensor(1234.5678), torch.tensor(0.0123456789, dtype=torch.float64)
+    counts = count_ops(lambda: read(torch.tensor(flags), magnitude, density), 1)
+    assert counts.syncs == 1
+    status = read(torch.tensor(flags), magnitude, density)
+    assert status.flags == flags and status.good == bool(flags & 1) and status.own_finite == bool(flags & 2)
+    assert 1234.5678 <= status.magnitude <= 1234.5678 * 1.01  # never below: it guards fp16's range
+    assert status.density == pytest.approx(0.0123456789, rel=1e-7)  # float32's precision
+    assert read(torch.tensor(flags)) == Status(flags)  # nothing asked, nothing read
+    assert read(torch.tensor(3), torch.tensor(math.inf)).magnitude == math.inf

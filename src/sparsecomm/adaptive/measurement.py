@@ -46,6 +46,9 @@ class StepMeasurement:
     """whether this step samples its gradient's energy (`Planner.begin_step` decides)"""
     energy_samples: list[torch.Tensor] = field(default_factory=list)
     """squares of a strided sample of the gradient's entries under the budget"""
+    preferred_density: float | None = None
+    """the density the samples prefer, where the step's last call read it with its own check
+    (`Costs.energy_choice`); None: read when the step ends"""
 
     def submitted(self, numel: int, budget_numel: int, planned: int, whole_nnz: int, local_s: float,
                   now: float) -> None:

@@ -134,8 +134,10 @@ class Planner:
                 codecs = (encode_per_byte + (self.world_size - 1) * decode_per_byte) * done.payload_bytes
                 whole[Mode.SPARSE] = max(1e-6, compute + cost - wire - codecs)
         throughput = done.wire_bytes / done.wire_s if done.wire_s > 0 else 0.0
+        preferred = (done.preferred_density if done.preferred_density is not None
+                     else costs.energy_density(done.energy_samples))
         return Report(compute, throughput, whole[Mode.FP32], whole[Mode.FP16], whole[Mode.SPARSE], per_budgeted,
-                      fixed, done.max_magnitude, *done.codec_cost, costs.energy_density(done.energy_samples))
+                      fixed, done.max_magnitude, *done.codec_cost, preferred)
 
     def observe(self, agreed: Report, step: int | None = None) -> None:
         """Every rank's report of one step (``step``, when known), agreed."""

@@ -17,7 +17,7 @@ SAMPLES = 1024
 """magnitudes sampled per tensor for its threshold, at least (all of a smaller tensor's)"""
 SAMPLED_ABOVE = 32
 """and enough that about this many samples stand above it: its count then errs by about 1/√32"""
-CANDIDATES = 2
+CANDIDATES = 1.5
 """a tensor's threshold is set where about this many times its count stand above it"""
 
 
@@ -33,6 +33,22 @@ class SampleGrid:
     ranks: torch.Tensor
     width: int
     deepest: int
+
+
+@dataclass(frozen=True)
+class AtRatio:
+    """A bucket's selection at one ratio: where its thresholds sample, its capacity (each sparsified
+    segment's count, ceil(ratio·numel); the entries sent whole go besides) and, per segment, its
+    count (0 for those sent whole and for the padding)."""
+
+    grid: SampleGrid
+    capacity: int
+    counts: torch.Tensor
+
+
+RATIOS_KEPT = 8
+"""a layout keeps its selections at this many ratios, the latest (``adaptive`` plans a new density
+in its warm-up's every step)"""
 
 
 @dataclass
@@ -54,8 +70,7 @@ class BucketLayout:
     a selection names) one past the last (int32: a gather by it is cheaper than repeating
     per-segment values)"""
     digest: int = field(init=False)
-    _grids: dict[float, tuple[SampleGrid, int]] = field(init=False, default_factory=dict)
-    _counts: dict[float, torch.Tensor] = field(init=False, default_factory=dict)
+    _ratios: dict[float, AtRatio] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         device = self.device
@@ -72,21 +87,22 @@ class BucketLayout:
     def of(cls, segments: Sequence[Segment], numel: int, device: torch.device) -> BucketLayout:
         return cls(tuple(segments), numel, device)
 
-    def at_ratio(self, ratio: float) -> tuple[SampleGrid, int]:
-        """The sample grid and the selection's capacity at ``ratio``: each sparsified segment's
-        count, ceil(ratio·numel) (the entries sent whole go besides)."""
-        if ratio not in self._grids:
-            self._grids[ratio] = self._grid(ratio), sum(count_from(s.numel, ratio, None)
-                                                        for s in self.segments if not s.whole)
-        return self._grids[ratio]
+    @property
+    def sparsified_numel(self) -> int:
+        """The entries the selection chooses from (those not sent whole)."""
+        return sum(s.numel for _, s in self.sparsified_segments)
 
-    def counts(self, ratio: float) -> torch.Tensor:
-        """Per segment, how many of its entries it sends at ``ratio`` (0 for those sent whole), and 0
-        for the padding."""
-        if ratio not in self._counts:
-            self._counts[ratio] = torch.tensor([0 if s.whole else count_from(s.numel, ratio, None)
-                                                for s in self.segments] + [0], dtype=torch.int64, device=self.device)
-        return self._counts[ratio]
+    def at_ratio(self, ratio: float) -> AtRatio:
+        """The selection at ``ratio`` (built once, and kept among the latest `RATIOS_KEPT`)."""
+        kept = self._ratios.pop(ratio, None)
+        if kept is None:
+            counts = [0 if s.whole else count_from(s.numel, ratio, None) for s in self.segments]
+            kept = AtRatio(self._grid(ratio), sum(counts),
+                           torch.tensor(counts + [0], dtype=torch.int64, device=self.device))
+            if len(self._ratios) >= RATIOS_KEPT:
+                self._ratios.pop(next(iter(self._ratios)))  # the least recently used
+        self._ratios[ratio] = kept
+        return kept
 
     def _grid(self, ratio: float) -> SampleGrid:
         sparsified = [s for _, s in self.sparsified_segments]

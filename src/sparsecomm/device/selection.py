@@ -1,14 +1,14 @@
 """`select`: a bucket's capacity's worth of entries, chosen on the device in a fixed number of ops.
 
-Each sparsified segment's threshold is DGC's, sampled, and set where about twice its count stand
-above it (`sparsecomm.device.layout`). One pass marks the entries above their own segment's
-threshold, and a fixed-size compaction keeps the first `SLACK` times the capacity of them: the
-candidates. Each is scored by its magnitude over its threshold, so scores compare across tensors.
-Among them each segment keeps its own top count — DGC's top-k per tensor, whenever its top
-entries are among the candidates — and what is left of the capacity (where a tensor had fewer
-candidates than its count) goes to the best of the rest. So a rank's selection has the same size
-every step; where there are fewer candidates than the capacity, the rest of it names the padding
-entry at ``numel``, which holds zero. The entries sent whole go besides, by their fixed indices.
+Each sparsified segment's threshold is DGC's, sampled, and set where about `CANDIDATES` times its
+count stand above it (`sparsecomm.device.layout`). One pass marks the entries above their own
+segment's threshold, and a fixed-size compaction keeps the first `SLACK` times the capacity of
+them: the candidates. Each is scored by its magnitude over its threshold, so scores compare across
+tensors, and the capacity's best scores are kept: one selection (a k-th value, no sort) in which
+each tensor's share is near its count — DGC's top-k per tensor, its count near k, as DGC's own
+sampled threshold gives. So a rank's selection has the same size every step; where there are fewer
+candidates than the capacity, the rest of it names the padding entry at ``numel``, which holds
+zero. The entries sent whole go besides, by their fixed indices.
 
 The thresholds sample enough (`SAMPLED_ABOVE`) that more candidates than the compaction keeps —
 twice what is expected — come about once in a million tensor-steps; then the earliest are kept,
@@ -25,7 +25,7 @@ from sparsecomm.device.layout import BucketLayout
 TINY = 1e-30
 """the least threshold: a segment of zeros has no candidates, not every entry"""
 
-SLACK = 4
+SLACK = 3
 """candidates per entry of the capacity: twice what the thresholds aim at"""
 
 FEW_SEGMENTS = 8
@@ -37,7 +37,7 @@ def thresholds(magnitudes: torch.Tensor, layout: BucketLayout, ratio: float,
                generator: torch.Generator) -> torch.Tensor:
     """Per segment, the threshold its entries are compared with (NaN, which no entry reaches, for
     segments sent whole and for the padding)."""
-    grid, _ = layout.at_ratio(ratio)
+    grid = layout.at_ratio(ratio).grid
     per_segment = torch.full((len(layout.segments) + 1,), float("nan"), dtype=magnitudes.dtype,
                              device=magnitudes.device)
     if grid.base.numel() == 0:
@@ -55,25 +55,21 @@ def select(accumulated: torch.Tensor, layout: BucketLayout, ratio: float,
     """The indices (int64, as many as the capacity at ``ratio``, ascending) of the sparsified entries
     to send, or ``numel`` for an unused slot. ``accumulated`` holds ``numel + 1`` entries, the last
     (the padding) zero; the entries sent whole (`BucketLayout.whole`) are never among them."""
-    _, capacity = layout.at_ratio(ratio)
+    capacity = layout.at_ratio(ratio).capacity
     numel = layout.numel
     magnitudes = accumulated.abs()
     threshold = thresholds(magnitudes, layout, ratio, generator)
     above = _above(magnitudes[:numel], threshold, layout)
-    candidates = compact(above, SLACK * capacity, fill=numel)
-    segment = layout.segment_ids[candidates].long()
-    scores = magnitudes[candidates] / threshold[segment]
+    slots = min(numel, SLACK * capacity)
+    candidates = compact(above, slots, fill=numel)
+    if slots <= capacity:  # every entry is a candidate: the padding fills the rest
+        return torch.cat([candidates, candidates.new_full((capacity - slots,), numel)])
+    scores = magnitudes[candidates] / threshold[layout.segment_ids[candidates].long()]
     scores = torch.where(candidates < numel, scores, -1.0)  # the padding: below every candidate
-    # by segment, best first: each candidate's rank within its segment
-    best_first = torch.argsort(scores, descending=True, stable=True)
-    by_segment = torch.argsort(segment[best_first], stable=True)
-    best_first = best_first[by_segment]
-    ordered = segment[best_first]
-    rank = torch.arange(ordered.numel(), device=ordered.device) - torch.searchsorted(ordered, ordered)
-    kept = rank < layout.counts(ratio)[ordered]
-    priority = torch.where(kept, float("inf"), scores[best_first])
-    chosen = candidates[best_first[torch.topk(priority, capacity, sorted=False).indices]]
-    return torch.sort(chosen).values  # in index order: a value codec's blocks then stay within a tensor
+    least = torch.kthvalue(scores, slots - capacity + 1).values  # the capacity-th best score
+    kept = compact((scores >= least) & (candidates < numel), capacity, fill=slots)
+    # in index order, as the candidates are: a value codec's blocks then stay within a tensor
+    return torch.cat([candidates, candidates.new_full((1,), numel)])[kept]
 
 
 def _above(magnitudes: torch.Tensor, threshold: torch.Tensor, layout: BucketLayout) -> torch.Tensor:

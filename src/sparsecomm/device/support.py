@@ -8,6 +8,7 @@ from sparsecomm.encode.index.raw import RawIndices
 from sparsecomm.feedback.dgc_momentum import DGCMomentum
 from sparsecomm.feedback.none import NoFeedback
 from sparsecomm.feedback.residual import Residual
+from sparsecomm.sparsify.adaptive import Adaptive
 from sparsecomm.sparsify.dgc_threshold import DGCThreshold
 from sparsecomm.spec import PipelineSpec
 from sparsecomm.transport.allgather import AllgatherTransport
@@ -17,13 +18,13 @@ def device_native(spec: PipelineSpec) -> str | None:
     """None where ``spec`` runs on the device path, else why not.
 
     It runs there with DGC's sampled threshold at a ratio (its count is near k, not exactly k, as
-    the device path's is per tensor), error feedback, DGC's momentum without local clipping, or no
-    feedback, raw 32-bit or packed indices with fp32, fp16, bf16 or int8 values (in a fixed buffer),
-    and the allgather transport.
+    DGC's own is) or ``adaptive`` (its sparse steps, at the planned density), error feedback, DGC's
+    momentum without local clipping, or no feedback, raw 32-bit or packed indices with fp32, fp16,
+    bf16 or int8 values (in a fixed buffer), and the allgather transport.
     """
     sparsifier, feedback = spec.sparsifier, spec.feedback
-    if not isinstance(sparsifier, DGCThreshold) or sparsifier.ratio is None:
-        return "its sparsifier is not dgc(ratio=...)"
+    if not (isinstance(sparsifier, Adaptive) or isinstance(sparsifier, DGCThreshold) and sparsifier.ratio is not None):
+        return "its sparsifier is not dgc(ratio=...) or adaptive"
     if not isinstance(feedback, NoFeedback | Residual | DGCMomentum):
         return f"its feedback {feedback.name} has no device form"
     if isinstance(feedback, DGCMomentum) and feedback.clip > 0:

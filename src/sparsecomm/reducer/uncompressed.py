@@ -24,6 +24,8 @@ class UncompressedFeedback:
               whole_only: bool) -> torch.Tensor:
         """``total`` (an average) after the feedback: of the whole call, or (``whole_only``) of the
         bucket's parameters sent whole."""
+        if not self.feedback.applies_momentum:  # the feedback owns nothing the optimizer lacks
+            return total
         if segments is None:
             return total if whole_only else self.feedback.update_uncompressed(total, self.states.setdefault(key, {}))
         flat = total.view(-1)

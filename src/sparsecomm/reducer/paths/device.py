@@ -24,6 +24,8 @@ from sparsecomm.device import values as device_values
 from sparsecomm.device.feedback import Proposal, buffer_names, commit, propose
 from sparsecomm.device.layout import BucketLayout
 from sparsecomm.device.selection import select
+from sparsecomm.device.status import GOOD, OWN_FINITE, read
+from sparsecomm.device.whole_momentum import WholeMomentum
 from sparsecomm.device.wire import WireFormat
 from sparsecomm.encode.index.packed import PackedIndices
 from sparsecomm.errors import SparseCommError
@@ -31,6 +33,7 @@ from sparsecomm.feedback.dgc_momentum import DGCMomentum
 from sparsecomm.pipeline import Segment, TensorState, key_hash, seeded_generator
 from sparsecomm.reducer.call import Call, Route, Summed
 from sparsecomm.reducer.paths.base import Path, Pending
+from sparsecomm.sparsify.adaptive import Adaptive
 from sparsecomm.sparsify.base import CountedSparsifier
 from sparsecomm.transport.collectives import all_gather_single, on_wire
 
@@ -64,12 +67,15 @@ class Bucket:
 
     layout: BucketLayout
     held: BufferSet
+    whole_momentum: WholeMomentum | None = None
+    """DGC's momentum of the parameters sent whole"""
     spare: BufferSet | None = None
 
     def current(self) -> bool:
         """Whether every parameter's state still is this bucket's view (not after a checkpoint was
         loaded, or the parameter moved to another bucket)."""
-        return all(state.feedback.get(name) is view for state, name, view in self.held.views)
+        return (all(state.feedback.get(name) is view for state, name, view in self.held.views)
+                and (self.whole_momentum is None or self.whole_momentum.current()))
 
     def take_spare(self) -> BufferSet:
         spare, self.spare = self.spare, None
@@ -102,6 +108,8 @@ class DeviceSent:
     agreed: torch.Tensor | None = field(default=None)
     kept: bool = False
     """whether this rank's gradient was finite, once the sum is checked"""
+    magnitude: torch.Tensor | None = None
+    """the largest |value| sent, where ``adaptive``'s report needs it (read with the sum's check)"""
 
 
 class DevicePath(Path):
@@ -120,13 +128,15 @@ class DevicePath(Path):
         bucket = self._bucket(call.key, segments, flat)
         layout = bucket.layout
         first = pipeline.states[segments[0].key]
-        sparsifier = config.spec.sparsifier.at_step(first.step)
-        assert isinstance(sparsifier, CountedSparsifier) and sparsifier.ratio is not None
+        ratio = self._ratio(plan, first.step)
         grad, finite = self._screened(flat)
+        adaptive = parts.adaptive
+        if adaptive is not None:  # this step's sample of the gradient, where it takes one: the bucket's
+            adaptive.planner.sample_energy(flat, [(0, layout.numel)])
         spare = bucket.take_spare()
         proposal = propose(config.spec.feedback, grad, bucket.held.buffers, spare.buffers)
         generator = seeded_generator(flat.device, config.seed, key_hash(call.key), first.step)
-        indices = select(proposal.accumulated, layout, sparsifier.ratio, generator)
+        indices = select(proposal.accumulated, layout, ratio, generator)
         values = proposal.accumulated[indices]
         whole = grad[layout.whole] if layout.whole is not None else None  # sent whole, every entry as it is
         if finite is not None:  # a non-finite rank sends NaN (raise: every rank raises) or nothing (skip)
@@ -144,8 +154,24 @@ class DevicePath(Path):
         work = all_gather_single(gathered, posted, group=parts.process_group, async_op=True)
         sent = DeviceSent(bucket, spare, form, indices, None if device_values.lossless(form.values) else delivered,
                           proposal, finite, gathered, wire.numel() * wire.element_size())
-        return Pending(work.get_future(), time.perf_counter(),
+        submitted = time.perf_counter()
+        if adaptive is not None:
+            if adaptive.report_needed(parts.stats.steps):  # the largest magnitude sent, read with the sum's check
+                sent.magnitude = torch.linalg.vector_norm(values, math.inf) if values.numel() else values.new_zeros(())
+            adaptive.measuring.submitted(flat.numel(), layout.sparsified_numel, indices.numel(), 0, submitted - start,
+                                         submitted)
+        return Pending(work.get_future(), submitted,
                        finish_with_step=call.in_step and flat.device.type == "cpu", sent=sent)
+
+    def _ratio(self, plan: Plan | None, step: int) -> float:
+        """The density the call's capacity is sized by: the sparsifier's ratio at ``step``, or
+        ``adaptive``'s planned density (every rank plans the same)."""
+        sparsifier = self.parts.config.spec.sparsifier
+        if isinstance(sparsifier, Adaptive):
+            return sparsifier.at_density(plan.density if plan is not None else sparsifier.density).density
+        sparsifier = sparsifier.at_step(step)
+        assert isinstance(sparsifier, CountedSparsifier) and sparsifier.ratio is not None
+        return sparsifier.ratio
 
     def _screened(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The gradient to use and, unless the policy is ``zero``, whether it was finite: a 0-d bool
@@ -181,7 +207,9 @@ class DevicePath(Path):
                     state.feedback["averaged"] = False  # this rank's own momentum, not the ranks' common one
                 views.append((state, name, view))
             buffers[name] = buffer
-        return Bucket(BucketLayout.of(segments, flat.numel(), flat.device), BufferSet(buffers, views))
+        layout = BucketLayout.of(segments, flat.numel(), flat.device)
+        return Bucket(layout, BufferSet(buffers, views),
+                      WholeMomentum.of(feedback, layout, self.parts.uncompressed.states))
 
     def summed(self, call: Call, pending: Pending, done: torch.futures.Future) -> Summed:
         done.wait()
@@ -196,21 +224,42 @@ class DevicePath(Path):
 
     def checked(self, call: Call, pending: Pending, summed: Summed) -> torch.Tensor:
         """The sum, raising on every rank unless every rank's bucket had this layout and the sum is
-        finite: the call's one host read."""
+        finite: the call's one host read (`sparsecomm.device.status`), which also brings the
+        ``adaptive`` controller what it asked of the call."""
         sent: DeviceSent = pending.sent
         assert sent.agreed is not None
-        # one read: whether the sum is good (one reduction: overflow counts) and this rank's own
-        # gradient was finite (under "skip" it sent zeros, and keeps its state)
+        # whether the sum is good (one reduction: overflow counts) and this rank's own gradient was
+        # finite (under "skip" it sent zeros, and keeps its state)
         good = sent.agreed & torch.isfinite(summed.total.sum())
-        flags = int((good.int() + 2 * (sent.finite if sent.finite is not None else good).int()).item())
-        sent.kept = flags >= 2
-        if not flags & 1:
+        flags = good * GOOD + (sent.finite if sent.finite is not None else good) * OWN_FINITE  # int64
+        adaptive = self.parts.adaptive
+        # the step's last call reads the density the step's gradient prefers, where it was sampled
+        preferred = adaptive.planner.costs.energy_choice(adaptive.measuring.energy_samples) \
+            if adaptive is not None and call.last else None
+        status = read(flags, sent.magnitude, preferred)
+        if adaptive is not None:
+            if status.magnitude is not None and status.good and status.own_finite:
+                adaptive.measuring.saw_magnitude(status.magnitude)
+            if status.density is not None:
+                adaptive.measuring.preferred_density = status.density
+        sent.kept = status.own_finite
+        if not status.good:
             if not bool(sent.agreed):
                 raise SparseCommError(f"the ranks' buckets differ in {call.key!r}: every rank must build the same "
                                       "model and DDP the same buckets")
             raise SparseCommError(f"a rank had a non-finite gradient (NaN or Inf) in {call.key!r}, or the sum "
                                   "overflowed; no rank applied it")
         return summed.total
+
+    def measured(self, call: Call, pending: Pending, summed: Summed) -> None:
+        """The adaptive controller's share: the selection's slots are the payload (their bytes per
+        entry hold what the padding and the header cost), the entries sent whole are fixed bytes."""
+        assert self.parts.adaptive is not None
+        form: WireFormat = pending.sent.form
+        whole_bytes = form.whole * 4
+        measuring, now = self.parts.adaptive.measuring, time.perf_counter()
+        measuring.finished(now, summed.bytes_sent - whole_bytes, payload_nnz=form.capacity)
+        measuring.finished(now, whole_bytes)
 
     def after_average(self, call: Call, pending: Pending, total: torch.Tensor) -> torch.Tensor:
         sent: DeviceSent = pending.sent
@@ -223,4 +272,6 @@ class DevicePath(Path):
         states = self.parts.pipeline.states
         for segment in call.segments or (Segment(call.key, 0, total.numel()),):
             states[segment.key].step += 1
-        return self.parts.uncompressed.apply(total, call.key, call.segments, whole_only=True)
+        if sent.bucket.whole_momentum is not None:
+            sent.bucket.whole_momentum.step_(total.view(-1))
+        return total
