@@ -175,9 +175,9 @@ def test_the_wire_sums_every_ranks_entries_as_each_sender_says_they_arrive_and_f
         indices = torch.randperm(47, generator=generator)[:capacity].sort().values
         values, whole_values = torch.randn(capacity, generator=generator), torch.randn(3, generator=generator)
         buffer = torch.empty(form.words, dtype=torch.int32)
-        delivered = form.pack(buffer, digest, indices, values, whole_values)
-        assert torch.allclose(delivered, values, rtol=0.01, atol=0.03)
-        expected.index_add_(0, indices, delivered).index_add_(0, whole, whole_values)
+        delivered = form.pack(buffer, digest, indices, torch.cat([values, whole_values]))
+        assert torch.allclose(delivered, torch.cat([values, whole_values]), rtol=0.01, atol=0.03)
+        expected.index_add_(0, indices, delivered[:capacity]).index_add_(0, whole, delivered[capacity:])
         buffers.append(buffer)
     total, agreed = form.unpack_sum(torch.cat(buffers), 3, digest, whole, torch.device("cpu"))
     assert bool(agreed) and torch.allclose(total, expected, rtol=0, atol=1e-6)
@@ -263,7 +263,7 @@ def test_a_bucket_of_zeros_fills_its_capacity_with_the_padding_and_sums_to_zero(
     assert chosen.numel() == capacity and bool((chosen == layout.numel).all())
     form = WireFormat(layout.numel, capacity, 40, VALUE_CODECS.parse(value_codec), packed=packed)
     buffer = torch.empty(form.words, dtype=torch.int32)
-    form.pack(buffer, layout.digest, chosen, torch.zeros(capacity), torch.zeros(40))
+    form.pack(buffer, layout.digest, chosen, torch.zeros(capacity + 40))
     total, agreed = form.unpack_sum(torch.cat([buffer, buffer]), 2, layout.digest, layout.whole,
                                     torch.device("cpu"))
     assert bool(agreed) and not bool(total.any())
@@ -280,3 +280,30 @@ def test_a_status_word_brings_the_flags_the_magnitude_rounded_up_and_the_density
     assert status.density == pytest.approx(0.0123456789, rel=1e-7)  # float32's precision
     assert read(torch.tensor(flags)) == Status(flags)  # nothing asked, nothing read
     assert read(torch.tensor(3), torch.tensor(math.inf)).magnitude == math.inf
+
+
+def test_what_int8_rounds_off_the_entries_sent_whole_goes_with_their_next_step():
+    from sparsecomm.device.whole import WholeError
+    from sparsecomm.pipeline import TensorState
+
+    codec = VALUE_CODECS.parse("int8(bucket=4)")
+    layout = layout_of([300, 5, 9000, 3], whole=frozenset({1, 3}))
+    states = [TensorState() for _ in layout.segments]
+    error = WholeError.of(codec, layout, states)
+    assert WholeError.of(VALUE_CODECS.parse("fp32"), layout, states) is None  # exact: nothing to keep
+    generator = torch.Generator().manual_seed(11)
+    sent_in_all, delivered_in_all = torch.zeros(8), torch.zeros(8)
+    for _ in range(20):
+        gradient = torch.randn(layout.numel, generator=generator)
+        sent = error.sent(gradient)
+        delivered = device_values.encode(codec, sent, torch.empty(device_values.nwords(codec, 8), dtype=torch.int32))
+        error.propose(sent, delivered)
+        error.keep()
+        sent_in_all += gradient[layout.whole]
+        delivered_in_all += delivered
+    # each parameter's state is its view of the kept error, under the host path's name
+    assert error.current() and states[0].codec_error is None
+    assert states[1].codec_error.data_ptr() == error.held.data_ptr() and torch.equal(states[3].codec_error,
+                                                                                   error.held[5:])
+    assert float(error.held.abs().max()) > 0  # int8 rounded something off
+    torch.testing.assert_close(delivered_in_all + error.held, sent_in_all)  # nothing lost, only late

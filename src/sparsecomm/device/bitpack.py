@@ -53,8 +53,6 @@ def unpack_fields(words: torch.Tensor, width: int, count: int, start: int = 0) -
     each row of a 2-D ``words`` a stream of its own, giving a row of fields)."""
     places = start + torch.arange(count, dtype=torch.int64, device=words.device) * width
     word, shift = places >> 5, places & 31
-    wide = torch.zeros(*words.shape[:-1], words.shape[-1] + 1, dtype=torch.int64, device=words.device)
-    wide[..., :-1] = words
-    wide &= LOW_WORD
+    wide = torch.nn.functional.pad(words.to(torch.int64) & LOW_WORD, (0, 1))  # a zero word past the end
     joined = (wide[..., word + 1] << 32) | wide[..., word]  # the sign bit only ever lands above the field
     return (joined >> shift) & ((1 << width) - 1)

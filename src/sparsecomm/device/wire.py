@@ -1,7 +1,7 @@
 """One fixed-size int32 buffer per bucket and rank: a header word (the bucket layout's digest), the
 capacity's indices (32-bit words, or `sparsecomm.device.indices`' fixed-size stream; ``numel``, the
-padding, for an unused slot), their values (in the value codec's device form), then the values of
-the entries sent whole, in fp32 and without indices (every rank's layout names them). Every rank's
+padding, for an unused slot), then their values followed by those of the entries sent whole, which
+go without indices (every rank's layout names them), all in the value codec's device form. Every rank's
 buffer is the same size, so one equal-size all_gather carries them; the receiver sums them on the
 device, rank by rank (each rank's indices are distinct, so every sum is made in the same order
 everywhere)."""
@@ -39,27 +39,27 @@ class WireFormat:
 
     @property
     def value_words(self) -> int:
-        return device_values.nwords(self.values, self.capacity)
+        return device_values.nwords(self.values, self.capacity + self.whole)
 
     @property
     def words(self) -> int:
-        return HEADER + self.index_words + self.value_words + self.whole
+        return HEADER + self.index_words + self.value_words
 
-    def pack(self, out: torch.Tensor, digest: int, indices: torch.Tensor, values: torch.Tensor,
-             whole_values: torch.Tensor | None) -> torch.Tensor:
-        """Write the buffer into ``out`` (int32, `words` long); returns the selected values as every
-        receiver decodes them."""
+    @property
+    def whole_bytes(self) -> int:
+        """What the entries sent whole add to the buffer."""
+        return 4 * (self.value_words - device_values.nwords(self.values, self.capacity))
+
+    def pack(self, out: torch.Tensor, digest: int, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Write the buffer into ``out`` (int32, `words` long): ``values`` holds the selected entries'
+        values, then the whole entries'. Returns them as every receiver decodes them."""
         out[0] = digest
         index_end = HEADER + self.index_words
         if self.packed:
             packed_indices.encode(indices, self.numel, out[HEADER:index_end], padded=True)
         else:
             out[HEADER:index_end].copy_(indices)
-        value_end = index_end + self.value_words
-        decoded = device_values.encode(self.values, values, out[index_end:value_end])
-        if whole_values is not None:
-            out[value_end:].view(torch.float32).copy_(whole_values)
-        return decoded
+        return device_values.encode(self.values, values, out[index_end:])
 
     def unpack_sum(self, gathered: torch.Tensor, world_size: int, digest: int, whole: torch.Tensor | None,
                    device: torch.device, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,9 +71,8 @@ class WireFormat:
         rows = gathered.to(device).view(world_size, self.words)
         agreed = (rows[:, 0] == digest).all()
         index_end = HEADER + self.index_words
-        value_end = index_end + self.value_words
-        values = device_values.decode(self.values, rows[:, index_end:value_end], self.capacity)
-        whole_values = rows[:, value_end:].contiguous().view(torch.float32)
+        values = device_values.decode(self.values, rows[:, index_end:], self.capacity + self.whole)
+        values, whole_values = values[:, :self.capacity], values[:, self.capacity:]
         total = out.zero_() if out is not None else torch.zeros(self.numel, dtype=torch.float32, device=device)
         if self.packed:
             indices, sound = packed_indices.decode(rows[:, HEADER:index_end], self.numel, self.capacity, padded=True)

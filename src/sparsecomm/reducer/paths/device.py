@@ -25,7 +25,7 @@ from sparsecomm.device.feedback import Proposal, buffer_names, commit, propose
 from sparsecomm.device.layout import BucketLayout
 from sparsecomm.device.selection import select
 from sparsecomm.device.status import GOOD, OWN_FINITE, read
-from sparsecomm.device.whole_momentum import WholeMomentum
+from sparsecomm.device.whole import WholeError, WholeMomentum
 from sparsecomm.device.wire import WireFormat
 from sparsecomm.encode.index.packed import PackedIndices
 from sparsecomm.errors import SparseCommError
@@ -69,13 +69,16 @@ class Bucket:
     held: BufferSet
     whole_momentum: WholeMomentum | None = None
     """DGC's momentum of the parameters sent whole"""
+    whole_error: WholeError | None = None
+    """what a lossy value codec rounded off the parameters sent whole"""
     spare: BufferSet | None = None
 
     def current(self) -> bool:
         """Whether every parameter's state still is this bucket's view (not after a checkpoint was
         loaded, or the parameter moved to another bucket)."""
         return (all(state.feedback.get(name) is view for state, name, view in self.held.views)
-                and (self.whole_momentum is None or self.whole_momentum.current()))
+                and (self.whole_momentum is None or self.whole_momentum.current())
+                and (self.whole_error is None or self.whole_error.current()))
 
     def take_spare(self) -> BufferSet:
         spare, self.spare = self.spare, None
@@ -138,16 +141,19 @@ class DevicePath(Path):
         generator = seeded_generator(flat.device, config.seed, key_hash(call.key), first.step)
         indices = select(proposal.accumulated, layout, ratio, generator)
         values = proposal.accumulated[indices]
-        whole = grad[layout.whole] if layout.whole is not None else None  # sent whole, every entry as it is
+        if layout.whole is not None:  # then every entry of the parameters sent whole, with the codec's error
+            whole = bucket.whole_error.sent(grad) if bucket.whole_error is not None else grad[layout.whole]
+            values = torch.cat([values, whole])
         if finite is not None:  # a non-finite rank sends NaN (raise: every rank raises) or nothing (skip)
-            poison = math.nan if config.nonfinite == "raise" else 0.0
-            values = torch.where(finite, values, poison)
-            whole = torch.where(finite, whole, poison) if whole is not None else None
-        form = WireFormat(layout.numel, indices.numel(), 0 if whole is None else whole.numel(),
-                          config.spec.value_codec, packed=isinstance(config.spec.index_codec, PackedIndices))
+            values = torch.where(finite, values, math.nan if config.nonfinite == "raise" else 0.0)
+        form = WireFormat(layout.numel, indices.numel(), values.numel() - indices.numel(), config.spec.value_codec,
+                          packed=isinstance(config.spec.index_codec, PackedIndices))
         # a new buffer per call: a stream's earlier call (reduce_async) may still be on the wire
         wire = torch.empty(form.words, dtype=torch.int32, device=flat.device)
-        delivered = form.pack(wire, layout.digest, indices, values, whole)
+        delivered = form.pack(wire, layout.digest, indices, values)
+        if bucket.whole_error is not None:
+            bucket.whole_error.propose(values[form.capacity:], delivered[form.capacity:])
+        values, delivered = values[:form.capacity], delivered[:form.capacity]
         posted = on_wire(wire, parts.wire_device)
         parts.calls.session.drain()  # after the worker thread's collectives (a custom loop's plain calls), in order
         gathered = torch.empty(config.world_size * wire.numel(), dtype=wire.dtype, device=posted.device)
@@ -209,7 +215,8 @@ class DevicePath(Path):
             buffers[name] = buffer
         layout = BucketLayout.of(segments, flat.numel(), flat.device)
         return Bucket(layout, BufferSet(buffers, views),
-                      WholeMomentum.of(feedback, layout, self.parts.uncompressed.states))
+                      WholeMomentum.of(feedback, layout, self.parts.uncompressed.states),
+                      WholeError.of(self.parts.config.spec.value_codec, layout, states))
 
     def summed(self, call: Call, pending: Pending, done: torch.futures.Future) -> Summed:
         done.wait()
@@ -256,7 +263,7 @@ class DevicePath(Path):
         entry hold what the padding and the header cost), the entries sent whole are fixed bytes."""
         assert self.parts.adaptive is not None
         form: WireFormat = pending.sent.form
-        whole_bytes = form.whole * 4
+        whole_bytes = form.whole_bytes
         measuring, now = self.parts.adaptive.measuring, time.perf_counter()
         measuring.finished(now, summed.bytes_sent - whole_bytes, payload_nnz=form.capacity)
         measuring.finished(now, whole_bytes)
@@ -267,6 +274,8 @@ class DevicePath(Path):
             commit(self.parts.config.spec.feedback, sent.proposal, sent.indices, sent.bucket.layout.whole,
                    sent.delivered)
             sent.bucket.keep(sent.spare)
+            if sent.bucket.whole_error is not None:
+                sent.bucket.whole_error.keep()
         else:
             sent.bucket.spare = sent.spare
         states = self.parts.pipeline.states

@@ -1,0 +1,119 @@
+"""What the device route keeps for the parameters a bucket sends whole, each over one flat buffer of
+the bucket's whole entries and stepped in a fixed number of ops whatever the number of parameters:
+`WholeMomentum`, DGC's momentum (which the optimizer does not apply to them, as
+`sparsecomm.reducer.uncompressed` says), and `WholeError`, what a lossy value codec rounded off
+them (the host path's `TensorState.codec_error`). Each parameter's state is a view of its part,
+under the host path's names, so a checkpoint or another route reads it as its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sparsecomm.device import values as device_values
+from sparsecomm.device.layout import BucketLayout
+from sparsecomm.encode.base import ValueCodec
+from sparsecomm.feedback.base import Feedback
+from sparsecomm.feedback.dgc_momentum import DGCMomentum, momentum_buffer
+from sparsecomm.pipeline import TensorState
+
+
+@dataclass
+class WholeMomentum:
+    feedback: DGCMomentum
+    whole: torch.Tensor
+    """the bucket's entries sent whole (`BucketLayout.whole`), in order"""
+    buffer: torch.Tensor
+    views: list[tuple[dict[str, Any], torch.Tensor]]
+
+    @classmethod
+    def of(cls, feedback: Feedback, layout: BucketLayout, states: dict[str, dict[str, Any]]) -> WholeMomentum | None:
+        """The momentum of ``layout``'s whole entries from each parameter's state in ``states``
+        (zeros where it holds none), each state then a view of the flat buffer; None where the
+        feedback applies no momentum or nothing is sent whole."""
+        if not isinstance(feedback, DGCMomentum) or layout.whole is None:
+            return None
+        buffer = torch.zeros(layout.whole.numel(), device=layout.device)
+        views, offset = [], 0
+        for segment in layout.segments:
+            if not segment.whole:
+                continue
+            state = states.setdefault(segment.key, {})
+            view = buffer[offset:offset + segment.numel]
+            view.copy_(momentum_buffer(state, view, feedback.momentum, feedback.nesterov, accumulator=False))
+            state["momentum_buffer"] = view
+            views.append((state, view))
+            offset += segment.numel
+        return cls(feedback, layout.whole, buffer, views)
+
+    def current(self) -> bool:
+        """Whether every parameter's state still is this buffer's view."""
+        return all(state.get("momentum_buffer") is view for state, view in self.views)
+
+    def step_(self, averaged: torch.Tensor) -> None:
+        """SGD's momentum on the whole entries of ``averaged`` (flat), in place: b ← m·b + g, then
+        g ← b (Nesterov: g + m·b) — `DGCMomentum.update_uncompressed`, on them all at once."""
+        momentum = self.feedback.momentum
+        gradient = averaged[self.whole]
+        self.buffer.mul_(momentum).add_(gradient)
+        if self.feedback.nesterov:
+            gradient.add_(self.buffer, alpha=momentum)
+        else:
+            gradient = self.buffer
+        averaged.index_copy_(0, self.whole, gradient)
+
+
+@dataclass
+class WholeError:
+    """What the value codec rounded off the entries sent whole, added to them at the next step: a
+    call proposes the new error into the spare buffer, kept (the two swap, no copy) once the sum is
+    known good."""
+
+    whole: torch.Tensor
+    held: torch.Tensor
+    spare: torch.Tensor
+    views: tuple[list[tuple[TensorState, torch.Tensor]], list[tuple[TensorState, torch.Tensor]]]
+    """each parameter's view of ``held`` and of ``spare``"""
+
+    @classmethod
+    def of(cls, codec: ValueCodec, layout: BucketLayout, states: list[TensorState]) -> WholeError | None:
+        """The error of ``layout``'s whole entries from each parameter's state (``states``, one per
+        segment; zeros where it holds none), each state then a view of the flat buffer; None where
+        the codec is exact or nothing is sent whole."""
+        if device_values.lossless(codec) or layout.whole is None:
+            return None
+        held, spare = (torch.zeros(layout.whole.numel(), device=layout.device) for _ in range(2))
+        views: tuple[list[tuple[TensorState, torch.Tensor]], list[tuple[TensorState, torch.Tensor]]] = ([], [])
+        offset = 0
+        for segment, state in zip(layout.segments, states, strict=True):
+            if not segment.whole:
+                continue
+            view = held[offset:offset + segment.numel]
+            if state.codec_error is not None and state.codec_error.numel() == segment.numel:
+                view.copy_(state.codec_error.reshape(-1))
+            state.codec_error = view
+            views[0].append((state, view))
+            views[1].append((state, spare[offset:offset + segment.numel]))
+            offset += segment.numel
+        return cls(layout.whole, held, spare, views)
+
+    def current(self) -> bool:
+        """Whether every parameter's state still is this buffer's view."""
+        return all(state.codec_error is view for state, view in self.views[0])
+
+    def sent(self, gradient: torch.Tensor) -> torch.Tensor:
+        """The whole entries of ``gradient`` (flat) with what the codec rounded off them before."""
+        return gradient[self.whole].add_(self.held)
+
+    def propose(self, sent: torch.Tensor, delivered: torch.Tensor) -> None:
+        """What the receivers miss of ``sent``, into the spare buffer."""
+        torch.sub(sent, delivered, out=self.spare)
+
+    def keep(self) -> None:
+        """The proposed error becomes the state."""
+        self.held, self.spare = self.spare, self.held
+        self.views = self.views[1], self.views[0]
+        for state, view in self.views[0]:
+            state.codec_error = view
