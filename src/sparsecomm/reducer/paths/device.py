@@ -146,6 +146,9 @@ class DevicePath(Path):
             values = torch.cat([values, whole])
         if finite is not None:  # a non-finite rank sends NaN (raise: every rank raises) or nothing (skip)
             values = torch.where(finite, values, math.nan if config.nonfinite == "raise" else 0.0)
+        magnitude = None  # the largest sent, where adaptive's report needs it: read with the sum's check
+        if adaptive is not None and adaptive.report_needed(parts.stats.steps):
+            magnitude = torch.linalg.vector_norm(values, math.inf) if values.numel() else values.new_zeros(())
         form = WireFormat(layout.numel, indices.numel(), values.numel() - indices.numel(), config.spec.value_codec,
                           packed=isinstance(config.spec.index_codec, PackedIndices))
         # a new buffer per call: a stream's earlier call (reduce_async) may still be on the wire
@@ -153,17 +156,15 @@ class DevicePath(Path):
         delivered = form.pack(wire, layout.digest, indices, values)
         if bucket.whole_error is not None:
             bucket.whole_error.propose(values[form.capacity:], delivered[form.capacity:])
-        values, delivered = values[:form.capacity], delivered[:form.capacity]
         posted = on_wire(wire, parts.wire_device)
         parts.calls.session.drain()  # after the worker thread's collectives (a custom loop's plain calls), in order
         gathered = torch.empty(config.world_size * wire.numel(), dtype=wire.dtype, device=posted.device)
         work = all_gather_single(gathered, posted, group=parts.process_group, async_op=True)
-        sent = DeviceSent(bucket, spare, form, indices, None if device_values.lossless(form.values) else delivered,
-                          proposal, finite, gathered, wire.numel() * wire.element_size())
+        sent = DeviceSent(bucket, spare, form, indices,
+                          None if device_values.lossless(form.values) else delivered[:form.capacity],
+                          proposal, finite, gathered, wire.numel() * wire.element_size(), magnitude=magnitude)
         submitted = time.perf_counter()
         if adaptive is not None:
-            if adaptive.report_needed(parts.stats.steps):  # the largest magnitude sent, read with the sum's check
-                sent.magnitude = torch.linalg.vector_norm(values, math.inf) if values.numel() else values.new_zeros(())
             adaptive.measuring.submitted(flat.numel(), layout.sparsified_numel, indices.numel(), 0, submitted - start,
                                          submitted)
         return Pending(work.get_future(), submitted,
