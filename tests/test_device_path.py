@@ -3,6 +3,7 @@ alike, its buffer has the size its capacity says, a checkpoint resumes bit for b
 same as the host path's), a non-finite gradient keeps every state, and its host syncs per step do
 not grow with the number of tensors."""
 
+import copy
 import math
 
 import pytest
@@ -15,6 +16,7 @@ import sparsecomm as sc
 from sparsecomm.adaptive.config import Mode
 from sparsecomm.bench.op_counts import count_ops
 from sparsecomm.launch import run_local
+from sparsecomm.pipeline import Segment
 from test_training import batches, digest, full_loss, mlp
 
 DEVICE_SPEC = "dgc(ratio=0.01)+dgc_momentum(momentum=0.9)+raw+fp32+allgather"
@@ -203,3 +205,35 @@ def test_adaptive_sparse_steps_take_the_device_route_and_send_their_byte_budget_
     # a fixed-size buffer per density: once the planner knows its bytes per entry, each step's bytes
     # are the budget's, within an entry's
     assert all(abs(sent - 20_000) <= 8 for sent in first["sent"][10:]), first["sent"]
+
+
+def rewound(rank: int, world: int) -> list[bool]:
+    """A live reducer that loads an earlier checkpoint goes on as a fresh one that loads it does."""
+    spec = DEVICE_SPEC.replace("raw+fp32", "packed+int8")  # with the whole entries' momentum and codec error
+    segments = (Segment("w", 0, 5000), Segment("b", 5000, 10, whole=True))
+    generator = torch.Generator().manual_seed(rank)
+    gradients = [torch.randn(5010, generator=generator) for _ in range(12)]
+
+    def reduce(reducer: sc.GradientReducer, gradient: torch.Tensor) -> torch.Tensor:
+        future = reducer.reduce_flat_async("bucket", gradient.clone(), segments, last=True)
+        reducer.finish_step()
+        return future.wait()
+
+    live = sc.GradientReducer(spec, seed=3)
+    for gradient in gradients[:5]:
+        reduce(live, gradient)
+    saved = copy.deepcopy(live.state_dict())
+    for gradient in gradients[5:8]:
+        reduce(live, gradient)
+    live.load_state_dict(copy.deepcopy(saved))
+    after_load = [reduce(live, gradient) for gradient in gradients[8:]]
+    fresh = sc.GradientReducer(spec, seed=3)
+    fresh.load_state_dict(saved)
+    again = [reduce(fresh, gradient) for gradient in gradients[8:]]
+    live.close()
+    fresh.close()
+    return [torch.equal(a, b) for a, b in zip(after_load, again, strict=True)]
+
+
+def test_a_checkpoint_loaded_into_a_running_reducer_replaces_the_device_routes_buffers():
+    assert all(all(same) for same in run_local(2, rewound))

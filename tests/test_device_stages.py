@@ -179,12 +179,12 @@ def test_the_wire_sums_every_ranks_entries_as_each_sender_says_they_arrive_and_f
         assert torch.allclose(delivered, torch.cat([values, whole_values]), rtol=0.01, atol=0.03)
         expected.index_add_(0, indices, delivered[:capacity]).index_add_(0, whole, delivered[capacity:])
         buffers.append(buffer)
-    total, agreed = form.unpack_sum(torch.cat(buffers), 3, digest, whole, torch.device("cpu"))
+    total, agreed, _ = form.unpack_sum(torch.cat(buffers), 3, digest, whole, torch.device("cpu"))
     assert bool(agreed) and torch.allclose(total, expected, rtol=0, atol=1e-6)
     stranger = buffers[2].clone()
     stranger[0] = digest + 1
     stranger[1] = -1  # out of range: clamped, never out of bounds
-    _, agreed = form.unpack_sum(torch.cat([buffers[0], buffers[1], stranger]), 3, digest, whole,
+    _, agreed, _ = form.unpack_sum(torch.cat([buffers[0], buffers[1], stranger]), 3, digest, whole,
                                 torch.device("cpu"))
     assert not bool(agreed)
 
@@ -264,7 +264,7 @@ def test_a_bucket_of_zeros_fills_its_capacity_with_the_padding_and_sums_to_zero(
     form = WireFormat(layout.numel, capacity, 40, VALUE_CODECS.parse(value_codec), packed=packed)
     buffer = torch.empty(form.words, dtype=torch.int32)
     form.pack(buffer, layout.digest, chosen, torch.zeros(capacity + 40))
-    total, agreed = form.unpack_sum(torch.cat([buffer, buffer]), 2, layout.digest, layout.whole,
+    total, agreed, _ = form.unpack_sum(torch.cat([buffer, buffer]), 2, layout.digest, layout.whole,
                                     torch.device("cpu"))
     assert bool(agreed) and not bool(total.any())
 
@@ -307,3 +307,21 @@ def test_what_int8_rounds_off_the_entries_sent_whole_goes_with_their_next_step()
                                                                                    error.held[5:])
     assert float(error.held.abs().max()) > 0  # int8 rounded something off
     torch.testing.assert_close(delivered_in_all + error.held, sent_in_all)  # nothing lost, only late
+
+
+def test_a_sum_that_overflows_is_flagged_from_the_values_received_alone():
+    form = WireFormat(10, 2, 0, VALUE_CODECS.parse("fp32"))
+
+    def buffer(indices: list[int], values: list[float]) -> torch.Tensor:
+        out = torch.empty(form.words, dtype=torch.int32)
+        form.pack(out, 5, torch.tensor(indices), torch.tensor(values))
+        return out
+
+    # rank by rank the values cancel, yet entry 1 of the sum overflows
+    rows = torch.cat([buffer([1, 2], [3e38, -3e38]), buffer([1, 2], [3e38, -3e38])])
+    total, agreed, finite = form.unpack_sum(rows, 2, 5, None, torch.device("cpu"))
+    assert bool(agreed) and not bool(total.isfinite().all()) and not bool(finite)
+    total, _, finite = form.unpack_sum(torch.cat([buffer([1, 2], [1.0, -2.0])] * 2), 2, 5, None, torch.device("cpu"))
+    assert bool(finite) and total.tolist() == [0, 2, -4] + [0] * 7
+    nan = torch.cat([buffer([1, 2], [1.0, math.nan]), buffer([0, 3], [1.0, 1.0])])
+    assert not bool(form.unpack_sum(nan, 2, 5, None, torch.device("cpu"))[2])

@@ -37,13 +37,11 @@ class SampleGrid:
 
 @dataclass(frozen=True)
 class AtRatio:
-    """A bucket's selection at one ratio: where its thresholds sample, its capacity (each sparsified
-    segment's count, ceil(ratio·numel); the entries sent whole go besides) and, per segment, its
-    count (0 for those sent whole and for the padding)."""
+    """A bucket's selection at one ratio: where its thresholds sample, and its capacity (each
+    sparsified segment's count, ceil(ratio·numel); the entries sent whole go besides)."""
 
     grid: SampleGrid
     capacity: int
-    counts: torch.Tensor
 
 
 RATIOS_KEPT = 8
@@ -96,9 +94,8 @@ class BucketLayout:
         """The selection at ``ratio`` (built once, and kept among the latest `RATIOS_KEPT`)."""
         kept = self._ratios.pop(ratio, None)
         if kept is None:
-            counts = [0 if s.whole else count_from(s.numel, ratio, None) for s in self.segments]
-            kept = AtRatio(self._grid(ratio), sum(counts),
-                           torch.tensor(counts + [0], dtype=torch.int64, device=self.device))
+            kept = AtRatio(self._grid(ratio), sum(count_from(s.numel, ratio, None) for s in self.segments
+                                                  if not s.whole))
             if len(self._ratios) >= RATIOS_KEPT:
                 self._ratios.pop(next(iter(self._ratios)))  # the least recently used
         self._ratios[ratio] = kept

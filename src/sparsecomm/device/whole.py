@@ -26,7 +26,8 @@ class WholeMomentum:
     whole: torch.Tensor
     """the bucket's entries sent whole (`BucketLayout.whole`), in order"""
     buffer: torch.Tensor
-    views: list[tuple[dict[str, Any], torch.Tensor]]
+    views: list[tuple[str, dict[str, Any], torch.Tensor]]
+    """each parameter's name, state and view"""
 
     @classmethod
     def of(cls, feedback: Feedback, layout: BucketLayout, states: dict[str, dict[str, Any]]) -> WholeMomentum | None:
@@ -44,13 +45,14 @@ class WholeMomentum:
             view = buffer[offset:offset + segment.numel]
             view.copy_(momentum_buffer(state, view, feedback.momentum, feedback.nesterov, accumulator=False))
             state["momentum_buffer"] = view
-            views.append((state, view))
+            views.append((segment.key, state, view))
             offset += segment.numel
         return cls(feedback, layout.whole, buffer, views)
 
-    def current(self) -> bool:
-        """Whether every parameter's state still is this buffer's view."""
-        return all(state.get("momentum_buffer") is view for state, view in self.views)
+    def current(self, states: dict[str, dict[str, Any]]) -> bool:
+        """Whether every parameter's state in ``states`` still is the one this buffer was built on,
+        holding its view."""
+        return all(states.get(key) is state and state.get("momentum_buffer") is view for key, state, view in self.views)
 
     def step_(self, averaged: torch.Tensor) -> None:
         """SGD's momentum on the whole entries of ``averaged`` (flat), in place: b ← m·b + g, then

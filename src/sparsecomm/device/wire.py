@@ -15,6 +15,7 @@ import torch
 from sparsecomm.device import indices as packed_indices
 from sparsecomm.device import values as device_values
 from sparsecomm.encode.base import ValueCodec
+from sparsecomm.host_memory import clear_
 
 HEADER = 1
 """words before the indices: the layout's digest"""
@@ -62,18 +63,22 @@ class WireFormat:
         return device_values.encode(self.values, values, out[index_end:])
 
     def unpack_sum(self, gathered: torch.Tensor, world_size: int, digest: int, whole: torch.Tensor | None,
-                   device: torch.device, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   device: torch.device,
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The ranks' buffers (``gathered``, world_size of them end to end) summed into a dense fp32
-        tensor of ``numel`` on ``device``, and a 0-d bool: whether every rank's header matched
+        tensor of ``numel`` on ``device``, and two 0-d bools: whether every rank's header matched
         ``digest`` and its indices were sound (they are clamped into range, so a stranger's buffer
-        sums to garbage, never out of bounds; the caller raises on the flag). The sum lands in
-        ``out`` (fp32, ``numel``) where one is given; an unused slot adds its zero to the last entry."""
+        sums to garbage, never out of bounds), and whether the sum is finite — checked on the values
+        received, not the sum: their magnitudes' total bounds every entry's, so where it is finite
+        no entry of the sum overflowed. The caller raises on the flags. The sum lands in ``out``
+        (fp32, ``numel``) where one is given; an unused slot adds its zero to the last entry."""
         rows = gathered.to(device).view(world_size, self.words)
         agreed = (rows[:, 0] == digest).all()
         index_end = HEADER + self.index_words
         values = device_values.decode(self.values, rows[:, index_end:], self.capacity + self.whole)
+        finite = torch.isfinite(torch.linalg.vector_norm(values, 1))
         values, whole_values = values[:, :self.capacity], values[:, self.capacity:]
-        total = out.zero_() if out is not None else torch.zeros(self.numel, dtype=torch.float32, device=device)
+        total = clear_(out) if out is not None else torch.zeros(self.numel, dtype=torch.float32, device=device)
         if self.packed:
             indices, sound = packed_indices.decode(rows[:, HEADER:index_end], self.numel, self.capacity, padded=True)
             agreed = agreed & sound.all()
@@ -84,4 +89,4 @@ class WireFormat:
             total.index_add_(0, indices[rank], values[rank])
             if whole is not None:
                 total.index_add_(0, whole, whole_values[rank])
-        return total, agreed
+        return total, agreed, finite

@@ -66,6 +66,8 @@ class Bucket:
     a new set)."""
 
     layout: BucketLayout
+    states: tuple[TensorState, ...]
+    """each segment's state in the pipeline when the bucket was built"""
     held: BufferSet
     whole_momentum: WholeMomentum | None = None
     """DGC's momentum of the parameters sent whole"""
@@ -73,11 +75,14 @@ class Bucket:
     """what a lossy value codec rounded off the parameters sent whole"""
     spare: BufferSet | None = None
 
-    def current(self) -> bool:
-        """Whether every parameter's state still is this bucket's view (not after a checkpoint was
-        loaded, or the parameter moved to another bucket)."""
-        return (all(state.feedback.get(name) is view for state, name, view in self.held.views)
-                and (self.whole_momentum is None or self.whole_momentum.current())
+    def current(self, states: dict[str, TensorState], uncompressed: dict[str, dict[str, Any]]) -> bool:
+        """Whether every parameter's state still is this bucket's view: the pipeline's (``states``)
+        and the uncompressed feedback's are the ones it was built on (not after a checkpoint was
+        loaded) and hold its views (not after the parameter moved to another bucket)."""
+        return (all(states.get(segment.key) is state for segment, state in zip(self.layout.segments, self.states,
+                                                                                strict=True))
+                and all(state.feedback.get(name) is view for state, name, view in self.held.views)
+                and (self.whole_momentum is None or self.whole_momentum.current(uncompressed))
                 and (self.whole_error is None or self.whole_error.current()))
 
     def take_spare(self) -> BufferSet:
@@ -109,6 +114,7 @@ class DeviceSent:
     gathered: torch.Tensor
     nbytes: int
     agreed: torch.Tensor | None = field(default=None)
+    sum_finite: torch.Tensor | None = None
     kept: bool = False
     """whether this rank's gradient was finite, once the sum is checked"""
     magnitude: torch.Tensor | None = None
@@ -190,7 +196,7 @@ class DevicePath(Path):
 
     def _bucket(self, key: str, segments: tuple[Segment, ...], flat: torch.Tensor) -> Bucket:
         bucket = self._buckets.get(key)
-        if bucket is None or not bucket.current():
+        if bucket is None or not bucket.current(self.parts.pipeline.states, self.parts.uncompressed.states):
             bucket = self._buckets[key] = self._build(segments, flat)
         return bucket
 
@@ -215,7 +221,7 @@ class DevicePath(Path):
                 views.append((state, name, view))
             buffers[name] = buffer
         layout = BucketLayout.of(segments, flat.numel(), flat.device)
-        return Bucket(layout, BufferSet(buffers, views),
+        return Bucket(layout, tuple(states), BufferSet(buffers, views),
                       WholeMomentum.of(feedback, layout, self.parts.uncompressed.states),
                       WholeError.of(self.parts.config.spec.value_codec, layout, states))
 
@@ -226,8 +232,8 @@ class DevicePath(Path):
         tensor = call.tensor  # this rank's gradient is in the wire: the sum may land in its buffer
         out = tensor.view(-1) if not tensor.is_sparse and tensor.dtype == torch.float32 and tensor.is_contiguous() \
             else None
-        total, sent.agreed = sent.form.unpack_sum(sent.gathered, self.parts.config.world_size, layout.digest,
-                                                  layout.whole, tensor.device, out)
+        total, sent.agreed, sent.sum_finite = sent.form.unpack_sum(
+            sent.gathered, self.parts.config.world_size, layout.digest, layout.whole, tensor.device, out)
         return Summed(total, sent.nbytes, owned=True)
 
     def checked(self, call: Call, pending: Pending, summed: Summed) -> torch.Tensor:
@@ -236,9 +242,9 @@ class DevicePath(Path):
         ``adaptive`` controller what it asked of the call."""
         sent: DeviceSent = pending.sent
         assert sent.agreed is not None
-        # whether the sum is good (one reduction: overflow counts) and this rank's own gradient was
-        # finite (under "skip" it sent zeros, and keeps its state)
-        good = sent.agreed & torch.isfinite(summed.total.sum())
+        # whether the sum is good (every rank's layout; finite, overflow included) and this rank's own
+        # gradient was finite (under "skip" it sent zeros, and keeps its state)
+        good = sent.agreed & sent.sum_finite
         flags = good * GOOD + (sent.finite if sent.finite is not None else good) * OWN_FINITE  # int64
         adaptive = self.parts.adaptive
         # the step's last call reads the density the step's gradient prefers, where it was sampled
