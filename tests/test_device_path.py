@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm as sc
-from sparsecomm.adaptive.config import Mode
+from sparsecomm.adaptive.config import Mode, Plan
 from sparsecomm.bench.op_counts import count_ops
 from sparsecomm.launch import run_local
 from sparsecomm.pipeline import Segment
@@ -237,3 +237,28 @@ def rewound(rank: int, world: int) -> list[bool]:
 
 def test_a_checkpoint_loaded_into_a_running_reducer_replaces_the_device_routes_buffers():
     assert all(all(same) for same in run_local(2, rewound))
+
+
+def switching(rank: int, world: int) -> list[float]:
+    """Dense, sparse, sparse, dense steps of adaptive with DGC's momentum on the device route: what
+    each parameter's momentum held after each step (its accumulated v, summed over parameters)."""
+    model = DDP(mlp(0))
+    reducer = sc.register_ddp_hook(model, "adaptive(dense_start=1)+dgc_momentum(masking=false,nesterov=true)+packed"
+                                          "+int8+allgather", seed=1)
+    plans = iter([Plan(Mode.FP32), Plan(Mode.SPARSE, 0.01), Plan(Mode.SPARSE, 0.01), Plan(Mode.FP32)])
+    reducer.adaptive.planner.plan = lambda: next(plans)  # the steps scripted, on every rank alike
+    held = []
+    for data, labels in batches(rank, world, 4):
+        F.cross_entropy(model(data), labels).backward()
+        held.append(sum(float(state.feedback["accumulated"].abs().sum())
+                        for state in reducer.pipeline.states.values() if "accumulated" in state.feedback))
+        model.zero_grad()
+    reducer.close()
+    return held
+
+
+def test_a_dense_step_after_sparse_ones_on_the_device_route_sends_what_their_momentum_held():
+    """DGC's momentum is the ranks' common one after a dense step; the sparse steps that follow make
+    it each rank's own again, so the next dense step sends what they held back and empties it."""
+    held = run_local(2, switching)[0]
+    assert held[0] == 0 and held[1] > 0 and held[2] > 0 and held[3] == 0, held

@@ -85,6 +85,15 @@ class Bucket:
                 and (self.whole_momentum is None or self.whole_momentum.current(uncompressed))
                 and (self.whole_error is None or self.whole_error.current()))
 
+    def own_momentum(self) -> None:
+        """DGC's momentum buffers are this rank's own from this step on (a dense step made them the
+        ranks' common one: `DGCMomentum.flush` then sends what they hold), as the host path's
+        `DGCMomentum.accumulate` says. The parameters of a bucket take their steps together, so the
+        first one's flag tells."""
+        if self.held.views and self.held.views[0][0].feedback.get("averaged"):
+            for state, _, _ in self.held.views:
+                state.feedback["averaged"] = False
+
     def take_spare(self) -> BufferSet:
         spare, self.spare = self.spare, None
         return spare if spare is not None else self.held.like()
@@ -142,6 +151,8 @@ class DevicePath(Path):
         adaptive = parts.adaptive
         if adaptive is not None:  # this step's sample of the gradient, where it takes one: the bucket's
             adaptive.planner.sample_energy(flat, [(0, layout.numel)])
+        if isinstance(config.spec.feedback, DGCMomentum):
+            bucket.own_momentum()
         spare = bucket.take_spare()
         proposal = propose(config.spec.feedback, grad, bucket.held.buffers, spare.buffers)
         generator = seeded_generator(flat.device, config.seed, key_hash(call.key), first.step)
@@ -216,8 +227,6 @@ class DevicePath(Path):
                 if held is not None and held.numel() == segment.numel:
                     view.copy_(held.reshape(-1))
                 state.feedback[name] = view
-                if isinstance(feedback, DGCMomentum):
-                    state.feedback["averaged"] = False  # this rank's own momentum, not the ranks' common one
                 views.append((state, name, view))
             buffers[name] = buffer
         layout = BucketLayout.of(segments, flat.numel(), flat.device)
