@@ -21,6 +21,7 @@ import torch
 
 from sparsecomm.device.indices import compact
 from sparsecomm.device.layout import BucketLayout
+from sparsecomm.sparsify.threshold import indices_at_or_above
 
 TINY = 1e-30
 """the least threshold: a segment of zeros has no candidates, not every entry"""
@@ -29,22 +30,22 @@ SLACK = 3
 """candidates per entry of the capacity: twice what the thresholds aim at"""
 
 FEW_SEGMENTS = 8
-"""on a CPU, up to this many sparsified segments are compared one by one: a few ops, each on a large
-tensor, cost less than gathering a threshold for every entry"""
+"""on a CPU, up to this many sparsified segments are compared one by one: a few passes, each on a
+large tensor, cost less than gathering a threshold for every entry"""
 
 
-def thresholds(magnitudes: torch.Tensor, layout: BucketLayout, ratio: float,
+def thresholds(accumulated: torch.Tensor, layout: BucketLayout, ratio: float,
                generator: torch.Generator) -> torch.Tensor:
-    """Per segment, the threshold its entries are compared with (NaN, which no entry reaches, for
-    segments sent whole and for the padding)."""
+    """Per segment, the threshold its entries' magnitudes are compared with (NaN, which no entry
+    reaches, for segments sent whole and for the padding)."""
     grid = layout.at_ratio(ratio).grid
-    per_segment = torch.full((len(layout.segments) + 1,), float("nan"), dtype=magnitudes.dtype,
-                             device=magnitudes.device)
+    per_segment = torch.full((len(layout.segments) + 1,), float("nan"), dtype=accumulated.dtype,
+                             device=accumulated.device)
     if grid.base.numel() == 0:
         return per_segment
     offsets = torch.rand(grid.strides.shape, generator=generator, device=generator.device)
-    offsets = offsets.to(magnitudes.device).mul_(grid.strides).long()
-    samples = magnitudes[grid.base + offsets].masked_fill_(grid.padded, -1.0)
+    offsets = offsets.to(accumulated.device).mul_(grid.strides).long()
+    samples = accumulated[grid.base + offsets].abs_().masked_fill_(grid.padded, -1.0)
     top = torch.topk(samples, grid.deepest, dim=1).values
     chosen = top.gather(1, grid.ranks).squeeze(1).clamp_(min=TINY)
     return per_segment.index_copy_(0, layout.sparsified, chosen)
@@ -57,14 +58,12 @@ def select(accumulated: torch.Tensor, layout: BucketLayout, ratio: float,
     (the padding) zero; the entries sent whole (`BucketLayout.whole`) are never among them."""
     capacity = layout.at_ratio(ratio).capacity
     numel = layout.numel
-    magnitudes = accumulated.abs()
-    threshold = thresholds(magnitudes, layout, ratio, generator)
-    above = _above(magnitudes[:numel], threshold, layout)
+    threshold = thresholds(accumulated, layout, ratio, generator)
     slots = min(numel, SLACK * capacity)
-    candidates = compact(above, slots, fill=numel)
+    candidates = _candidates(accumulated[:numel], threshold, layout, slots)
     if slots <= capacity:  # every entry is a candidate: the padding fills the rest
         return torch.cat([candidates, candidates.new_full((capacity - slots,), numel)])
-    scores = magnitudes[candidates] / threshold[layout.segment_ids[candidates].long()]
+    scores = accumulated[candidates].abs_() / threshold[layout.segment_ids[candidates].long()]
     scores = torch.where(candidates < numel, scores, -1.0)  # the padding: below every candidate
     least = torch.kthvalue(scores, slots - capacity + 1).values  # the capacity-th best score
     kept = compact((scores >= least) & (candidates < numel), capacity, fill=slots)
@@ -72,16 +71,19 @@ def select(accumulated: torch.Tensor, layout: BucketLayout, ratio: float,
     return torch.cat([candidates, candidates.new_full((1,), numel)])[kept]
 
 
-def _above(magnitudes: torch.Tensor, threshold: torch.Tensor, layout: BucketLayout) -> torch.Tensor:
-    """Whether each entry reaches its segment's threshold: one comparison with the thresholds
-    gathered per entry, or on a CPU, where that gather costs more than the comparison, one
-    comparison per sparsified segment where there are few (no host read either way: each
-    threshold stays a tensor)."""
+def _candidates(values: torch.Tensor, threshold: torch.Tensor, layout: BucketLayout, slots: int) -> torch.Tensor:
+    """The first ``slots`` entries (ascending; ``numel`` where there are fewer) whose magnitude
+    reaches their segment's threshold. On a CPU with few sparsified segments, a cache-blocked pass
+    per segment that never writes the magnitudes out (`indices_at_or_above`; the thresholds are
+    read from the CPU's own memory, no device to wait for); elsewhere one comparison with the
+    thresholds gathered per entry, then a fixed-size compaction."""
     segments = layout.sparsified_segments
-    if magnitudes.device.type != "cpu" or len(segments) > FEW_SEGMENTS:
-        return magnitudes >= threshold.index_select(0, layout.segment_ids[:layout.numel])
-    above = torch.zeros(layout.numel, dtype=torch.bool)
-    for index, segment in segments:
-        end = segment.start + segment.numel
-        torch.ge(magnitudes[segment.start:end], threshold[index], out=above[segment.start:end])
-    return above
+    numel = layout.numel
+    if values.device.type != "cpu" or len(segments) > FEW_SEGMENTS or values.dtype != torch.float32:
+        above = values.abs() >= threshold.index_select(0, layout.segment_ids[:numel])
+        return compact(above, slots, fill=numel)
+    levels = threshold.numpy()
+    found = [indices_at_or_above(values[s.start:s.start + s.numel], float(levels[index])).add_(s.start)
+             for index, s in segments]
+    chosen = torch.cat(found)[:slots] if found else torch.zeros(0, dtype=torch.int64)
+    return torch.nn.functional.pad(chosen, (0, slots - chosen.numel()), value=numel)
