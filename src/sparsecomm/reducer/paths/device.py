@@ -250,7 +250,7 @@ class DevicePath(Path):
         finite: the call's one host read (`sparsecomm.device.status`), which also brings the
         ``adaptive`` controller what it asked of the call."""
         sent: DeviceSent = pending.sent
-        assert sent.agreed is not None
+        assert sent.agreed is not None and sent.sum_finite is not None
         # whether the sum is good (every rank's layout; finite, overflow included) and this rank's own
         # gradient was finite (under "skip" it sent zeros, and keeps its state)
         good = sent.agreed & sent.sum_finite
