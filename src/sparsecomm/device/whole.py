@@ -17,7 +17,17 @@ from sparsecomm.device.layout import BucketLayout
 from sparsecomm.encode.base import ValueCodec
 from sparsecomm.feedback.base import Feedback
 from sparsecomm.feedback.dgc_momentum import DGCMomentum, momentum_buffer
-from sparsecomm.pipeline import TensorState
+from sparsecomm.pipeline import Segment, TensorState
+
+
+def whole_views(layout: BucketLayout, buffer: torch.Tensor) -> list[tuple[Segment, torch.Tensor]]:
+    """Each segment sent whole, with its part of ``buffer`` (one entry per whole entry, in order)."""
+    views, offset = [], 0
+    for segment in layout.segments:
+        if segment.whole:
+            views.append((segment, buffer[offset:offset + segment.numel]))
+            offset += segment.numel
+    return views
 
 
 @dataclass
@@ -37,16 +47,12 @@ class WholeMomentum:
         if not isinstance(feedback, DGCMomentum) or layout.whole is None:
             return None
         buffer = torch.zeros(layout.whole.numel(), device=layout.device)
-        views, offset = [], 0
-        for segment in layout.segments:
-            if not segment.whole:
-                continue
+        views = []
+        for segment, view in whole_views(layout, buffer):
             state = states.setdefault(segment.key, {})
-            view = buffer[offset:offset + segment.numel]
             view.copy_(momentum_buffer(state, view, feedback.momentum, feedback.nesterov, accumulator=False))
             state["momentum_buffer"] = view
             views.append((segment.key, state, view))
-            offset += segment.numel
         return cls(feedback, layout.whole, buffer, views)
 
     def current(self, states: dict[str, dict[str, Any]]) -> bool:
@@ -57,13 +63,8 @@ class WholeMomentum:
     def step_(self, averaged: torch.Tensor) -> None:
         """SGD's momentum on the whole entries of ``averaged`` (flat), in place: b ← m·b + g, then
         g ← b (Nesterov: g + m·b) — `DGCMomentum.update_uncompressed`, on them all at once."""
-        momentum = self.feedback.momentum
         gradient = averaged[self.whole]
-        self.buffer.mul_(momentum).add_(gradient)
-        if self.feedback.nesterov:
-            gradient.add_(self.buffer, alpha=momentum)
-        else:
-            gradient = self.buffer
+        self.feedback.momentum_step_([gradient], [self.buffer])
         averaged.index_copy_(0, self.whole, gradient)
 
 
@@ -88,17 +89,14 @@ class WholeError:
             return None
         held, spare = (torch.zeros(layout.whole.numel(), device=layout.device) for _ in range(2))
         views: tuple[list[tuple[TensorState, torch.Tensor]], list[tuple[TensorState, torch.Tensor]]] = ([], [])
-        offset = 0
-        for segment, state in zip(layout.segments, states, strict=True):
-            if not segment.whole:
-                continue
-            view = held[offset:offset + segment.numel]
+        by_key = {segment.key: state for segment, state in zip(layout.segments, states, strict=True)}
+        for (segment, view), (_, spare_view) in zip(whole_views(layout, held), whole_views(layout, spare), strict=True):
+            state = by_key[segment.key]
             if state.codec_error is not None and state.codec_error.numel() == segment.numel:
                 view.copy_(state.codec_error.reshape(-1))
             state.codec_error = view
             views[0].append((state, view))
-            views[1].append((state, spare[offset:offset + segment.numel]))
-            offset += segment.numel
+            views[1].append((state, spare_view))
         return cls(layout.whole, held, spare, views)
 
     def current(self) -> bool:

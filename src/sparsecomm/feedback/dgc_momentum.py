@@ -134,7 +134,7 @@ class DGCMomentum(Feedback):
                 clear_(buffer)
                 state["averaged"] = True
             buffers.append(buffer)
-        self._momentum_step_(averaged, buffers)
+        self.momentum_step_(averaged, buffers)
         if self.masking:
             torch._foreach_zero_(buffers)
 
@@ -148,11 +148,11 @@ class DGCMomentum(Feedback):
     def update_uncompressed_(self, averaged: list[torch.Tensor], states: list[dict[str, Any]]) -> None:
         """`update_uncompressed` for several tensors, in place, in multi-tensor passes."""
         if averaged:
-            self._momentum_step_(averaged, [momentum_buffer(state, tensor, self.momentum, self.nesterov,
+            self.momentum_step_(averaged, [momentum_buffer(state, tensor, self.momentum, self.nesterov,
                                                             accumulator=False)
                                             for tensor, state in zip(averaged, states, strict=True)])
 
-    def _momentum_step_(self, averaged: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
+    def momentum_step_(self, averaged: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
         """SGD's momentum step on each average, in place: b ← m·b + avg, then avg ← b (Nesterov:
         avg + m·b) — one multi-tensor pass per operation, as torch's foreach SGD makes it."""
         torch._foreach_mul_(buffers, self.momentum)
