@@ -1,6 +1,7 @@
-"""Inexact transports on real gloo groups — S2's sketch, SparCML's quantized dense phase: what a
-call loses comes back to the ranks (summed over ranks, exactly what the sum lost), the feedback
-sends it again so that over steps nothing is lost, and peeling reads a wide enough sketch exactly."""
+"""Inexact transports on real gloo groups — S2's sketch, SparCML's quantized dense phase, the
+split-allgather that keeps a global top-k: what a call loses comes back to the ranks (summed over
+ranks, exactly what the sum lost), the feedback sends it again so that over steps nothing is lost,
+and peeling reads a wide enough sketch exactly."""
 
 import pytest
 import torch
@@ -67,7 +68,8 @@ def conserved(rank: int, world: int, spec: str) -> dict:
             "scale": max(float(held.abs().max()), float(delivered.abs().max()) * world)}
 
 
-@pytest.mark.parametrize("transport", ["sketch_allreduce(ratio=8)", "sketch_allreduce(ratio=0.5,rows=3,decode=peel)"])
+@pytest.mark.parametrize("transport", ["sketch_allreduce(ratio=8)", "sketch_allreduce(ratio=0.5,rows=3,decode=peel)",
+                                       "sparse_allreduce(algorithm=topk_sa)"])
 def test_error_feedback_keeps_what_the_sketch_lost_so_nothing_is_lost_over_steps(transport):
     """Over steps, what every rank was given plus what every rank's residual holds is what they fed
     in: the sketch's collisions (and unsolved entries) are sent again, not dropped."""
@@ -115,3 +117,45 @@ def test_a_rank_that_holds_nothing_yet_keeps_what_was_lost():
     state: dict = {}
     Residual().take_back(sc.SparseGradient(torch.tensor([1, 3]), torch.tensor([0.5, -1.0]), torch.Size([5])), state)
     assert state["residual"].tolist() == [0.0, 0.5, 0.0, -1.0, 0.0]
+
+
+def global_top_k(rank: int, world: int, nnz: int) -> dict:
+    grad = contribution(rank, world, "random", numel=6000, nnz=nnz)
+    reference = grad.clone()
+    dist.all_reduce(reference)
+    transport = sc.parse_spec("sparse_allreduce(algorithm=topk_sa)").transport
+    reduction = transport.reduce(sc.SparseGradient.from_dense(grad), request=Request(step=1))
+    lost = reduction.lost.to_dense().reshape(-1) if reduction.lost is not None else torch.zeros(6000)
+    dist.all_reduce(lost)
+    return {"reference": reference, "total": reduction.total, "lost": lost, "sent": reduction.record.bytes_sent,
+            "nnz": int(torch.count_nonzero(grad))}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_split_allgather_keeps_a_global_top_k_and_gives_back_the_rest(world):
+    """Each owner sends on the ⌈k/P⌉ largest sums of its range: the result holds about one rank's
+    selection, its entries are exact, no dropped sum of a range is larger than a kept one, and what
+    the owners keep summed over ranks is all the sum lost."""
+    results = run_local(world, global_top_k, 300)
+    totals = [result["total"] for result in results]
+    assert all(torch.equal(total, totals[0]) for total in totals)  # every rank the same bits
+    result = results[0]
+    reference, total = result["reference"], result["total"]
+    kept = total != 0
+    assert int(kept.sum()) <= world * -(-max(r["nnz"] for r in results) // world)
+    assert int((reference != 0).sum()) > 1.5 * int(kept.sum())  # the ranks' union is larger: something dropped
+    torch.testing.assert_close(total[kept], reference[kept], rtol=0, atol=1e-6)
+    torch.testing.assert_close(result["lost"], reference - total, rtol=0, atol=1e-6)
+    for lo in range(0, 6000, 6000 // world):  # equal ranges
+        span = slice(lo, lo + 6000 // world)
+        smallest_kept = total[span][kept[span]].abs().min()
+        assert float(result["lost"][span].abs().max()) <= float(smallest_kept)
+
+
+def test_what_a_rank_of_the_global_top_k_sends_stays_near_its_own_selection():
+    """Each rank sends its selection by range (all but its own share) and its range's top entries
+    to the others: about twice a selection at any P, where a payload allgather's receiver takes P − 1."""
+    for world in (2, 4):
+        for result in run_local(world, global_top_k, 400):
+            selection = result["nnz"] * 8  # 32-bit index and value
+            assert 0.9 * selection * (world - 1) / world < result["sent"] < 2.1 * selection

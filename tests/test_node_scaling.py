@@ -3,7 +3,7 @@ flat rows next to hierarchical ones, anchored at a run's own layout."""
 
 import pytest
 
-from sparsecomm.train.node_scaling import Layout, project, step_s, table
+from sparsecomm.train.node_scaling import Layout, crossing_bytes, project, step_s, table
 from sparsecomm.train.scaling import RowCosts
 
 MB = 1e6
@@ -42,6 +42,32 @@ def test_adaptive_and_sparcml_take_the_hierarchical_path_where_it_is_cheaper():
     for cost in (adaptive, sparcml):
         layout = Layout(32, 8, NVLINK, GBIT)
         assert step_s(cost, layout, True) < step_s(cost, layout, False)
+
+
+def test_the_global_top_k_sends_a_bounded_share_of_a_selection_per_rank_whatever_the_ranks():
+    """SparCML's split-allgather keeping a global top-k (``topk_sa``): a rank's bytes through the
+    node's link stay under two selections from 8 to 256 ranks, where the payload allgather's grow
+    with the ranks; with 1 MB a step measured on 2 ranks, a selection is 1 MB."""
+    split = row("global", "split_topk", 1 * MB)
+    gathered = row("dgc", "allgather", 1 * MB)
+    per_rank = []
+    for nodes in (1, 2, 4, 8, 16, 32):
+        layout = Layout(nodes, 8, NVLINK, GBIT)
+        crossing = crossing_bytes(split, layout, False)
+        assert crossing is not None
+        per_rank.append(crossing / layout.ranks)
+        assert crossing_bytes(split, layout, True) == pytest.approx(2 * (nodes - 1) * MB)
+        if nodes > 1:
+            assert step_s(split, layout, False) < step_s(gathered, layout, False)
+    assert per_rank[0] == 0 and all(1 * MB <= b < 2 * MB for b in per_rank[1:])
+    assert gathered_per_rank(gathered, 32) == pytest.approx(31 * gathered_per_rank(gathered, 2))  # P − G payloads
+
+
+def gathered_per_rank(cost: RowCosts, nodes: int) -> float:
+    layout = Layout(nodes, 8, NVLINK, GBIT)
+    crossing = crossing_bytes(cost, layout, False)
+    assert crossing is not None
+    return crossing / layout.ranks
 
 
 def result(steps_s: dict[str, float], nodes: int = 2, workers: int = 4) -> dict:

@@ -30,8 +30,8 @@ from sparsecomm.transport.session import TransportSession
 
 DEFAULT_TRANSPORTS = [
     "dense", "allgather", "sparse_allreduce(algorithm=ssar_rd)", "sparse_allreduce(algorithm=ssar_sa)",
-    "sparse_allreduce(algorithm=dsar_sa)", "sparse_allreduce(algorithm=dsar_sa,qsgd_bits=4)", "sketch_allreduce",
-    "auto(explore=0)", "auto",
+    "sparse_allreduce(algorithm=dsar_sa)", "sparse_allreduce(algorithm=dsar_sa,qsgd_bits=4)",
+    "sparse_allreduce(algorithm=topk_sa)", "sketch_allreduce", "auto(explore=0)", "auto",
 ]
 
 
@@ -100,6 +100,8 @@ def predicted(model: CostModel, text: str, workers: int, numel: int, nnz: int, r
         return costs[best]  # the model's first choice
     algorithms = model.sparse_algorithms(workers, numel, nnz, 4, transport.qsgd_bits)  # type: ignore[attr-defined]
     algorithm = transport.algorithm  # type: ignore[attr-defined]
+    if algorithm == "topk_sa":
+        return model.split_allgather(workers, numel, nnz, 4, keep=True)
     return algorithms[algorithm] if algorithm != "auto" else min(algorithms.values())
 
 

@@ -21,6 +21,10 @@ measured (`sparsecomm.train.scaling.RowCosts`):
 - SparCML's sparse allreduce (recursive doubling): flat, its first log2 G rounds inside the node and
   the rest through the link for all G ranks at once; hierarchical, the rounds across nodes on the
   shards (encoding and summing a 1/G shard);
+- SparCML's split-allgather keeping a global top-k (``topk_sa``), with S one rank's selection: an
+  all-to-all by range and an allgather of the owners' top entries, 2(P−1)/P·S a rank, the share
+  (P−G)/P of it through the node's link for its G ranks; hierarchical, the same across nodes on
+  1/G shards (its α per member: (N−1 + ⌈log2 N⌉) messages);
 - adaptive: the cheapest of its modes — dense fp32 or fp16 as an all_reduce row, or sparse at its
   run's density (capped as `sparsecomm.train.scaling` caps it) as a payload allgather.
 
@@ -56,7 +60,7 @@ FABRICS = MappingProxyType({"nvlink": (2.4e12, 5e-6), "pcie": (192e9, 10e-6)})
 """inside a node, per rank: rate (bits/s) and per-message latency α (s) — NVLink-class (300 GB/s a
 direction) and PCIe 4.0 ×16 as NCCL reaches it (24 GB/s)"""
 NODES = (1, 2, 4, 8, 16, 32)
-SPLIT = ("allgather", "adaptive", "sparse_allreduce")
+SPLIT = ("allgather", "adaptive", "sparse_allreduce", "split_topk")
 """the kinds of row projected hierarchically too: an all_reduce row is modeled as NCCL runs it over
 nodes, hierarchical already"""
 PER_NODE = 8
@@ -97,6 +101,8 @@ def step_s(cost: RowCosts, layout: Layout, hierarchical: bool) -> float:
     if cost.kind == "sparse_allreduce":  # hierarchically, each rank encodes and sums a 1/G shard
         codecs = (cost.encode_s + cost.decode_s) / (layout.per_node if hierarchical else 1)
         return cost.compute_s + codecs + _recursive_doubling(cost, layout, hierarchical)
+    if cost.kind == "split_topk":
+        return cost.compute_s + _split_topk(cost, layout, hierarchical)
     peer_decode_s = cost.decode_s / max(1, cost.measured_workers - 1)
     return cost.compute_s + _allgather(layout, cost.bytes_per_step, cost.dense_bytes, cost.encode_s, peer_decode_s,
                                        hierarchical)
@@ -130,6 +136,21 @@ def _allgather(layout: Layout, nbytes: float, dense: float, encode_s: float, pee
     inside = _allreduce(Layout(1, per_node, layout.fabric, layout.network), dense)
     return (inside + encode_s / per_node + peer_decode_s * (nodes - 1) / per_node
             + _rounds(nodes) * layout.network[1] + (nodes - 1) * nbytes * _beta(layout.network))
+
+
+def _split_topk(cost: RowCosts, layout: Layout, hierarchical: bool) -> float:
+    """``topk_sa``: one selection's bytes out and in per rank, whatever the ranks (see the module)."""
+    measured = cost.measured_workers
+    selection = cost.bytes_per_step * measured / max(1, 2 * (measured - 1))
+    per_node, nodes, ranks = layout.per_node, layout.nodes, layout.ranks
+    if not hierarchical or per_node == 1:
+        network_alpha = layout.network[1] if nodes > 1 else layout.fabric[1]
+        return (cost.encode_s + cost.decode_s + (ranks - 1 + _rounds(ranks)) * network_alpha
+                + 2 * (per_node - 1) / ranks * selection * _beta(layout.fabric)
+                + per_node * 2 * (ranks - per_node) / ranks * selection * _beta(layout.network))
+    inside = _allreduce(Layout(1, per_node, layout.fabric, layout.network), cost.dense_bytes)
+    return (inside + (cost.encode_s + cost.decode_s) / per_node + (nodes - 1 + _rounds(nodes)) * layout.network[1]
+            + 2 * (nodes - 1) / nodes * selection * _beta(layout.network))
 
 
 def _recursive_doubling(cost: RowCosts, layout: Layout, hierarchical: bool) -> float:
@@ -219,7 +240,7 @@ def _anchors(result: dict[str, Any], dense: float) -> dict[tuple[str, bool], tup
 
 def crossing_bytes(cost: RowCosts, layout: Layout, hierarchical: bool) -> float | None:
     """Bytes the model sends between nodes per step, all nodes together (None: not modeled in
-    bytes — SparCML's rounds, `adaptive`'s mix of modes)."""
+    bytes — SparCML's recursive doubling, `adaptive`'s mix of modes)."""
     nodes, per_node = layout.nodes, layout.per_node
     if cost.kind == "allreduce":
         return cost.collectives * 2 * (nodes - 1) * cost.bytes_per_step
@@ -227,6 +248,11 @@ def crossing_bytes(cost: RowCosts, layout: Layout, hierarchical: bool) -> float 
         if hierarchical and per_node > 1:
             return nodes * (nodes - 1) * cost.bytes_per_step
         return nodes * per_node * (layout.ranks - per_node) * cost.bytes_per_step
+    if cost.kind == "split_topk":
+        selection = cost.bytes_per_step * cost.measured_workers / max(1, 2 * (cost.measured_workers - 1))
+        if hierarchical and per_node > 1:
+            return 2 * (nodes - 1) * selection
+        return layout.ranks * 2 * (layout.ranks - per_node) / layout.ranks * selection
     return None
 
 

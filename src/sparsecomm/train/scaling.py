@@ -14,6 +14,9 @@ an α-β model of how each row's bytes travel (α: seconds per message, β: seco
   ⌈log2 P⌉·α + (P−1)·bytes·β, and decodes them: decoding time grows as P−1;
 - ``sparse_allreduce`` (SparCML): recursive doubling, log2 P rounds, round t carrying the union of
   2^t ranks' selections (SparCML App. B: E[K] = N(1 − (1 − d)^m)), never more than the dense tensor;
+- ``split_topk`` (``sparse_allreduce(algorithm=topk_sa)``): an all-to-all of each rank's selection
+  by range, then an allgather of the owners' ⌈k/P⌉ largest sums: (P−1)·α + ⌈log2 P⌉·α +
+  2(P−1)/P·S·β with S one selection's bytes, and decoding about two selections at any P;
 - ``adaptive``: whichever of its modes costs least at that P and link — dense fp32, dense fp16, or
   sparse at the density its run preferred (the gradient-energy rule's pick at the measured point,
   not derived again per link: the run keeps no energy curve) but never more than β⁻¹·C/(P−1) bytes
@@ -100,6 +103,10 @@ class RowCosts:
         if self.kind == "peeled_sketch":
             decode_s, nbytes = self.peeled_sketch(workers)
             return self.compute_s + self.encode_s + decode_s + _allreduce_time(workers, nbytes, beta, alpha)
+        if self.kind == "split_topk":
+            share = (workers - 1) / workers * self.measured_workers / max(1, self.measured_workers - 1)
+            return (self.compute_s + self.encode_s + self.decode_s + (workers - 1 + _rounds(workers)) * alpha
+                    + self.bytes_per_step * share * beta)
         if self.kind == "sparse_allreduce":
             return self.compute_s + self.encode_s + self.decode_s + _recursive_doubling(
                 workers, self.bytes_per_step, self.dense_bytes, beta, alpha)
@@ -164,6 +171,8 @@ def _travel(row: str) -> tuple[str, int]:
         return "adaptive", 1
     if getattr(spec.transport, "decode", None) == "peel":
         return "peeled_sketch", 1
+    if getattr(spec.transport, "algorithm", None) == "topk_sa":
+        return "split_topk", 1
     return {"dense": "allreduce", "sketch_allreduce": "allreduce",
             "sparse_allreduce": "sparse_allreduce"}.get(transport, "allgather"), 1
 

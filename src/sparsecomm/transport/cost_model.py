@@ -112,10 +112,13 @@ class CostModel:
         return total
 
     def split_allgather(self, workers: int, numel: int, nnz: int, isize: int = 4, dense_phase: bool = False,
-                        qsgd_bits: int = 0) -> float:
+                        qsgd_bits: int = 0, keep: bool = False) -> float:
+        """SparCML's split-allgather; ``keep``: its owners send on only ⌈nnz/P⌉ entries each (``topk_sa``)."""
         range_len = numel / workers
         own = self._stream_bytes(numel, nnz, isize)
         union = self.expected_union(numel, nnz, workers) / workers
+        if keep:
+            union = min(union, nnz / workers)
         if dense_phase:
             item = qsgd_bits / 8 + 4 / 1024 if qsgd_bits else isize
             reduced = range_len * item

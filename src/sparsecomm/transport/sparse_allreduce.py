@@ -11,13 +11,21 @@ Algorithms (``algorithm=``):
   do not load one owner with most of the work.
 - ``dsar_sa`` — DSAR split-allgather: as ``ssar_sa`` but each reduced range is sent dense in the
   second phase, optionally QSGD-quantized (``qsgd_bits`` 2/4/8, buckets of ``bucket``) (§6).
-- ``auto`` — chosen per call by the α-β cost model (`sparsecomm.transport.cost_model`).
+- ``topk_sa`` — split-allgather whose owners keep only the largest entries of their summed range,
+  ⌈k/P⌉ each (k: the largest selection of any rank), so the result holds about k entries as one
+  rank's selection does (a global top-k, as Ok-Topk's): what a rank sends and receives stays about
+  twice its own selection at any P, where ``allgather`` receives P − 1 selections and ``ssar_sa``
+  the union of P. Not exact: each owner keeps what it dropped of its range (`Reduction.lost`), for
+  its error feedback to send again.
+- ``auto`` — chosen per call by the α-β cost model (`sparsecomm.transport.cost_model`) among the
+  exact ones.
 Every rank ends with the same bits: each sum is either commutative (two operands) or computed once
 by a range's owner and then copied.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from contextlib import closing
 from dataclasses import dataclass
@@ -48,7 +56,7 @@ from sparsecomm.transport.request import CallRecord, Reduction, Request
 from sparsecomm.transport.session import TransportSession
 from sparsecomm.transport.streams import Stream, sum_streams, sum_streams_into
 
-ALGORITHMS = ("auto", "ssar_rd", "ssar_sa", "dsar_sa")
+ALGORITHMS = ("auto", "ssar_rd", "ssar_sa", "dsar_sa", "topk_sa")
 
 
 @TRANSPORTS.register("sparse_allreduce")
@@ -67,7 +75,7 @@ class SparseAllreduce(Transport):
 
     @property
     def exact(self) -> bool:  # type: ignore[override]
-        return self.qsgd_bits == 0
+        return self.qsgd_bits == 0 and self.algorithm != "topk_sa"
 
     def reduce(self, grad: SparseGradient | torch.Tensor, group: Group = None, request: Request | None = None,
                out: torch.Tensor | None = None, session: TransportSession | None = None) -> Reduction:
@@ -77,7 +85,8 @@ class SparseAllreduce(Transport):
         with record.phase("encode"):
             sparse = as_sparse(grad).sorted()
         model = (session.cost_model if session else load_cost_model()) if self.algorithm == "auto" else None
-        bounds = split_points_of(session, request, sparse.numel, size)
+        # topk_sa's owners keep equal shares of the result, so its ranges stay equal
+        bounds = split_points_of(session, request, sparse.numel, size) if self.algorithm != "topk_sa" else None
         with record.phase("agreement"):  # ranks must split alike: their bounds are part of the configuration
             record.agreement = agree(group, request, sparse.numel, fingerprint(
                 self.to_spec(), tuple(sparse.shape), sparse.dtype, model.fingerprint() if model else 0, bounds),
@@ -93,9 +102,12 @@ class SparseAllreduce(Transport):
             total = output_buffer(out, sparse.numel, sparse.dtype, sparse.device)
         receivers = ((session.receiver("split-allgather, all-to-all"), session.receiver("split-allgather, allgather"))
                      if session is not None else (fresh_buffer, fresh_buffer))
-        lost = None  # only a quantized dense phase loses anything
+        lost = None  # only a quantized dense phase and topk_sa's owners lose anything
         if algorithm == "ssar_rd":
             recursive_doubling(stream, group, record, total)
+        elif algorithm == "topk_sa":
+            _, lost = split_allgather(stream, group, request, record, total, dense_phase=False,
+                                      keep=math.ceil(max_nnz / size), receivers=receivers)
         elif algorithm == "ssar_sa":
             counts, _ = split_allgather(stream, group, request, record, total, dense_phase=False, bounds=bounds,
                                         receivers=receivers)
@@ -208,7 +220,7 @@ def split_by_range(stream: Stream, bounds: Sequence[int]) -> list[Stream]:
 
 def split_allgather(stream: Stream, group: Group, request: Request, record: CallRecord, out: torch.Tensor,
                     dense_phase: bool, qsgd_bits: int = 0, bucket: int = 1024, bounds: tuple[int, ...] | None = None,
-                    receivers: tuple[Receiver, Receiver] = (fresh_buffer, fresh_buffer),
+                    receivers: tuple[Receiver, Receiver] = (fresh_buffer, fresh_buffer), keep: int | None = None,
                     ) -> tuple[torch.Tensor, SparseGradient | None]:
     """Sums ``stream`` over the group into ``out`` (flat, zeroed), splitting [0, N) at ``bounds``
     (P + 1 ascending positions from 0 to N; default equal ranges). Returns the result's nonzero
@@ -216,7 +228,9 @@ def split_allgather(stream: Stream, group: Group, request: Request, record: Call
     phase quantizes, what the quantization lost of this rank's range (each range's loss kept by its
     owner, so summed over ranks it is all the sum lost: `Reduction.lost`), else None. The dense
     phase sums this rank's range straight into ``out`` (no buffer of the range's size per call);
-    ``receivers``: where the all-to-all's and the allgather's messages land."""
+    ``receivers``: where the all-to-all's and the allgather's messages land. ``keep`` (sparse phase
+    only): each owner sends on only this many of its range's summed entries, the largest, and
+    returns the others as lost."""
     rank, size = world(group)
     bounds_list = list(bounds) if bounds is not None else range_bounds(stream.length, size)
     if len(bounds_list) != size + 1 or bounds_list[0] != 0 or bounds_list[-1] != stream.length or any(
@@ -233,6 +247,10 @@ def split_allgather(stream: Stream, group: Group, request: Request, record: Call
         incoming = [Stream.from_bytes(b, owned, stream.values.device) for b in received]
     with record.phase("sum"):  # only the owner sums this range, so every rank gets its bits
         mine = sum_streams_into(incoming, out[owned[0] : owned[0] + owned[1]]) if dense_phase else sum_streams(incoming)
+    dropped = None
+    if keep is not None and not dense_phase:
+        with record.phase("sum"):
+            mine, dropped = largest(mine, keep, stream.length)
     codec = QSGDValues(bits=qsgd_bits, bucket=bucket) if dense_phase and qsgd_bits else None
     with record.phase("encode"):
         if codec is not None:
@@ -256,11 +274,28 @@ def split_allgather(stream: Stream, group: Group, request: Request, record: Call
                 else:
                     reduced = Stream.write_bytes_into(buffer, (lo, hi - lo), out[lo:hi])
                     counts += nonzero_counts(reduced, stream.length, bins)
+    if dropped is not None:
+        return counts, dropped
     if exact is None:
         return counts, None
     error = contracting_error(exact, out[owned[0] : owned[0] + owned[1]], bucket)
     where = torch.nonzero(error).squeeze(1)  # zeros quantize to zero: the sum's own support at most
     return counts, SparseGradient(where + owned[0], error[where], torch.Size([stream.length]))
+
+
+def largest(stream: Stream, keep: int, numel: int) -> tuple[Stream, SparseGradient | None]:
+    """``stream``'s ``keep`` entries of largest magnitude, as a sparse stream, and the others (at
+    their positions in the whole tensor of ``numel`` entries; None when none is dropped)."""
+    indices = stream.indices if stream.indices is not None else torch.arange(stream.length,
+                                                                            device=stream.values.device)
+    values = stream.values
+    if indices.numel() <= keep:
+        return stream, None
+    chosen = torch.zeros(values.numel(), dtype=torch.bool, device=values.device)
+    chosen[torch.topk(values.abs(), keep, sorted=False).indices] = True
+    kept = Stream(stream.length, values[chosen], indices[chosen], stream.offset)  # indices stay sorted
+    others = ~chosen & (values != 0)
+    return kept, SparseGradient(indices[others] + stream.offset, values[others], torch.Size([numel]))
 
 
 def contracting_error(exact: torch.Tensor, decoded: torch.Tensor, bucket: int) -> torch.Tensor:
