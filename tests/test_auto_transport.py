@@ -169,3 +169,62 @@ def test_auto_that_keeps_choosing_allgather_runs_it_in_one_round():
         assert result["chosen"] == ["allgather"] * 3
         assert result["calls"] == [3, 2, 1]
         assert result["exact"]
+
+
+def test_auto_weighs_the_global_top_k_only_where_the_callers_feedback_keeps_what_it_loses():
+    """At 64 ranks of 1% of 25M entries the union of the selections is near half the tensor: a
+    global top-k sends a selection's worth where exact sums send far more. It is a candidate only
+    for a caller whose error feedback keeps what it drops."""
+    from sparsecomm.transport.auto import GLOBAL_TOP_K, choose
+    from sparsecomm.transport.request import Request
+
+    model = CostModel(alpha=50e-6, beta=1 / 125e6)
+    assert choose(model, 64, 25_000_000, 250_000, 4, Request(), global_top_k=True)[0] == GLOBAL_TOP_K
+    exact, costs = choose(model, 64, 25_000_000, 250_000, 4, Request())
+    assert exact != GLOBAL_TOP_K and GLOBAL_TOP_K not in costs
+    assert choose(model, 8, 166_000, 166, 4, Request(), global_top_k=True)[0] == "allgather"  # few, small
+
+
+def auto_under(rank: int, world: int, path: str) -> dict:
+    import os
+
+    from sparsecomm.transport.request import Request
+
+    os.environ["SPARSECOMM_COST_MODEL"] = path
+    grad = contribution(rank, world, "random", numel=20_000, nnz=400)
+    transport = sc.parse_spec("auto(explore=0)").transport
+    chosen = {}
+    for keeps_lost in (False, True):
+        with TransportSession() as session:
+            reduction = transport.reduce(grad, request=Request(keeps_lost=keeps_lost), session=session)
+        chosen[keeps_lost] = (reduction.record.transport, reduction.lost is not None)
+    results = run_reducer(rank, world)
+    return {"chosen": chosen, **results}
+
+
+def run_reducer(rank: int, world: int) -> dict:
+    reducer = sc.GradientReducer("topk(ratio=0.02)+residual+raw+fp32+auto(explore=0)")
+    generator = torch.Generator().manual_seed(rank)
+    fed, delivered = torch.zeros(20_000, dtype=torch.float64), torch.zeros(20_000, dtype=torch.float64)
+    for _ in range(4):
+        grad = torch.randn(20_000, generator=generator)
+        fed += grad
+        delivered += reducer.reduce("weight", grad)
+    held = reducer.pipeline.states["weight"].feedback["residual"].reshape(-1).double()
+    dist.all_reduce(fed)
+    dist.all_reduce(held)
+    expected = set(reducer.runtime.session.expected.values())
+    return {"fed": fed, "delivered_and_held": delivered * world + held, "expected": expected}
+
+
+def test_auto_takes_the_global_top_k_for_a_pipeline_whose_feedback_keeps_the_rest(tmp_path):
+    """Under a cost model of a slow wire and slow payload codecs, on three ranks, the global top-k
+    (a selection's worth of bytes) is auto's first choice for a caller that keeps what is lost, and
+    what its sum dropped is sent again later."""
+    path = tmp_path / "model.json"
+    CostModel(alpha=0.0, beta=1e-6, codec_per_nnz=1e-3, pass_per_byte=0.0, sort_per_entry=0.0).save(path)
+    for result in run_local(3, auto_under, str(path)):
+        assert result["chosen"][True] == ("sparse_allreduce(algorithm=topk_sa)", True)
+        assert result["chosen"][False][0] != "sparse_allreduce(algorithm=topk_sa)"
+        assert result["expected"] == {"sparse_allreduce(algorithm=topk_sa)"}
+        torch.testing.assert_close(result["delivered_and_held"], result["fed"], rtol=0, atol=1e-4)

@@ -15,6 +15,8 @@ from sparsecomm.sparse_gradient import SparseGradient
 class Feedback(Component):
     applies_momentum: ClassVar[bool] = False
     """whether this feedback applies SGD's momentum itself (the optimizer then must not)"""
+    keeps_lost: ClassVar[bool] = False
+    """whether `take_back` keeps what a transport lost, for a later step to send"""
 
     def accumulate(self, grad: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
         """The tensor to sparsify this step. Never modifies ``grad``."""

@@ -43,6 +43,7 @@ from sparsecomm.sparse_gradient import SparseGradient
 @dataclass(frozen=True)
 class DGCMomentum(Feedback):
     applies_momentum = True
+    keeps_lost = True
     momentum: float = 0.9
     nesterov: bool = False
     masking: bool = True

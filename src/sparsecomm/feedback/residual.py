@@ -21,6 +21,8 @@ from sparsecomm.sparse_gradient import SparseGradient
 @FEEDBACKS.register("residual")
 @dataclass(frozen=True)
 class Residual(Feedback):
+    keeps_lost = True
+
     def accumulate(self, grad: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
         return held(state, "residual", grad).add_(grad)
 

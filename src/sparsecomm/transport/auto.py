@@ -1,5 +1,7 @@
 """``auto``: the exact transport that is fastest for this call's size — dense all_reduce, payload
-allgather, or one of SparCML's sparse allreduce algorithms.
+allgather, or one of SparCML's sparse allreduce algorithms — and, where the caller's error feedback
+keeps what a transport loses, also SparCML's split-allgather keeping a global top-k (``topk_sa``),
+whose bytes per rank stay bounded as the ranks grow.
 
 The α-β cost model (`sparsecomm.transport.cost_model`) ranks them from N, the largest nnz on any
 rank, P and the measured codec speed, and shortlists those predicted within ``shortlist`` × the
@@ -62,20 +64,27 @@ def estimated_payload_bytes_per_nnz(request: Request, numel: int, nnz: int) -> f
     return index_bytes + VALUE_BYTES.get(value_name, 4.0)
 
 
+GLOBAL_TOP_K = "sparse_allreduce(algorithm=topk_sa)"
+
+
 def predicted_costs(model: CostModel, workers: int, numel: int, nnz: int, isize: int,
-                    payload_bytes_per_nnz: float) -> dict[str, float]:
-    """Predicted seconds of every exact transport, keyed by its spec."""
+                    payload_bytes_per_nnz: float, global_top_k: bool = False) -> dict[str, float]:
+    """Predicted seconds of every exact transport, keyed by its spec, and with ``global_top_k``
+    also of `GLOBAL_TOP_K`'s."""
     costs = {"dense": model.dense(workers, numel, isize),
              "allgather": model.allgather(workers, numel, nnz, payload_bytes_per_nnz)}
     for algorithm, cost in model.sparse_algorithms(workers, numel, nnz, isize).items():
         costs[f"sparse_allreduce(algorithm={algorithm})"] = cost
+    if global_top_k:
+        costs[GLOBAL_TOP_K] = model.split_allgather(workers, numel, nnz, isize, keep=True)
     return costs
 
 
-def choose(model: CostModel, workers: int, numel: int, nnz: int, isize: int,
-           request: Request) -> tuple[str, dict[str, float]]:
+def choose(model: CostModel, workers: int, numel: int, nnz: int, isize: int, request: Request,
+           global_top_k: bool = False) -> tuple[str, dict[str, float]]:
     """The model's first choice and all its predictions, for payloads of ``request``'s codecs."""
-    costs = predicted_costs(model, workers, numel, nnz, isize, estimated_payload_bytes_per_nnz(request, numel, nnz))
+    costs = predicted_costs(model, workers, numel, nnz, isize, estimated_payload_bytes_per_nnz(request, numel, nnz),
+                            global_top_k)
     return min(costs, key=costs.__getitem__), costs
 
 
@@ -98,6 +107,9 @@ class AutoTransport(Transport):
     """timed trials per shortlisted transport in each size class (0: trust the model)"""
     shortlist: float = 3.0
     """keep candidates predicted within this factor of the best"""
+    global_top_k: bool = True
+    """where the caller's error feedback keeps what a transport loses (``Request.keeps_lost``), also
+    weigh `GLOBAL_TOP_K`: its sum keeps the largest entries, the rest goes back to the feedback"""
 
     def __post_init__(self) -> None:
         if self.explore < 0 or self.shortlist < 1.0:
@@ -113,6 +125,7 @@ class AutoTransport(Transport):
         sparse = as_sparse(grad)
         request = request or Request()
         _, workers = world(group)
+        lossy = self.global_top_k and request.keeps_lost  # the same on every rank: it follows the spec
         model = session.cost_model if session is not None else load_cost_model()
         isize = sparse.values.element_size()
         stream = (sparse.numel, isize, workers, self.to_spec())
@@ -133,12 +146,12 @@ class AutoTransport(Transport):
                              split_points_of(session, request, sparse.numel, workers))
         if expected == "allgather" and session is not None and takes_short_messages(group):
             reduction, upcoming, costs = self._allgather_in_one_round(sparse, group, request, out, session, config,
-                                                                      workers, isize, start)
+                                                                      workers, isize, start, lossy)
         else:
             nbytes = len(request.payload) if request.payload is not None else 0
             with own.phase("agreement"):
                 agreement = agree(group, request, sparse.numel, config, sparse.nnz, nbytes)
-            best, costs = choose(model, workers, sparse.numel, agreement.max_nnz, isize, request)
+            best, costs = choose(model, workers, sparse.numel, agreement.max_nnz, isize, request, lossy)
             request = replace(request, agreement=agreement)  # the chosen transport needs no agreement step
             if session is None or self.explore == 0:
                 reduction, upcoming = build(best).reduce(sparse, group, request, out, session), best
@@ -154,14 +167,14 @@ class AutoTransport(Transport):
 
     def _allgather_in_one_round(self, sparse: SparseGradient, group: Group, request: Request,
                                 out: torch.Tensor | None, session: TransportSession, config: int, workers: int,
-                                isize: int, start: float) -> tuple[Reduction, str, dict[str, float]]:
+                                isize: int, start: float, lossy: bool) -> tuple[Reduction, str, dict[str, float]]:
         """``allgather`` in its one round, auto's configuration checked in its agreement records;
         the largest nnz they bring decides the size class's next call, and the call counts as one
         of its allgather trials where those are still wanted."""
         reduction = AllgatherTransport().reduce(sparse, group, replace(request, caller_config=config), out, session)
         assert reduction.record.agreement is not None
         max_nnz = reduction.record.agreement.max_nnz
-        best, costs = choose(session.cost_model, workers, sparse.numel, max_nnz, isize, request)
+        best, costs = choose(session.cost_model, workers, sparse.numel, max_nnz, isize, request, lossy)
         if self.explore == 0:
             return reduction, best, costs
         tuning = self._tuning(session, sparse.numel, max_nnz, isize, workers, best, costs)
@@ -172,7 +185,7 @@ class AutoTransport(Transport):
     def _tuning(self, session: TransportSession, numel: int, max_nnz: int, isize: int, workers: int, best: str,
                 costs: dict[str, float]) -> Tuning:
         """The size class's tuning, started with the model's shortlist."""
-        key = size_class(numel, max_nnz, isize, workers, (self.explore, self.shortlist))
+        key = size_class(numel, max_nnz, isize, workers, (self.explore, self.shortlist, GLOBAL_TOP_K in costs))
         if key not in session.tunings:
             ranked = sorted(costs, key=costs.__getitem__)
             shortlisted = [n for n in ranked if costs[n] <= self.shortlist * costs[best]]

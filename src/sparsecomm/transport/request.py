@@ -46,7 +46,8 @@ class Request:
     calling transport's configuration fingerprint (``auto``'s), which ``allgather`` checks with its
     own when it runs the agreement step for that caller; ``side``: a few numbers this rank shares
     with every rank on the agreement step (`sparsecomm.transport.side_numbers`), returned to every
-    rank in the call's ``record.agreement.sides``."""
+    rank in the call's ``record.agreement.sides``; ``keeps_lost``: the caller's error feedback holds
+    what an inexact transport loses (`Reduction.lost`), so ``auto`` may choose one."""
 
     key: str = ""
     call: int = 0
@@ -61,6 +62,7 @@ class Request:
     agreement: Agreement | None = None
     caller_config: int = 0
     side: tuple[float, ...] = ()
+    keeps_lost: bool = False
 
     @property
     def key_hash(self) -> int:

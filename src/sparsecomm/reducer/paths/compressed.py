@@ -37,7 +37,8 @@ class CompressedPath(TransportPath):
                                      torch.zeros(0, dtype=flat.dtype, device=flat.device), flat.shape)
             return transport, nothing, refused(request, error)
         return transport, output.selection, replace(request, nonfinite=output.nonfinite, payload=output.payload,
-                                                    payload_is_contribution=True)
+                                                    payload_is_contribution=True,
+                                                    keeps_lost=pipeline.spec.feedback.keeps_lost)
 
     def _sparsifier(self, plan: Plan | None) -> Sparsifier:
         pipeline = self.parts.pipeline
