@@ -1,4 +1,5 @@
-"""Test helpers: random sparse gradients of every awkward shape, and per-rank contributions to a sum."""
+"""Test helpers: random sparse gradients of every awkward shape, per-rank contributions to a sum, and
+what error feedback conserves over steps."""
 
 from __future__ import annotations
 
@@ -57,3 +58,22 @@ def adaptive_at_once() -> str:
 
     preset = resolve("adaptive")
     return format_spec(replace(preset, sparsifier=replace(preset.sparsifier, warmup=0)))
+
+
+def fed_and_conserved(reducer, rank: int, world: int, numel: int, steps: int) -> dict:
+    """``steps`` random gradients of ``numel`` entries through ``reducer`` (a residual pipeline,
+    under the name "weight"): what every rank fed in, and what every rank was given plus what every
+    rank's residual still holds, which error feedback keeps equal; ``scale`` bounds the rounding."""
+    import torch.distributed as dist
+
+    generator = torch.Generator().manual_seed(rank)
+    fed, delivered = torch.zeros(numel, dtype=torch.float64), torch.zeros(numel, dtype=torch.float64)
+    for _ in range(steps):
+        grad = torch.randn(numel, generator=generator)
+        fed += grad
+        delivered += reducer.reduce("weight", grad)
+    held = reducer.pipeline.states["weight"].feedback["residual"].reshape(-1).double()
+    dist.all_reduce(fed)
+    dist.all_reduce(held)
+    return {"fed": fed, "delivered_and_held": delivered * world + held,
+            "scale": max(float(held.abs().max()), float(delivered.abs().max()) * world)}

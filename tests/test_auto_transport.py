@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import sparsecomm as sc
-from helpers import contribution
+from helpers import contribution, fed_and_conserved
 from sparsecomm.launch import run_local
 from sparsecomm.transport.cost_model import CostModel
 from sparsecomm.transport.session import TransportSession
@@ -204,17 +204,8 @@ def auto_under(rank: int, world: int, path: str) -> dict:
 
 def run_reducer(rank: int, world: int) -> dict:
     reducer = sc.GradientReducer("topk(ratio=0.02)+residual+raw+fp32+auto(explore=0)")
-    generator = torch.Generator().manual_seed(rank)
-    fed, delivered = torch.zeros(20_000, dtype=torch.float64), torch.zeros(20_000, dtype=torch.float64)
-    for _ in range(4):
-        grad = torch.randn(20_000, generator=generator)
-        fed += grad
-        delivered += reducer.reduce("weight", grad)
-    held = reducer.pipeline.states["weight"].feedback["residual"].reshape(-1).double()
-    dist.all_reduce(fed)
-    dist.all_reduce(held)
-    expected = set(reducer.runtime.session.expected.values())
-    return {"fed": fed, "delivered_and_held": delivered * world + held, "expected": expected}
+    results = fed_and_conserved(reducer, rank, world, numel=20_000, steps=4)
+    return {**results, "expected": set(reducer.runtime.session.expected.values())}
 
 
 def test_auto_takes_the_global_top_k_for_a_pipeline_whose_feedback_keeps_the_rest(tmp_path):

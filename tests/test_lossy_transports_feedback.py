@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import sparsecomm as sc
-from helpers import contribution
+from helpers import contribution, fed_and_conserved
 from sparsecomm.launch import run_local
 from sparsecomm.transport.request import Request
 
@@ -54,18 +54,7 @@ def test_peeling_reads_a_wide_enough_sketch_exactly(block):
 
 
 def conserved(rank: int, world: int, spec: str) -> dict:
-    reducer = sc.GradientReducer(spec)
-    generator = torch.Generator().manual_seed(rank)
-    fed, delivered = torch.zeros(8000, dtype=torch.float64), torch.zeros(8000, dtype=torch.float64)
-    for _ in range(5):
-        grad = torch.randn(8000, generator=generator)
-        fed += grad
-        delivered += reducer.reduce("weight", grad)
-    held = reducer.pipeline.states["weight"].feedback["residual"].reshape(-1).double()
-    dist.all_reduce(fed)
-    dist.all_reduce(held)
-    return {"fed": fed, "delivered_and_held": delivered * world + held,
-            "scale": max(float(held.abs().max()), float(delivered.abs().max()) * world)}
+    return fed_and_conserved(sc.GradientReducer(spec), rank, world, numel=8000, steps=5)
 
 
 @pytest.mark.parametrize("transport", ["sketch_allreduce(ratio=8)", "sketch_allreduce(ratio=0.5,rows=3,decode=peel)",

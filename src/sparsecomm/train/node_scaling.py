@@ -140,7 +140,7 @@ def _allgather(layout: Layout, nbytes: float, dense: float, encode_s: float, pee
 
 def _split_topk(cost: RowCosts, layout: Layout, hierarchical: bool) -> float:
     """``topk_sa``: one selection's bytes out and in per rank, whatever the ranks (see the module)."""
-    selection = _selection_bytes(cost)
+    selection = cost.selection_bytes()
     per_node, nodes, ranks = layout.per_node, layout.nodes, layout.ranks
     if not hierarchical or per_node == 1:
         network_alpha = layout.network[1] if nodes > 1 else layout.fabric[1]
@@ -150,12 +150,6 @@ def _split_topk(cost: RowCosts, layout: Layout, hierarchical: bool) -> float:
     inside = _allreduce(Layout(1, per_node, layout.fabric, layout.network), cost.dense_bytes)
     return (inside + (cost.encode_s + cost.decode_s) / per_node + (nodes - 1 + _rounds(nodes)) * layout.network[1]
             + 2 * (nodes - 1) / nodes * selection * _beta(layout.network))
-
-
-def _selection_bytes(cost: RowCosts) -> float:
-    """One rank's selection, from what a ``topk_sa`` rank sent at the run's P: 2(P−1)/P of it."""
-    measured = cost.measured_workers
-    return cost.bytes_per_step * measured / max(1, 2 * (measured - 1))
 
 
 def _recursive_doubling(cost: RowCosts, layout: Layout, hierarchical: bool) -> float:
@@ -254,7 +248,7 @@ def crossing_bytes(cost: RowCosts, layout: Layout, hierarchical: bool) -> float 
             return nodes * (nodes - 1) * cost.bytes_per_step
         return nodes * per_node * (layout.ranks - per_node) * cost.bytes_per_step
     if cost.kind == "split_topk":
-        selection = _selection_bytes(cost)
+        selection = cost.selection_bytes()
         if hierarchical and per_node > 1:
             return 2 * (nodes - 1) * selection
         return layout.ranks * 2 * (layout.ranks - per_node) / layout.ranks * selection

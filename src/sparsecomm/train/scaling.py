@@ -104,14 +104,18 @@ class RowCosts:
             decode_s, nbytes = self.peeled_sketch(workers)
             return self.compute_s + self.encode_s + decode_s + _allreduce_time(workers, nbytes, beta, alpha)
         if self.kind == "split_topk":
-            share = (workers - 1) / workers * self.measured_workers / max(1, self.measured_workers - 1)
             return (self.compute_s + self.encode_s + self.decode_s + (workers - 1 + _rounds(workers)) * alpha
-                    + self.bytes_per_step * share * beta)
+                    + 2 * (workers - 1) / workers * self.selection_bytes() * beta)
         if self.kind == "sparse_allreduce":
             return self.compute_s + self.encode_s + self.decode_s + _recursive_doubling(
                 workers, self.bytes_per_step, self.dense_bytes, beta, alpha)
         return (self.compute_s + self.encode_s + self._decode(workers)
                 + _rounds(workers) * alpha + (workers - 1) * self.bytes_per_step * beta)
+
+    def selection_bytes(self) -> float:
+        """``split_topk``: one rank's selection, from what a rank sent at the run's P (2(P−1)/P of it)."""
+        measured = self.measured_workers
+        return self.bytes_per_step * measured / max(1, 2 * (measured - 1))
 
     def peeled_sketch(self, workers: int) -> tuple[float, float]:
         """A peeled sketch's (decode seconds, bytes) at ``workers``: sized to every rank's selection,
