@@ -5,6 +5,7 @@ every rank's MAX-reduced report would be, so these tests need no process group."
 import itertools
 import math
 from collections import deque
+from dataclasses import replace
 
 import pytest
 import torch
@@ -139,6 +140,36 @@ def test_the_codecs_time_per_byte_shrinks_the_budget_to_what_link_and_codecs_car
     chosen = next_plan(plan, report(**measured, encode=40e-9, decode=20e-9))
     assert plan.costs.step_budget() == pytest.approx(0.002 / (40e-9 + 2 * (20e-9 + 100e-9)))
     assert chosen.density == pytest.approx(plan.costs.step_budget() / (2.0 * N))
+
+
+@pytest.mark.parametrize("world_size", [2, 8, 64])
+def test_a_global_top_k_transport_is_priced_at_two_selections_where_an_allgather_brings_p_minus_one(world_size):
+    # the same measurements; only what the transport brings back per byte sent differs
+    measured = dict(compute=0.002, throughput=10e6, fp32=0.4, per_nnz=2.0, magnitude=1.0, sparse=0.001)
+    budgets = {}
+    for spec in ("adaptive+residual+raw+fp32+allgather",
+                 "adaptive+residual+raw+fp32+sparse_allreduce(algorithm=topk_sa)"):
+        resolved = resolve(spec)
+        received = resolved.transport.received_per_sent(world_size)
+        plan = Planner(replace(resolved.sparsifier, dense_start=0), world_size, received_per_sent=received)
+        plan.costs.total_numel = plan.costs.budget_numel = N
+        next_plan(plan)
+        next_plan(plan, report(**measured))
+        budgets[spec.split("+")[-1]] = plan.costs.step_budget()
+    assert budgets["allgather"] == pytest.approx(0.002 * 10e6 / (world_size - 1))
+    assert budgets["sparse_allreduce(algorithm=topk_sa)"] == pytest.approx(
+        0.002 * 10e6 * world_size / (2 * (world_size - 1)))
+
+
+def test_a_reducers_adaptive_controller_prices_bytes_by_its_transport():
+    from sparsecomm.adaptive.controller import AdaptiveController
+
+    spec = resolve("adaptive(budget=1000)+residual+raw+fp32+sparse_allreduce(algorithm=topk_sa)")
+    controller = AdaptiveController.of(spec, 8, None, torch.device("cpu"), None)
+    assert controller is not None and controller.planner.costs.received_per_sent == pytest.approx(2 * 7 / 8)
+    plain = AdaptiveController.of(resolve("adaptive(budget=1000)+residual+raw+fp32+allgather"), 8, None,
+                                  torch.device("cpu"), None)
+    assert plain is not None and plain.planner.costs.per_byte_s(1e6) == pytest.approx(7e-6)
 
 
 def test_the_sparse_paths_marginal_cost_is_a_slope_not_an_average():

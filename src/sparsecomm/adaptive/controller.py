@@ -25,9 +25,9 @@ class AdaptiveController:
 
     def __init__(self, sparsifier: Adaptive, world_size: int, feedback_horizon: float,
                  group: dist.ProcessGroup | None, wire_device: torch.device, module: nn.Module | None,
-                 config: AdaptiveConfig | None = None) -> None:
+                 config: AdaptiveConfig | None = None, received_per_sent: float | None = None) -> None:
         self.config = config or AdaptiveConfig()
-        self.planner = Planner(sparsifier, world_size, feedback_horizon, self.config)
+        self.planner = Planner(sparsifier, world_size, feedback_horizon, self.config, received_per_sent)
         self.reports = ReportExchange(group, wire_device)
         self.plan: Plan | None = None
         """this step's plan while a step is open, else None"""
@@ -41,12 +41,14 @@ class AdaptiveController:
     def of(cls, spec: Any, world_size: int, group: dist.ProcessGroup | None, wire_device: torch.device,
            module: nn.Module | None) -> AdaptiveController | None:
         """The controller of a reducer with pipeline ``spec`` (None unless its sparsifier is ``adaptive``),
-        its sparse path's per-byte cost and the link timed before the first step where it measures
-        them (more than one rank, no user-set budget), so that step can be planned. Every rank calls it."""
+        pricing a sparse step by what its transport brings back per byte sent, with its sparse
+        path's per-byte cost and the link timed before the first step where it measures them (more
+        than one rank, no user-set budget), so that step can be planned. Every rank calls it."""
         sparsifier = spec.sparsifier
         if not isinstance(sparsifier, Adaptive):
             return None
-        controller = cls(sparsifier, world_size, spec.feedback.delay_horizon(), group, wire_device, module)
+        controller = cls(sparsifier, world_size, spec.feedback.delay_horizon(), group, wire_device, module,
+                         received_per_sent=spec.transport.received_per_sent(world_size))
         if world_size > 1 and not sparsifier.budget:
             controller.planner.calibrate(spec)
             model_numel = sum(p.numel() for p in module.parameters()) if module is not None else None

@@ -6,9 +6,10 @@
   until fp32 has run, C plus its wire time at β; fp16 until timed: fp32's step with fp16's wire at
   the throughput of the fp16 all_reduce probed at start-up;
 - a sparse step: C + O_s + κ·bytes(d), O_s the sparse path's fixed overhead (passes over the
-  gradient, the codecs' per-call costs, agreement, handoffs), κ = κ_e + (P−1)(κ_d + 1/β) seconds per
-  payload byte (a rank encodes its payload, receives the P−1 others and decodes them; κ_e and κ_d
-  calibrated at start-up), bytes(d) = fixed bytes + d·N·(bytes per budgeted entry);
+  gradient, the codecs' per-call costs, agreement, handoffs), κ = κ_e + R(κ_d + 1/β) seconds per
+  payload byte (a rank encodes its payload, then receives and decodes R bytes for each it sent:
+  the transport's `Transport.received_per_sent`, P−1 for an allgather; κ_e and κ_d calibrated at
+  start-up), bytes(d) = fixed bytes + d·N·(bytes per budgeted entry);
 - the density d: the median of the last densities the ranks preferred, each the d whose entries
   carry the most of the gradient's energy per second of step, E(min(1, H·d)) / (C + O_s + κ·bytes(d))
   (`energy_density`; H the horizon within which error feedback delivers what a step leaves out);
@@ -47,6 +48,9 @@ class Costs:
     world_size: int
     feedback_horizon: float = 1.0
     """the pipeline's `Feedback.delay_horizon`: the horizon H unless the sparsifier sets one"""
+    received_per_sent: float | None = None
+    """R: bytes a rank receives and decodes per byte it sends on a sparse step (the transport's
+    `Transport.received_per_sent`; None: an allgather's P − 1)"""
     total_numel: int = 0
     """elements reduced per step (all tensors; before the first step, the model's where known)"""
     budget_numel: int = 0
@@ -132,10 +136,10 @@ class Costs:
         return statistics.median(self.compute_s) / self.per_byte_s(statistics.median(self.throughput))
 
     def per_byte_s(self, throughput: float) -> float:
-        """Seconds a step spends per byte a rank sends: encoding it, and receiving and decoding the
-        P−1 others' bytes."""
-        peers = max(1, self.world_size - 1)
-        return self.encode_per_byte + peers * (self.decode_per_byte + 1 / throughput)
+        """Seconds a step spends per byte a rank sends: encoding it, and receiving and decoding
+        the R bytes the transport brings back for it."""
+        received = self.received_per_sent if self.received_per_sent is not None else max(1, self.world_size - 1)
+        return self.encode_per_byte + received * (self.decode_per_byte + 1 / throughput)
 
     def step_bytes(self, density: Any) -> Any:
         """Bytes one rank sends on a sparse step at ``density`` (one, or a tensor of candidates)."""

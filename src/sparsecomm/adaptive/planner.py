@@ -45,6 +45,8 @@ class Planner:
     world_size: int
     feedback_horizon: float = 1.0
     config: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    received_per_sent: float | None = None
+    """the transport's `Transport.received_per_sent` at this world size (None: an allgather's)"""
     step: int = 0
     codec_cost: tuple[float, float] = (0.0, 0.0)
     """this rank's own calibrated (κ_e, κ_d) (`calibrate`), carried by every report"""
@@ -64,7 +66,7 @@ class Planner:
 
     def __post_init__(self) -> None:
         self.costs = Costs(self.config, self.sparsifier, self.world_size, self.feedback_horizon,
-                           bytes_per_nnz=self.config.first_bytes_per_nnz)
+                           self.received_per_sent, bytes_per_nnz=self.config.first_bytes_per_nnz)
         self.trials = Trials(self.config)
 
     def suit(self, sparsifier: Adaptive, horizon: float) -> None:

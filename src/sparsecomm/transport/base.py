@@ -37,6 +37,12 @@ class Transport(Component):
                out: torch.Tensor | None = None, session: TransportSession | None = None) -> Reduction:
         raise NotImplementedError
 
+    def received_per_sent(self, world_size: int) -> float:
+        """Bytes a rank receives and decodes per byte of selection it sends, at ``world_size`` ranks:
+        what the ``adaptive`` planner prices each byte of a sparse step at. By default every other
+        rank's contribution reaches every rank (an allgather): P − 1."""
+        return float(max(1, world_size - 1))
+
     def prepare(self, group: Group, session: TransportSession) -> None:
         """Make, before the first call, what this transport's calls on ``group`` will need and the
         session keeps (every rank of ``group`` calls it, in the same order): a process group made

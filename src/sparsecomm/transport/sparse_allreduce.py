@@ -77,6 +77,14 @@ class SparseAllreduce(Transport):
     def exact(self) -> bool:  # type: ignore[override]
         return self.qsgd_bits == 0 and self.algorithm != "topk_sa"
 
+    def received_per_sent(self, world_size: int) -> float:
+        """``topk_sa``: a rank receives its range's parts of every selection, then every owner's
+        kept ⌈k/P⌉ entries: about 2(P − 1)/P of its own selection. The exact algorithms carry the
+        union of the selections, up to P − 1 others' (the default)."""
+        if self.algorithm == "topk_sa":
+            return 2 * (world_size - 1) / world_size if world_size > 1 else 1.0
+        return super().received_per_sent(world_size)
+
     def reduce(self, grad: SparseGradient | torch.Tensor, group: Group = None, request: Request | None = None,
                out: torch.Tensor | None = None, session: TransportSession | None = None) -> Reduction:
         request = request or Request()
