@@ -9,7 +9,7 @@ import torch
 from sparsecomm.bench.op_counts import count_ops
 from sparsecomm.device import indices as packed_indices
 from sparsecomm.device import values as device_values
-from sparsecomm.device.bitpack import pack_fields, unpack_fields, width_for, words_for
+from sparsecomm.device.bitpack import pack_at, pack_bits, pack_fields, unpack_bits, unpack_fields, width_for, words_for
 from sparsecomm.device.feedback import buffer_names, commit, propose
 from sparsecomm.device.layout import BucketLayout
 from sparsecomm.device.selection import select
@@ -197,6 +197,40 @@ def test_bit_fields_round_trip_at_every_width():
             fields = torch.randint(0, 2**width, (count,), generator=generator, dtype=torch.int64)
             words = pack_fields(fields, width, torch.empty(words_for(count, width), dtype=torch.int32))
             assert torch.equal(unpack_fields(words, width, count), fields), (width, count)
+
+
+def test_single_bits_move_a_byte_at_a_time_as_the_field_packer_lays_them_out():
+    generator = torch.Generator().manual_seed(9)
+    for count in (0, 1, 7, 8, 33, 1000):
+        bits = torch.randint(0, 2, (count,), generator=generator, dtype=torch.int64)
+        nwords = words_for(count + 40, 1)
+        assert torch.equal(pack_bits(bits.to(torch.uint8), torch.empty(nwords, dtype=torch.int32)),
+                           pack_fields(bits, 1, torch.empty(nwords, dtype=torch.int32))), count
+        for start in (0, 1, 5, 8, 13, 31, 32, 39):
+            words = pack_fields(bits, 1, torch.empty(nwords, dtype=torch.int32), start=start)
+            assert torch.equal(unpack_bits(words, count, start).long(), bits), (count, start)
+            assert torch.equal(unpack_bits(torch.stack([words, words]), count, start).long(),
+                               torch.stack([bits, bits])), (count, start)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_bitmap_of_indices_is_its_fields_laid_out_bit_by_bit(padded):
+    """A dense selection packs as a bitmap (one bit a position, after the unused slots' count when
+    padded): the bytes the single-bit packer writes are those of the fields, one per position."""
+    space, count, unused = 1000, 600, 7 if padded else 0
+    assert packed_indices.block_bits(space, count) == 0
+    chosen = torch.randperm(space, generator=torch.Generator().manual_seed(5))[:count - unused].sort().values
+    chosen = torch.cat([chosen, torch.full((unused,), space)])
+    nwords = packed_indices.nwords(space, count, padded)
+    words = packed_indices.encode(chosen, space, torch.empty(nwords, dtype=torch.int32), padded=padded)
+    marks = torch.zeros(space, dtype=torch.int64)
+    marks[chosen[chosen < space]] = 1
+    start = width_for(count + 1) if padded else 0
+    fields = torch.cat([marks, torch.tensor([unused])])  # the unused slots' count first in the stream
+    places = torch.cat([start + torch.arange(space), torch.tensor([0])])
+    assert torch.equal(words, pack_at(fields, places, torch.empty(nwords, dtype=torch.int32)))
+    back, sound = packed_indices.decode(words, space, count, padded=padded)
+    assert torch.equal(back, chosen) and bool(sound)
 
 
 @pytest.mark.parametrize("density", [0.0005, 0.001, 0.01, 0.05, 0.25, 0.5])

@@ -12,11 +12,12 @@ where few are (one block), and at every density within 1.5x of the information b
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import torch
 
-from sparsecomm.device.bitpack import pack_at, unpack_fields, width_for, words_for
+from sparsecomm.device.bitpack import pack_at, pack_bits, unpack_bits, unpack_fields, width_for, words_for
 
 STATIC_NONZERO_ON_CUDA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 6)
 """torch.nonzero_static runs on CUDA from PyTorch 2.6"""
@@ -57,17 +58,26 @@ def encode(indices: torch.Tensor, space: int, out: torch.Tensor, padded: bool = 
     blocks, width = ((space - 1) >> b) + 1, _count_width(count, b)
     start = _unused_width(count) if padded else 0
     used = indices < space
+    if not b:  # a bitmap
+        return pack_bits(_bitmap_stream(indices, space, start, count - used.sum()), out)
     counts = torch.zeros(blocks, dtype=torch.int64, device=indices.device)
     counts.scatter_add_(0, (indices >> b).clamp_(max=blocks - 1), used.long())
-    fields = [counts]
-    places = [start + torch.arange(blocks, dtype=torch.int64, device=indices.device) * width]
-    if b:
-        fields.append(indices & ((1 << b) - 1))
-        places.append(start + blocks * width + torch.arange(count, dtype=torch.int64, device=indices.device) * b)
+    fields = [counts, indices & ((1 << b) - 1)]
+    places = [start + torch.arange(blocks, dtype=torch.int64, device=indices.device) * width,
+              start + blocks * width + torch.arange(count, dtype=torch.int64, device=indices.device) * b]
     if padded:
         fields.append((count - used.sum()).view(1))
         places.append(torch.zeros(1, dtype=torch.int64, device=indices.device))
     return pack_at(torch.cat(fields), torch.cat(places), out)
+
+
+def _bitmap_stream(indices: torch.Tensor, space: int, start: int, unused: torch.Tensor) -> torch.Tensor:
+    """The bits of a bitmap's stream: the number of unused slots in ``start`` bits (none without
+    padding), then one bit per position, set where an index names it."""
+    marks = torch.zeros(space + 1, dtype=torch.uint8, device=indices.device)  # the last: unused slots'
+    marks.index_fill_(0, indices, 1)
+    head = (unused >> torch.arange(start, device=indices.device)) & 1
+    return torch.cat([head.to(torch.uint8), marks[:space]])
 
 
 def decode(words: torch.Tensor, space: int, count: int, padded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,22 +89,32 @@ def decode(words: torch.Tensor, space: int, count: int, padded: bool = False) ->
     blocks, width = ((space - 1) >> b) + 1, _count_width(count, b)
     start = _unused_width(count) if padded else 0
     used = count - unpack_fields(words, start, 1)[..., 0] if padded else torch.tensor(count, device=words.device)
+    wanted = torch.arange(count, device=words.device)
+    if not b:  # a bitmap
+        return _bitmap_positions(unpack_bits(words, blocks, start).bool(), count, used, padded)
     counts = unpack_fields(words, width, blocks, start=start)
     ends = counts.cumsum(-1)
     sound = ends[..., -1] == used
-    wanted = torch.arange(count, device=words.device)
-    if not b:  # a bitmap: each row's set positions, in order
-        bits = counts.bool()
-        rank = bits.cumsum(-1) - 1
-        target = torch.where(bits & (rank < count), rank, count)
-        places = torch.zeros(*bits.shape[:-1], count + 1, dtype=torch.int64, device=words.device)
-        indices = places.scatter_(-1, target, torch.arange(blocks, device=words.device).expand_as(target))[..., :count]
-    else:
-        block = torch.searchsorted(ends, wanted.expand(*ends.shape[:-1], count).contiguous(), right=True)
-        indices = (block.clamp_(max=blocks - 1) << b) | unpack_fields(words, b, count, start=start + blocks * width)
+    block = torch.searchsorted(ends, wanted.expand(*ends.shape[:-1], count).contiguous(), right=True)
+    indices = (block.clamp_(max=blocks - 1) << b) | unpack_fields(words, b, count, start=start + blocks * width)
     if padded:
         indices = torch.where(wanted < used[..., None], indices, space)
     return indices, sound
+
+
+def _bitmap_positions(bits: torch.Tensor, count: int, used: torch.Tensor,
+                      padded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's first ``count`` set positions of ``bits`` (the unused slots, where ``padded``:
+    ``space``), and whether the row holds ``used`` of them. One compaction over all rows: each row
+    is followed by as many set bits as its unused slots, so a sound row gives ``count`` positions."""
+    space = bits.shape[-1]
+    sound = bits.sum(-1) == used
+    rows = bits.shape[:-1]
+    if padded:
+        unused = torch.arange(count, device=bits.device) < (count - used)[..., None]
+        bits = torch.cat([bits, unused.expand(*rows, count)], -1)
+    flat = compact(bits.reshape(-1), math.prod(rows) * count, fill=0).view(*rows, count)
+    return (flat % bits.shape[-1]).clamp_(max=space), sound
 
 
 def compact(mask: torch.Tensor, size: int, fill: int) -> torch.Tensor:
