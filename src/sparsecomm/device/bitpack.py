@@ -86,5 +86,13 @@ def unpack_fields(words: torch.Tensor, width: int, count: int, start: int = 0) -
     places = start + torch.arange(count, dtype=torch.int64, device=words.device) * width
     word, shift = places >> 5, places & 31
     wide = torch.nn.functional.pad(words.to(torch.int64) & LOW_WORD, (0, 1))  # a zero word past the end
-    joined = (wide[..., word + 1] << 32) | wide[..., word]  # the sign bit only ever lands above the field
+    joined = (_gathered(wide, word + 1) << 32) | _gathered(wide, word)  # the sign bit only ever lands above the field
     return (joined >> shift) & ((1 << width) - 1)
+
+
+def _gathered(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``rows[..., positions]``, by the gather that is fastest on a processor (about twice advanced
+    indexing's speed)."""
+    if rows.dim() == 1:
+        return rows.index_select(0, positions)
+    return torch.gather(rows, -1, positions.expand(*rows.shape[:-1], -1))

@@ -95,7 +95,9 @@ def decode(words: torch.Tensor, space: int, count: int, padded: bool = False) ->
     counts = unpack_fields(words, width, blocks, start=start)
     ends = counts.cumsum(-1)
     sound = ends[..., -1] == used
-    block = torch.searchsorted(ends, wanted.expand(*ends.shape[:-1], count).contiguous(), right=True)
+    # slot j's block: how many blocks end at or before it (a histogram of the ends, summed up)
+    block = torch.zeros(*ends.shape[:-1], count + 1, dtype=torch.int64, device=words.device)
+    block = block.scatter_add_(-1, ends.clamp(max=count), torch.ones_like(ends)).cumsum(-1)[..., :count]
     indices = (block.clamp_(max=blocks - 1) << b) | unpack_fields(words, b, count, start=start + blocks * width)
     if padded:
         indices = torch.where(wanted < used[..., None], indices, space)
