@@ -107,6 +107,28 @@ def test_each_tensor_sends_its_own_largest_entries_about_k_of_them_as_dgc_does(r
         assert abs(mine.numel() - k) <= 0.35 * k + 2, (segment, mine.numel(), k)  # about its k
 
 
+@pytest.mark.parametrize(("ratio", "scale"), [(0.001, 1.0), (0.01, 1.0), (0.2, 1.0), (1.0, 1.0), (0.01, 0.01)])
+def test_a_processor_chooses_what_the_device_form_chooses(ratio, scale):
+    """On a CPU the selection runs a segment at a time in host memory; it sends the same entries as
+    the device form's fixed-size ops would (``scale`` < 1: thresholds so low that the candidates
+    overflow the compaction, and the earliest are kept)."""
+    from sparsecomm.device.selection import SLACK, _select_in_host_memory, _select_on_device, thresholds
+
+    layout = layout_of([2560, 131_072, 300, 40_000, 7, 0, 9000], whole=frozenset({2}))
+    values = torch.randn(layout.numel, generator=torch.Generator().manual_seed(6))
+    values[40_000:60_000] = 0.0  # fewer candidates than the capacity in places
+    values[2560:133_632] *= 100
+    accumulated = padded(values)
+    threshold = thresholds(accumulated, layout, ratio, torch.Generator().manual_seed(3)) * scale
+    capacity = layout.at_ratio(ratio).capacity
+    slots = min(layout.numel, SLACK * capacity)
+    on_device = _select_on_device(accumulated, threshold, layout, slots, capacity)
+    in_memory = _select_in_host_memory(values.numpy(), threshold.numpy(), layout, slots, capacity)
+    assert torch.equal(on_device, in_memory)
+    if scale == 1.0:
+        assert torch.equal(select(accumulated, layout, ratio, torch.Generator().manual_seed(3)), in_memory)
+
+
 def fresh(feedback, numel: int, fill: float = 0.0) -> tuple[dict, dict]:
     """A bucket's current and spare buffers for ``feedback``: ``numel`` entries and the padding."""
     current = {name: torch.full((numel + 1,), fill) for name in buffer_names(feedback)}

@@ -13,15 +13,19 @@ zero. The entries sent whole go besides, by their fixed indices.
 The thresholds sample enough (`SAMPLED_ABOVE`) that more candidates than the compaction keeps —
 twice what is expected — come about once in a million tensor-steps; then the earliest are kept,
 and what the rest would have sent stays in the feedback for a later step.
+
+On a processor the same choice is made a segment at a time in the CPU's own memory, where a
+candidate count costs no wait: faster there than one comparison over the bucket.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from sparsecomm.device.indices import compact
 from sparsecomm.device.layout import BucketLayout
-from sparsecomm.sparsify.threshold import indices_at_or_above
+from sparsecomm.sparsify.threshold import host_indices_at_or_above
 
 TINY = 1e-30
 """the least threshold: a segment of zeros has no candidates, not every entry"""
@@ -29,9 +33,6 @@ TINY = 1e-30
 SLACK = 3
 """candidates per entry of the capacity: twice what the thresholds aim at"""
 
-FEW_SEGMENTS = 8
-"""on a CPU, up to this many sparsified segments are compared one by one: a few passes, each on a
-large tensor, cost less than gathering a threshold for every entry"""
 
 
 def thresholds(accumulated: torch.Tensor, layout: BucketLayout, ratio: float,
@@ -60,7 +61,18 @@ def select(accumulated: torch.Tensor, layout: BucketLayout, ratio: float,
     numel = layout.numel
     threshold = thresholds(accumulated, layout, ratio, generator)
     slots = min(numel, SLACK * capacity)
-    candidates = _candidates(accumulated[:numel], threshold, layout, slots)
+    if accumulated.device.type == "cpu" and accumulated.dtype == torch.float32:
+        return _select_in_host_memory(accumulated[:numel].detach().numpy(), threshold.numpy(), layout, slots,
+                                      capacity)
+    return _select_on_device(accumulated, threshold, layout, slots, capacity)
+
+
+def _select_on_device(accumulated: torch.Tensor, threshold: torch.Tensor, layout: BucketLayout, slots: int,
+                      capacity: int) -> torch.Tensor:
+    """`select` in a fixed number of tensor ops and no host read."""
+    numel = layout.numel
+    candidates = compact(accumulated[:numel].abs() >= threshold.index_select(0, layout.segment_ids[:numel]),
+                         slots, fill=numel)
     if slots <= capacity:  # every entry is a candidate: the padding fills the rest
         return torch.cat([candidates, candidates.new_full((capacity - slots,), numel)])
     scores = accumulated[candidates].abs_() / threshold[layout.segment_ids[candidates].long()]
@@ -71,19 +83,21 @@ def select(accumulated: torch.Tensor, layout: BucketLayout, ratio: float,
     return torch.cat([candidates, candidates.new_full((1,), numel)])[kept]
 
 
-def _candidates(values: torch.Tensor, threshold: torch.Tensor, layout: BucketLayout, slots: int) -> torch.Tensor:
-    """The first ``slots`` entries (ascending; ``numel`` where there are fewer) whose magnitude
-    reaches their segment's threshold. On a CPU with few sparsified segments, a cache-blocked pass
-    per segment that never writes the magnitudes out (`indices_at_or_above`; the thresholds are
-    read from the CPU's own memory, no device to wait for); elsewhere one comparison with the
-    thresholds gathered per entry, then a fixed-size compaction."""
-    segments = layout.sparsified_segments
-    numel = layout.numel
-    if values.device.type != "cpu" or len(segments) > FEW_SEGMENTS or values.dtype != torch.float32:
-        above = values.abs() >= threshold.index_select(0, layout.segment_ids[:numel])
-        return compact(above, slots, fill=numel)
-    levels = threshold.numpy()
-    found = [indices_at_or_above(values[s.start:s.start + s.numel], float(levels[index])).add_(s.start)
-             for index, s in segments]
-    chosen = torch.cat(found)[:slots] if found else torch.zeros(0, dtype=torch.int64)
-    return torch.nn.functional.pad(chosen, (0, slots - chosen.numel()), value=numel)
+def _select_in_host_memory(values: np.ndarray, threshold: np.ndarray, layout: BucketLayout, slots: int,
+                           capacity: int) -> torch.Tensor:
+    """`select` on a processor, the same choice: a cache-blocked pass per sparsified segment that
+    never writes the magnitudes out (`host_indices_at_or_above`), then scores and a k-th value over
+    the candidates found alone (here their number costs no wait). Faster on a CPU than the device
+    form's one comparison with a threshold gathered for every entry, whatever the segments."""
+    found = [host_indices_at_or_above(values[s.start:s.start + s.numel], float(threshold[place])) + s.start
+             for place, s in layout.sparsified_segments]
+    candidates = np.concatenate(found)[:slots] if found else np.zeros(0, dtype=np.int64)
+    if candidates.size > capacity:
+        places = [place for place, _ in layout.sparsified_segments]
+        scores = np.abs(values[candidates]) / np.repeat(threshold[places], [f.size for f in found])[:slots]
+        cut = candidates.size - capacity
+        least = np.partition(scores, cut)[cut]  # the capacity-th best score
+        candidates = candidates[scores >= least][:capacity]
+    chosen = np.full(capacity, layout.numel, dtype=np.int64)
+    chosen[:candidates.size] = candidates
+    return torch.from_numpy(chosen)

@@ -35,8 +35,12 @@ def indices_at_or_above(flat: torch.Tensor, threshold: float | torch.Tensor) -> 
         return kernels.indices_at_or_above(flat.reshape(-1), threshold)
     if flat.device.type != "cpu" or flat.dtype != torch.float32:
         return torch.nonzero(flat.abs() >= threshold).squeeze(1)
-    threshold = float(threshold)
-    values = flat.detach().numpy()
+    return torch.from_numpy(host_indices_at_or_above(flat.detach().numpy(), float(threshold)))
+
+
+def host_indices_at_or_above(values: np.ndarray, threshold: float) -> np.ndarray:
+    """`indices_at_or_above` of a float32 array in the CPU's memory (int64, ascending): a pass per
+    cache-sized block, the magnitudes and the mask in reused scratch buffers."""
     found = []
     magnitudes, mask = _BUFFERS.magnitudes, _BUFFERS.mask
     for start in range(0, values.size, _CHUNK):
@@ -48,7 +52,7 @@ def indices_at_or_above(flat: torch.Tensor, threshold: float | torch.Tensor) -> 
         if hits.size:
             found.append(hits + start)
     merged = np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
-    return torch.from_numpy(merged.astype(np.int64, copy=False))
+    return merged.astype(np.int64, copy=False)
 
 
 @SPARSIFIERS.register("threshold")
