@@ -116,6 +116,93 @@ def test_one_rank_nodes_are_flat_and_a_resume_continues_bit_for_bit(tmp_path):
     run_local(4, resume_and_flat, str(tmp_path))
 
 
+class WithEmbedding(torch.nn.Module):
+    """A sparse embedding's rows next to dense layers, as lm's model has."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = torch.nn.Embedding(50, 8, sparse=True)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(tokens).mean(dim=1))
+
+
+def embedding_gradients(ddp: DDP, rank: int, number: int) -> list[torch.Tensor]:
+    # rank 3 uses rows no other rank of its node does; all share rows 0-9
+    tokens = torch.randint(0, 10 + 10 * rank, (6, 5), generator=torch.Generator().manual_seed(100 * number + rank))
+    ddp.zero_grad()
+    ddp(tokens).square().mean().backward()
+    return [p.grad.to_dense() if p.grad.is_sparse else p.grad.clone() for p in ddp.parameters()]
+
+
+def sparse_rows(rank: int, world: int) -> None:
+    topology = sc.Topology(2)
+    # lossless: DDP's own average of the embedding's rows and the dense layer
+    plain, hierarchical = DDP(WithEmbedding()), DDP(WithEmbedding())
+    reducer = sc.register_ddp_hook(hierarchical, "dense", topology=topology)
+    for number in range(2):
+        for mine, ddps in zip(embedding_gradients(hierarchical, rank, number),
+                              embedding_gradients(plain, rank, number), strict=True):
+            torch.testing.assert_close(mine, ddps, rtol=1e-5, atol=1e-7)
+    assert reducer.node_bytes > 0
+    reducer.close()
+
+    # lossy, rows selected across nodes: every rank ends with the same rows; a resume continues bit for bit
+    lossy, spec = DDP(WithEmbedding()), "topk(ratio=0.3)+residual+rice+fp32"
+    reducer = sc.register_ddp_hook(lossy, spec, topology=topology)
+    for number in range(3):
+        grads = embedding_gradients(lossy, rank, number)
+        first, *others = gathered(grads)
+        assert all(torch.equal(first, other) for other in others)
+    resumed = DDP(WithEmbedding())
+    again = sc.HierarchicalReducer(spec, topology, model=resumed)
+    again.load_state_dict(reducer.state_dict())
+    resumed.register_comm_hook(again, sc.ddp_comm_hook)
+    for number in range(3, 5):
+        for a, b in zip(embedding_gradients(lossy, rank, number), embedding_gradients(resumed, rank, number),
+                        strict=True):
+            assert torch.equal(a, b)
+    reducer.close()
+    again.close()
+
+    # a custom loop with a sparse gradient among dense ones; an empty one too
+    with sc.HierarchicalReducer("dense", topology) as custom:
+        rows = torch.sparse_coo_tensor(torch.tensor([[rank, 7]]), torch.ones(2, 4) * (rank + 1), (9, 4),
+                                       check_invariants=True)
+        empty = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.int64), torch.zeros(0, 4), (9, 4),
+                                        check_invariants=True)
+        dense = torch.full((5,), float(rank))
+        custom.allreduce_([("rows", rows), ("dense", dense), ("empty", empty)])
+        expected = torch.zeros(9, 4)
+        for r in range(world):
+            expected[r] += (r + 1) / world
+            expected[7] += (r + 1) / world
+        torch.testing.assert_close(rows.to_dense(), expected)
+        torch.testing.assert_close(dense, torch.full((5,), (world - 1) / 2))
+        assert empty.to_dense().abs().sum() == 0
+
+
+def test_a_sparse_embeddings_rows_are_summed_in_the_node_and_split_by_row_across_nodes():
+    run_local(4, sparse_rows)
+
+
+def test_rows_that_arrive_cut_short_or_out_of_bounds_are_refused():
+    from sparsecomm.reducer.node_rows import _as_bytes, _from_bytes
+
+    like = torch.sparse_coo_tensor(torch.tensor([[1, 4]]), torch.ones(2, 3), (6, 3), check_invariants=True).coalesce()
+    data = _as_bytes(like)
+    indices, values = _from_bytes(data, like)
+    assert torch.equal(indices, like.indices()) and torch.equal(values, like.values())
+    with pytest.raises(sc.SparseCommError, match="whole number"):
+        _from_bytes(data[:-1], like)
+    bad = _as_bytes(torch.sparse_coo_tensor(torch.tensor([[1, 9]]), torch.ones(2, 3), (10, 3),
+                                           check_invariants=True).coalesce())
+    with pytest.raises(sc.SparseCommError, match="outside"):
+        _from_bytes(bad, like)
+
+
 def disagreeing_topologies(rank: int, world: int) -> str:
     with pytest.raises(sc.SparseCommError, match="topology") as raised:
         sc.HierarchicalReducer("dense", sc.Topology(1 + rank))

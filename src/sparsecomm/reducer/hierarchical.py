@@ -2,11 +2,13 @@
 the slow link between nodes carries compressed traffic, and only once per node:
 
 1. inside each node, a dense reduce-scatter sums the buffer onto its ranks, each owning a shard
-   (`NodeShards`: slice ``l`` of every tensor belongs to local rank ``l``);
+   (`NodeShards`: slice ``l`` of every tensor belongs to local rank ``l``) — a sparse gradient (an
+   embedding's rows) is summed by an all-gather of the rows instead, and split by row
+   (`sparsecomm.reducer.node_rows`);
 2. each rank reduces its shard with the ranks that own it on the other nodes, through the
    compressed pipeline (a `GradientReducer` over those ranks: its error feedback holds
    1/``local_size`` of the model, its ``adaptive`` budgets the link between nodes);
-3. inside each node, an all-gather puts the averaged shards back together.
+3. inside each node, an all-gather puts the averaged shards (or rows) back together.
 
 A node of one rank (``Topology(1)``) is a flat group: the shard is the whole buffer and no node hop
 runs. Node hops happen on the caller's thread in call order, so every node's ranks meet in the
@@ -25,6 +27,7 @@ from torch import nn
 
 from sparsecomm.errors import SparseCommError
 from sparsecomm.pipeline import Segment
+from sparsecomm.reducer import node_rows
 from sparsecomm.reducer.across_nodes import AcrossNodes, failed_in_node
 from sparsecomm.reducer.buckets import BucketLayouts
 from sparsecomm.reducer.completion import result_future
@@ -46,15 +49,17 @@ class _Shard:
     """One call between its reduce-scatter and its all-gather."""
 
     shards: NodeShards | None
-    """how the node splits the buffer (None: a node of one rank)"""
+    """how the node splits the buffer (None: a node of one rank, or rows)"""
     buffer: torch.Tensor
-    """this rank's shard, summed over its node (padded to the shard size)"""
+    """this rank's shard, summed over its node (padded to the shard size; rows: the gradient)"""
     across: torch.futures.Future[torch.Tensor]
     """its average over nodes"""
     result: torch.futures.Future
     """the call's future (the average in the caller's layout)"""
     finish: Callable[[torch.Tensor], torch.Tensor]
     """the averaged buffer in the caller's layout"""
+    rows: bool = False
+    """a sparse gradient, split among the node's ranks by row"""
 
 
 class HierarchicalReducer(AcrossNodes):
@@ -118,11 +123,10 @@ class HierarchicalReducer(AcrossNodes):
     def reduce_bucket_async(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """A future of DDP's ``bucket`` averaged over ranks (`ddp_comm_hook` calls it); it completes at
         the step's end (`finish_step`)."""
-        if bucket.buffer().is_sparse:
-            raise SparseCommError("a HierarchicalReducer reduces dense gradients: a sparse embedding's gradient "
-                                  "needs a GradientReducer (or Embedding(sparse=False))")
         layout = self.buckets.layout(bucket)
         buffer = bucket.buffer()
+        if buffer.is_sparse:  # an embedding's rows: one parameter, in DDP's layout
+            return self._post_rows(layout.key, buffer, layout.segments, layout.stats_key, bucket.is_last())
 
         def in_ddp_layout(total: torch.Tensor) -> torch.Tensor:
             return total if layout.ddp_offsets is None else layout.to_ddp(total, buffer)
@@ -131,36 +135,46 @@ class HierarchicalReducer(AcrossNodes):
                           bucket.is_last(), in_ddp_layout)
 
     def allreduce_(self, named_gradients: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """One step of a custom loop: replace each gradient by its average over ranks, in place.
-        The gradients travel as one buffer (sorted by name), each keeping its state by name.
+        """One step of a custom loop: replace each gradient by its average over ranks, in place
+        (sparse COO by ``copy_``). The dense gradients travel as one buffer (sorted by name), each
+        keeping its state by name; each sparse one (an embedding's) travels by its rows.
 
         Raises:
-            SparseCommError: a name repeats, the ranks pass different names or shapes, a gradient
-                is sparse or of another dtype or device than the first, or non-finite under
-                ``nonfinite="raise"`` — on every rank.
+            SparseCommError: a name repeats, the ranks pass different names or shapes, a dense
+                gradient is of another dtype or device than the first, or a gradient is non-finite
+                under ``nonfinite="raise"`` — on every rank.
         """
         named = by_name(named_gradients)
         names = [name for name, _ in named]
         if not named:
             raise SparseCommError("allreduce_ needs at least one gradient")
-        first = named[0][1]
-        for name, tensor in named:
-            if tensor.is_sparse or tensor.dtype != first.dtype or tensor.device != first.device:
+        dense = [(name, tensor) for name, tensor in named if not tensor.is_sparse]
+        rows = [(name, tensor) for name, tensor in named if tensor.is_sparse]
+        for name, tensor in dense:
+            first = dense[0][1]
+            if tensor.dtype != first.dtype or tensor.device != first.device:
                 raise SparseCommError(f"{name}: a HierarchicalReducer reduces dense gradients of one dtype and "
-                                      f"device ({first.dtype} on {first.device}), not {tensor.layout} "
-                                      f"{tensor.dtype} on {tensor.device}")
+                                      f"device ({first.dtype} on {first.device}), not {tensor.dtype} on "
+                                      f"{tensor.device}")
         segments, start = [], 0
-        for name, tensor in named:
+        for name, tensor in dense:
             segments.append(Segment(name, start, tensor.numel(), self.across.config.sends_whole(tensor.shape)))
             start += tensor.numel()
-        layout = fingerprint(*((name, tuple(tensor.shape)) for name, tensor in named))
+        layout = fingerprint(*((name, tuple(tensor.shape), tensor.is_sparse) for name, tensor in named))
         agree(self.group, Request(key="gradients " + ", ".join(names), call=self.stats.steps), start, layout)
-        flat = torch.cat([tensor.reshape(-1) for _, tensor in named])
-        future = self._post(f"gradients {layout:08x}", flat, tuple(segments), "gradients", True, lambda total: total)
+        pending = [(tensor, self._post_rows(name, tensor, (Segment(name, 0, tensor.numel()),), name,
+                                            last=not dense and i == len(rows) - 1))
+                   for i, (name, tensor) in enumerate(rows)]
+        flat = torch.cat([tensor.reshape(-1) for _, tensor in dense]) if dense else None
+        buffer = None if flat is None else self._post(f"gradients {layout:08x}", flat, tuple(segments), "gradients",
+                                                      True, lambda total: total)
         self.finish_step()
-        averaged = future.wait()
-        for segment, (_, tensor) in zip(segments, named, strict=True):
-            tensor.copy_(averaged[segment.start:segment.start + segment.numel].view_as(tensor))
+        for tensor, future in pending:
+            tensor.copy_(future.wait())
+        if buffer is not None:
+            averaged = buffer.wait()
+            for segment, (_, tensor) in zip(segments, dense, strict=True):
+                tensor.copy_(averaged[segment.start:segment.start + segment.numel].view_as(tensor))
 
     def _post(self, key: str, flat: torch.Tensor, segments: tuple[Segment, ...], stats_key: str, last: bool,
               finish: Callable[[torch.Tensor], torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
@@ -181,6 +195,21 @@ class HierarchicalReducer(AcrossNodes):
         across = self.across.reduce_flat_async(key, owned, mine, stats_key, last)
         result = result_future(flat)
         self._open.append(_Shard(shards, buffer, across, result, finish))
+        return result
+
+    def _post_rows(self, key: str, grad: torch.Tensor, segments: tuple[Segment, ...], stats_key: str,
+                   last: bool) -> torch.futures.Future[torch.Tensor]:
+        """Sum a sparse ``grad`` inside the node now (an all-gather of its rows), and post the rows
+        this rank owns across nodes."""
+        local_size = self.groups.topology.local_size
+        mine = grad.coalesce()
+        if local_size > 1:
+            total, sent = node_rows.summed(mine, self.groups.node_group)
+            self.node_bytes += sent
+            mine = node_rows.owned(total, local_size, self.groups.local_rank)
+        across = self.across.reduce_flat_async(key, mine, segments, stats_key, last)
+        result = result_future(grad)
+        self._open.append(_Shard(None, grad, across, result, lambda total: total, rows=True))
         return result
 
     def finish_step(self) -> None:
@@ -206,7 +235,12 @@ class HierarchicalReducer(AcrossNodes):
             raise error
         for call in open_calls:
             averaged = call.across.wait()
-            if call.shards is None:
+            if call.rows and local_size > 1:
+                total, sent = node_rows.put_together(averaged, call.buffer, self.groups.node_group)
+                self.node_bytes += sent
+                if self.average:
+                    total = total.div_(local_size)
+            elif call.shards is None:
                 total = averaged
             else:
                 call.buffer[:averaged.numel()].copy_(averaged)
