@@ -89,9 +89,9 @@ def decode(words: torch.Tensor, space: int, count: int, padded: bool = False) ->
     blocks, width = ((space - 1) >> b) + 1, _count_width(count, b)
     start = _unused_width(count) if padded else 0
     used = count - unpack_fields(words, start, 1)[..., 0] if padded else torch.tensor(count, device=words.device)
-    wanted = torch.arange(count, device=words.device)
     if not b:  # a bitmap
         return _bitmap_positions(unpack_bits(words, blocks, start).bool(), count, used, padded)
+    wanted = torch.arange(count, device=words.device)
     counts = unpack_fields(words, width, blocks, start=start)
     ends = counts.cumsum(-1)
     sound = ends[..., -1] == used
@@ -116,7 +116,7 @@ def _bitmap_positions(bits: torch.Tensor, count: int, used: torch.Tensor,
         unused = torch.arange(count, device=bits.device) < (count - used)[..., None]
         bits = torch.cat([bits, unused.expand(*rows, count)], -1)
     flat = compact(bits.reshape(-1), math.prod(rows) * count, fill=0).view(*rows, count)
-    return (flat % bits.shape[-1]).clamp_(max=space), sound
+    return (flat % bits.shape[-1]).clamp_(max=space), sound  # each row's positions, from its own start
 
 
 def compact(mask: torch.Tensor, size: int, fill: int) -> torch.Tensor:

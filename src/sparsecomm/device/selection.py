@@ -34,7 +34,6 @@ SLACK = 3
 """candidates per entry of the capacity: twice what the thresholds aim at"""
 
 
-
 def thresholds(accumulated: torch.Tensor, layout: BucketLayout, ratio: float,
                generator: torch.Generator) -> torch.Tensor:
     """Per segment, the threshold its entries' magnitudes are compared with (NaN, which no entry
