@@ -26,6 +26,8 @@ DEVICE_ROUTE = "dgc(ratio=0.01)+dgc_momentum(momentum=0.9)+raw+fp32+allgather"
 """a pipeline on the device route (`sparsecomm.device`)"""
 DEVICE_ROUTE_PACKED = "dgc(ratio=0.01)+residual+packed+int8+allgather"
 """the device route with packed indices and 8-bit values"""
+ADAPTIVE_DEVICE_ROUTE = "adaptive(budget=20000)+residual+packed+int8+allgather"
+"""``adaptive``'s sparse steps on the device route, its density shared out over each bucket"""
 
 
 def every_transport(rank: int, world: int, cpu_group_backend: str) -> dict:
@@ -117,12 +119,13 @@ def rank_disagreements(rank: int, world: int, preset: str, steps: int) -> int:
     return disagreements
 
 
-@pytest.mark.parametrize("preset", ["adaptive", "dense", "dgc", DEVICE_ROUTE, DEVICE_ROUTE_PACKED])
+@pytest.mark.parametrize("preset", ["adaptive", "dense", "dgc", DEVICE_ROUTE, DEVICE_ROUTE_PACKED,
+                                    ADAPTIVE_DEVICE_ROUTE])
 def test_every_rank_applies_the_same_sum_on_every_step_when_gloo_carries_cuda_gradients(preset):
     assert run_local(2, rank_disagreements, preset, 30, timeout=240) == [0, 0]
 
 
-@pytest.mark.parametrize("preset", [*sc.available_presets(), DEVICE_ROUTE, DEVICE_ROUTE_PACKED])
+@pytest.mark.parametrize("preset", [*sc.available_presets(), DEVICE_ROUTE, DEVICE_ROUTE_PACKED, ADAPTIVE_DEVICE_ROUTE])
 def test_the_ddp_hook_runs_every_preset_on_nccl(preset):
     (gpu,) = run_local(1, ddp_steps, preset, "cuda", 4, backend="nccl", timeout=240)
     (cpu,) = run_local(1, ddp_steps, preset, "cpu", 4, backend="gloo", timeout=240)
@@ -294,3 +297,36 @@ def test_the_device_routes_wire_is_the_same_bits_on_a_gpu(density):
         assert bool(agreed) and total.device.type == device
         words[device] = (out.cpu(), delivered.cpu(), total.cpu())
     assert all(torch.equal(a, b) for a, b in zip(words["cpu"], words["cuda"], strict=True))
+
+
+def test_one_threshold_over_the_bucket_is_the_same_on_a_gpu_as_in_host_memory_without_a_host_read():
+    """`adaptive`'s shared threshold on the device route: the tensor form on CUDA gives the
+    thresholds and share the processor's numpy form gives for the same samples, and reads nothing."""
+    from sparsecomm.bench.op_counts import count_ops
+    from sparsecomm.device import selection, shares
+    from sparsecomm.device.layout import BucketLayout
+    from sparsecomm.pipeline import Segment
+
+    sizes = [2560, 131_072, 300, 40_000]
+    segments, start = [], 0
+    for i, numel in enumerate(sizes):
+        segments.append(Segment(f"p{i}", start, numel))
+        start += numel
+    values = torch.randn(start + 1, generator=torch.Generator().manual_seed(6))
+    values[:2560] *= 30
+    values[-1] = 0.0
+
+    def sampled(device: str) -> tuple:
+        layout = BucketLayout.of(segments, start, torch.device(device))
+        grid = layout.at_ratio(0.01 / 1.5).grid  # the same offsets: a processor's generator either way
+        samples = selection._sampled(values.to(device), grid, torch.Generator().manual_seed(3))
+        return samples, grid, *selection._at_ranks(samples, grid, grid.both_ranks).unbind(1)
+
+    samples, grid, own, floor = sampled("cpu")
+    on_host = shares.lowered_in_host_memory(samples.numpy(), grid, own.numpy(), floor.numpy())
+    on_gpu = sampled("cuda")
+    assert count_ops(lambda: shares.lowered(*on_gpu), 1).syncs == 0
+    candidates, members, share = shares.lowered(*on_gpu)
+    torch.testing.assert_close(candidates.cpu(), torch.from_numpy(on_host[0]))
+    torch.testing.assert_close(members.cpu(), torch.from_numpy(on_host[1]))
+    assert float(share) == pytest.approx(on_host[2], rel=1e-4)

@@ -99,6 +99,39 @@ def test_a_custom_loop_on_the_device_route_resumes_bit_identically_from_a_checkp
     assert straight[0] == straight[1] == resumed[0] == resumed[1]
 
 
+def shared_out(rank: int, world: int, steps: int, resume_at: int | None) -> tuple[str, dict[str, float]]:
+    """`train_manual` under ``adaptive`` with a byte budget (every step sparse, on the device route):
+    the parameters, and each one's share of the density."""
+    model = mlp(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    reducer = sc.GradientReducer(ADAPTIVE_SPEC, seed=3)
+    for step, (data, labels) in enumerate(batches(rank, world, steps)):
+        if step == resume_at:
+            saved = copy.deepcopy(reducer.state_dict())
+            reducer.close()
+            reducer = sc.GradientReducer(ADAPTIVE_SPEC, seed=3)
+            reducer.load_state_dict(saved)
+        optimizer.zero_grad()
+        F.cross_entropy(model(data), labels).backward()
+        reducer.allreduce_((n, p.grad) for n, p in model.named_parameters())
+        optimizer.step()
+    on_device = {key for key, stats in reducer.stats.tensors.items() if stats.route == "device"}
+    shares = {key: state.density_share for key, state in reducer.pipeline.states.items() if key in on_device}
+    reducer.close()
+    assert shares, reducer.stats.tensors
+    return digest(model), shares
+
+
+def test_adaptive_on_the_device_route_shares_its_density_out_and_resumes_bit_identically():
+    """Each rank's share of the density (`sparsecomm.device.shares`) is held in each parameter's
+    checkpointed state: a resumed run goes on exactly as the straight one."""
+    straight = run_local(2, shared_out, 12, None)
+    resumed = run_local(2, shared_out, 12, 6)
+    assert straight == resumed and straight[0][0] == straight[1][0]
+    for _, shares in straight:
+        assert len(set(shares.values())) == 1 and 1.0 < min(shares.values()) <= 2.0, shares  # one bucket, one share
+
+
 def test_the_device_routes_checkpoint_is_the_host_paths_state_by_name():
     """The host path's state, loaded into a reducer on the device route, goes on from where it was:
     the same momentum by name, so the run differs from a host-only run only in what it selects."""

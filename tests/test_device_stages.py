@@ -3,6 +3,7 @@ feedback's propose/commit against the host feedback, and the fixed-size wire."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,7 +13,8 @@ from sparsecomm.device import values as device_values
 from sparsecomm.device.bitpack import pack_at, pack_bits, pack_fields, unpack_bits, unpack_fields, width_for, words_for
 from sparsecomm.device.feedback import buffer_names, commit, propose
 from sparsecomm.device.layout import BucketLayout
-from sparsecomm.device.selection import select
+from sparsecomm.device.selection import select, select_shared
+from sparsecomm.device.shares import MAX_SHARE, lowered, rounded
 from sparsecomm.device.status import Status, read
 from sparsecomm.device.support import device_native
 from sparsecomm.device.wire import WireFormat
@@ -112,7 +114,7 @@ def test_a_processor_chooses_what_the_device_form_chooses(ratio, scale):
     """On a CPU the selection runs a segment at a time in host memory; it sends the same entries as
     the device form's fixed-size ops would (``scale`` < 1: thresholds so low that the candidates
     overflow the compaction, and the earliest are kept)."""
-    from sparsecomm.device.selection import SLACK, _select_in_host_memory, _select_on_device, thresholds
+    from sparsecomm.device.selection import _select_in_host_memory, _select_on_device, thresholds
 
     layout = layout_of([2560, 131_072, 300, 40_000, 7, 0, 9000], whole=frozenset({2}))
     values = torch.randn(layout.numel, generator=torch.Generator().manual_seed(6))
@@ -121,12 +123,68 @@ def test_a_processor_chooses_what_the_device_form_chooses(ratio, scale):
     accumulated = padded(values)
     threshold = thresholds(accumulated, layout, ratio, torch.Generator().manual_seed(3)) * scale
     capacity = layout.at_ratio(ratio).capacity
-    slots = min(layout.numel, SLACK * capacity)
-    on_device = _select_on_device(accumulated, threshold, layout, slots, capacity)
-    in_memory = _select_in_host_memory(values.numpy(), threshold.numpy(), layout, slots, capacity)
+    on_device = _select_on_device(accumulated, threshold, threshold, layout, capacity)
+    per_sparsified = threshold[layout.sparsified].numpy()
+    in_memory = _select_in_host_memory(accumulated, per_sparsified, per_sparsified, layout, capacity)
     assert torch.equal(on_device, in_memory)
     if scale == 1.0:
         assert torch.equal(select(accumulated, layout, ratio, torch.Generator().manual_seed(3)), in_memory)
+
+
+def chosen_per_segment(chosen: torch.Tensor, layout: BucketLayout) -> list[int]:
+    ends = torch.tensor([s.start + s.numel for s in layout.segments])
+    used = chosen[chosen < layout.numel]
+    return torch.bucketize(used, ends, right=True).bincount(minlength=len(layout.segments)).tolist()
+
+
+def test_one_threshold_over_the_bucket_gives_a_tensor_that_stands_out_more_than_its_floor_in_the_same_capacity():
+    layout = layout_of([200_000, 5000, 30_000])
+    values = torch.randn(layout.numel, generator=torch.Generator().manual_seed(4))
+    values[200_000:205_000] *= 10  # a small tensor whose gradient stands out
+    capacity, ratio = layout.at_ratio(0.01).capacity, 0.01
+    _, proposed = select_shared(padded(values), layout, ratio, 1.0, torch.Generator().manual_seed(1))
+    assert 1.3 < float(proposed) <= MAX_SHARE  # it asks for more than the floors' count
+    share = float(proposed)
+    chosen = select_shared(padded(values), layout, ratio, share, torch.Generator().manual_seed(1))[0]
+    assert chosen.numel() == capacity and chosen.unique().numel() == capacity  # the capacity: the budget's bytes
+    counts = chosen_per_segment(chosen, layout)
+    floors = [math.ceil(s.numel * ratio / rounded(share)) for s in layout.segments]
+    assert counts[1] >= 3 * 50, counts  # far above its own count at the ratio
+    # each keeps about its floor (a sampled threshold's count errs by about 1/√22 at this floor)
+    assert all(count >= 0.6 * floor for count, floor in zip(counts, floors, strict=True)), (counts, floors)
+    # where no tensor stands out, the floors take about the whole capacity
+    alike = torch.randn(layout.numel, generator=torch.Generator().manual_seed(5))
+    _, proposed = select_shared(padded(alike), layout, ratio, 1.0, torch.Generator().manual_seed(1))
+    assert 1.0 <= float(proposed) < 1.2
+
+
+def test_a_processor_chooses_what_the_device_form_chooses_under_one_threshold_over_the_bucket():
+    from sparsecomm.device import selection
+    from sparsecomm.device.shares import lowered_in_host_memory
+
+    layout = layout_of([2560, 131_072, 300, 40_000, 7], whole=frozenset({2}))
+    values = torch.randn(layout.numel, generator=torch.Generator().manual_seed(6))
+    values[:2560] *= 30
+    accumulated, ratio, share = padded(values), 0.01, 1.5
+    grid = layout.at_ratio(ratio / share).grid
+    samples = selection._sampled(accumulated, grid, torch.Generator().manual_seed(3))
+    own, floor = selection._at_ranks(samples, grid, grid.both_ranks).unbind(1)
+    candidates, members, proposed = lowered(samples, grid, own, floor)
+    on_host = lowered_in_host_memory(samples.numpy(), grid, own.numpy(), floor.numpy())
+    assert np.array_equal(candidates.numpy(), on_host[0]) and np.array_equal(members.numpy(), on_host[1])
+    assert float(proposed) == pytest.approx(on_host[2], rel=1e-5)
+    capacity = layout.at_ratio(ratio).capacity
+    on_device = selection._select_on_device(accumulated, selection._per_segment(layout, accumulated, candidates),
+                                            selection._per_segment(layout, accumulated, members), layout, capacity)
+    chosen, in_memory = select_shared(accumulated, layout, ratio, share, torch.Generator().manual_seed(3))
+    assert torch.equal(on_device, chosen) and in_memory == pytest.approx(float(proposed), rel=1e-5)
+
+
+@pytest.mark.parametrize(("share", "read_back"), [(1.3, 1.3125), (1.0, 1.0), (0.4, 1.0), (7.0, 2.0), (2.0, 2.0)])
+def test_a_status_word_brings_the_share_rounded_up_to_a_sixteenth_within_its_bounds(share, read_back):
+    status = read(torch.tensor(3), torch.tensor(5.0), torch.tensor(0.01), torch.tensor(share))
+    assert status.share == read_back == rounded(share) and status.good and status.magnitude >= 5.0
+    assert status.density == pytest.approx(0.01)
 
 
 def fresh(feedback, numel: int, fill: float = 0.0) -> tuple[dict, dict]:

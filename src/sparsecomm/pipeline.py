@@ -70,7 +70,8 @@ class TensorState:
     codec_error: torch.Tensor | None = None
     """a tensor sent whole: what a lossy codec lost of it, sent with its next step (flat)"""
     density_share: float = 1.0
-    """with a planned density d, this tensor keeps d · share of its entries (`share_density`)"""
+    """with a planned density d, this tensor keeps d · share of its entries (`share_density`); on
+    the device route, its bucket's floors are d / share (`sparsecomm.device.shares`)"""
     magnitudes: tuple[float, torch.Tensor] | None = None
     """this step's planned density and sample of its accumulated magnitudes, until `share_density`"""
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
+import numpy as np
 import torch
 
 from sparsecomm.pipeline import Segment
@@ -19,6 +21,10 @@ SAMPLED_ABOVE = 32
 """and enough that about this many samples stand above it: its count then errs by about 1/√32"""
 CANDIDATES = 1.5
 """a tensor's threshold is set where about this many times its count stand above it"""
+TINY = 1e-30
+"""the least threshold: a segment of zeros has no candidates, not every entry"""
+POOLED = 32768
+"""samples, at most, from which one threshold over the bucket is found (a sort of them per call)"""
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,25 @@ class SampleGrid:
     ranks: torch.Tensor
     width: int
     deepest: int
+    both_ranks: torch.Tensor
+    """``ranks``, and which sample stands where the segment's count itself does (two columns)"""
+    floors: torch.Tensor
+    """each segment's count at the ratio (float32): its floor where one threshold over the bucket
+    shares the density out (`sparsecomm.device.shares`)"""
+    floor_count: float
+    """the floors' sum"""
+    pooled_step: int
+    """every this-many-th column of the samples goes into the bucket's pool (`POOLED` of them at most)"""
+    pooled_weights: torch.Tensor
+    """the entries each pooled sample stands for (float32, the pool's shape; 0 where padded)"""
+    reaches: torch.Tensor
+    """the floors' sum and `CANDIDATES` times it (float32): how many entries of the whole bucket
+    stand above its threshold, and above the threshold its candidates are compared with"""
+
+    @cached_property
+    def in_host_memory(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``pooled_weights``, ``reaches`` and ``floors`` as numpy arrays (a grid on a processor)."""
+        return self.pooled_weights.numpy(), self.reaches.numpy(), self.floors.numpy()
 
 
 @dataclass(frozen=True)
@@ -114,10 +139,23 @@ class BucketLayout:
             if sparsified else torch.zeros(0, width, dtype=torch.int64)
         padded = columns[None, :] >= torch.tensor(counts, dtype=torch.int64)[:, None] if sparsified \
             else torch.zeros(0, width, dtype=torch.bool)
-        # the sample's share of the entries meant to stand above the threshold
-        ranks = [min(count, max(1, math.ceil(count * n / s.numel - 1e-9)))
-                 for s, count, n in zip(sparsified, counts, above, strict=True)]
+        ranks = [_rank(count, n, s.numel) for s, count, n in zip(sparsified, counts, above, strict=True)]
+        floors = [count_from(s.numel, ratio, None) for s in sparsified]
+        floor_ranks = [_rank(count, n, s.numel) for s, count, n in zip(sparsified, counts, floors, strict=True)]
+        step = max(1, -(-len(sparsified) * width // POOLED))
+        pooled = torch.tensor([s.numel / -(-count // step) for s, count in zip(sparsified, counts, strict=True)],
+                              dtype=torch.float32)
         device = self.device
+        both = torch.tensor(list(zip(ranks, floor_ranks, strict=True)), dtype=torch.int64).reshape(-1, 2) - 1
         return SampleGrid(base.to(device), torch.tensor(strides, dtype=torch.int64, device=device)[:, None],
-                          padded.to(device), torch.tensor(ranks, dtype=torch.int64, device=device)[:, None] - 1,
-                          width, max(ranks, default=1))
+                          padded.to(device), both[:, :1].contiguous().to(device), width, max(ranks, default=1),
+                          both.to(device), torch.tensor(floors, dtype=torch.float32, device=device),
+                          float(sum(floors)), step,
+                          torch.where(padded[:, ::step], 0.0, pooled[:, None]).contiguous().to(device),
+                          torch.tensor([sum(floors), CANDIDATES * sum(floors)], dtype=torch.float32, device=device))
+
+
+def _rank(samples: int, above: float, numel: int) -> int:
+    """Which of ``samples`` (counted from the largest, from 1) stands where ``above`` of ``numel``
+    entries do: the sample's share of them."""
+    return min(samples, max(1, math.ceil(samples * above / numel - 1e-9)))

@@ -14,6 +14,10 @@ The thresholds sample enough (`SAMPLED_ABOVE`) that more candidates than the com
 twice what is expected — come about once in a million tensor-steps; then the earliest are kept,
 and what the rest would have sent stays in the feedback for a later step.
 
+`select_shared` (``adaptive``'s) lowers a segment's threshold to one over the whole bucket where
+that is lower, so a tensor whose gradient stands out sends more than its floor, in the same
+capacity (`sparsecomm.device.shares`).
+
 On a processor the same choice is made a segment at a time in the CPU's own memory, where a
 candidate count costs no wait: faster there than one comparison over the bucket.
 """
@@ -23,12 +27,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from sparsecomm.device import shares
 from sparsecomm.device.indices import compact
-from sparsecomm.device.layout import BucketLayout
+from sparsecomm.device.layout import TINY, BucketLayout, SampleGrid
 from sparsecomm.sparsify.threshold import host_indices_at_or_above
-
-TINY = 1e-30
-"""the least threshold: a segment of zeros has no candidates, not every entry"""
 
 SLACK = 3
 """candidates per entry of the capacity: twice what the thresholds aim at"""
@@ -38,17 +40,7 @@ def thresholds(accumulated: torch.Tensor, layout: BucketLayout, ratio: float,
                generator: torch.Generator) -> torch.Tensor:
     """Per segment, the threshold its entries' magnitudes are compared with (NaN, which no entry
     reaches, for segments sent whole and for the padding)."""
-    grid = layout.at_ratio(ratio).grid
-    per_segment = torch.full((len(layout.segments) + 1,), float("nan"), dtype=accumulated.dtype,
-                             device=accumulated.device)
-    if grid.base.numel() == 0:
-        return per_segment
-    offsets = torch.rand(grid.strides.shape, generator=generator, device=generator.device)
-    offsets = offsets.to(accumulated.device).mul_(grid.strides).long()
-    samples = accumulated[grid.base + offsets].abs_().masked_fill_(grid.padded, -1.0)
-    top = torch.topk(samples, grid.deepest, dim=1).values
-    chosen = top.gather(1, grid.ranks).squeeze(1).clamp_(min=TINY)
-    return per_segment.index_copy_(0, layout.sparsified, chosen)
+    return _per_segment(layout, accumulated, _own(accumulated, layout.at_ratio(ratio).grid, generator))
 
 
 def select(accumulated: torch.Tensor, layout: BucketLayout, ratio: float,
@@ -56,25 +48,82 @@ def select(accumulated: torch.Tensor, layout: BucketLayout, ratio: float,
     """The indices (int64, as many as the capacity at ``ratio``, ascending) of the sparsified entries
     to send, or ``numel`` for an unused slot. ``accumulated`` holds ``numel + 1`` entries, the last
     (the padding) zero; the entries sent whole (`BucketLayout.whole`) are never among them."""
+    own = _own(accumulated, layout.at_ratio(ratio).grid, generator)
     capacity = layout.at_ratio(ratio).capacity
-    numel = layout.numel
-    threshold = thresholds(accumulated, layout, ratio, generator)
-    slots = min(numel, SLACK * capacity)
-    if accumulated.device.type == "cpu" and accumulated.dtype == torch.float32:
-        return _select_in_host_memory(accumulated[:numel].detach().numpy(), threshold.numpy(), layout, slots,
-                                      capacity)
-    return _select_on_device(accumulated, threshold, layout, slots, capacity)
+    if _in_host_memory(accumulated):
+        host = own.numpy() if own is not None else None
+        return _select_in_host_memory(accumulated, host, host, layout, capacity)
+    threshold = _per_segment(layout, accumulated, own)
+    return _select_on_device(accumulated, threshold, threshold, layout, capacity)
 
 
-def _select_on_device(accumulated: torch.Tensor, threshold: torch.Tensor, layout: BucketLayout, slots: int,
+def select_shared(accumulated: torch.Tensor, layout: BucketLayout, ratio: float, share: float,
+                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | float]:
+    """`select` in the capacity at ``ratio``, shared out between floors at ``ratio`` over ``share``
+    and one threshold over the bucket (`sparsecomm.device.shares`); and the share this rank's
+    gradient proposes for the next step (a 0-d float32 on the device, or a float where the choice
+    was made in host memory)."""
+    capacity = layout.at_ratio(ratio).capacity
+    grid = layout.at_ratio(ratio / shares.rounded(share)).grid
+    samples = _sampled(accumulated, grid, generator)
+    if samples is None:
+        return select(accumulated, layout, ratio, generator), 1.0
+    both = _at_ranks(samples, grid, grid.both_ranks)
+    if _in_host_memory(accumulated):
+        own_floor = both.numpy()
+        candidates, members, proposed = shares.lowered_in_host_memory(samples.numpy(), grid, own_floor[:, 0],
+                                                                      own_floor[:, 1])
+        return _select_in_host_memory(accumulated, candidates, members, layout, capacity), proposed
+    candidates, members, proposed = shares.lowered(samples, grid, *both.unbind(1))
+    return _select_on_device(accumulated, _per_segment(layout, accumulated, candidates),
+                             _per_segment(layout, accumulated, members), layout, capacity), proposed
+
+
+def _own(accumulated: torch.Tensor, grid: SampleGrid, generator: torch.Generator) -> torch.Tensor | None:
+    """Each sparsified segment's own threshold, where `CANDIDATES` times its count stand above it
+    (None: no segment is sparsified)."""
+    samples = _sampled(accumulated, grid, generator)
+    return _at_ranks(samples, grid, grid.ranks).squeeze(1) if samples is not None else None
+
+
+def _sampled(accumulated: torch.Tensor, grid: SampleGrid, generator: torch.Generator) -> torch.Tensor | None:
+    """Each sparsified segment's sampled magnitudes, a row each, -1 where padded (None: none)."""
+    if grid.base.numel() == 0:
+        return None
+    offsets = torch.rand(grid.strides.shape, generator=generator, device=generator.device)
+    offsets = offsets.to(accumulated.device).mul_(grid.strides).long()
+    return accumulated[grid.base + offsets].abs_().masked_fill_(grid.padded, -1.0)
+
+
+def _at_ranks(samples: torch.Tensor, grid: SampleGrid, ranks: torch.Tensor) -> torch.Tensor:
+    """Each row's samples at ``ranks`` (a column each, counted from the largest, from 0; no deeper
+    than the grid's thresholds)."""
+    top = torch.topk(samples, grid.deepest, dim=1).values
+    return top.gather(1, ranks).clamp_(min=TINY)
+
+
+def _per_segment(layout: BucketLayout, accumulated: torch.Tensor, sparsified: torch.Tensor | None) -> torch.Tensor:
+    per_segment = torch.full((len(layout.segments) + 1,), float("nan"), dtype=accumulated.dtype,
+                             device=accumulated.device)
+    return per_segment if sparsified is None else per_segment.index_copy_(0, layout.sparsified, sparsified)
+
+
+def _in_host_memory(accumulated: torch.Tensor) -> bool:
+    return accumulated.device.type == "cpu" and accumulated.dtype == torch.float32
+
+
+def _select_on_device(accumulated: torch.Tensor, threshold: torch.Tensor, scale: torch.Tensor, layout: BucketLayout,
                       capacity: int) -> torch.Tensor:
-    """`select` in a fixed number of tensor ops and no host read."""
+    """`select` in a fixed number of tensor ops and no host read: the candidates at or above their
+    segment's ``threshold``; past the capacity, those whose magnitude over their segment's ``scale``
+    is largest (both per segment, `_per_segment`)."""
     numel = layout.numel
+    slots = min(numel, SLACK * capacity)
     candidates = compact(accumulated[:numel].abs() >= threshold.index_select(0, layout.segment_ids[:numel]),
                          slots, fill=numel)
     if slots <= capacity:  # every entry is a candidate: the padding fills the rest
         return torch.cat([candidates, candidates.new_full((capacity - slots,), numel)])
-    scores = accumulated[candidates].abs_() / threshold[layout.segment_ids[candidates].long()]
+    scores = accumulated[candidates].abs_() / scale[layout.segment_ids[candidates].long()]
     scores = torch.where(candidates < numel, scores, -1.0)  # the padding: below every candidate
     least = torch.kthvalue(scores, slots - capacity + 1).values  # the capacity-th best score
     kept = compact((scores >= least) & (candidates < numel), capacity, fill=slots)
@@ -82,18 +131,21 @@ def _select_on_device(accumulated: torch.Tensor, threshold: torch.Tensor, layout
     return torch.cat([candidates, candidates.new_full((1,), numel)])[kept]
 
 
-def _select_in_host_memory(values: np.ndarray, threshold: np.ndarray, layout: BucketLayout, slots: int,
-                           capacity: int) -> torch.Tensor:
+def _select_in_host_memory(accumulated: torch.Tensor, threshold: np.ndarray | None, scale: np.ndarray | None,
+                           layout: BucketLayout, capacity: int) -> torch.Tensor:
     """`select` on a processor, the same choice: a cache-blocked pass per sparsified segment that
     never writes the magnitudes out (`host_indices_at_or_above`), then scores and a k-th value over
     the candidates found alone (here their number costs no wait). Faster on a CPU than the device
-    form's one comparison with a threshold gathered for every entry, whatever the segments."""
-    found = [host_indices_at_or_above(values[s.start:s.start + s.numel], float(threshold[place])) + s.start
-             for place, s in layout.sparsified_segments]
+    form's one comparison with a threshold gathered for every entry, whatever the segments.
+    ``threshold`` and ``scale``: one per sparsified segment (None: there are none)."""
+    values = accumulated[:layout.numel].detach().numpy()
+    slots = min(layout.numel, SLACK * capacity)
+    found = [host_indices_at_or_above(values[s.start:s.start + s.numel], float(threshold[i])) + s.start
+             for i, (_, s) in enumerate(layout.sparsified_segments)] if threshold is not None else []
     candidates = np.concatenate(found)[:slots] if found else np.zeros(0, dtype=np.int64)
     if candidates.size > capacity:
-        places = [place for place, _ in layout.sparsified_segments]
-        scores = np.abs(values[candidates]) / np.repeat(threshold[places], [f.size for f in found])[:slots]
+        assert scale is not None
+        scores = np.abs(values[candidates]) / np.repeat(scale, [f.size for f in found])[:slots]
         cut = candidates.size - capacity
         least = np.partition(scores, cut)[cut]  # the capacity-th best score
         candidates = candidates[scores >= least][:capacity]

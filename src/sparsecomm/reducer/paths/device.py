@@ -23,7 +23,8 @@ from sparsecomm.adaptive.config import Plan
 from sparsecomm.device import values as device_values
 from sparsecomm.device.feedback import Proposal, buffer_names, commit, propose
 from sparsecomm.device.layout import BucketLayout
-from sparsecomm.device.selection import select
+from sparsecomm.device.selection import select, select_shared
+from sparsecomm.device.shares import rounded
 from sparsecomm.device.status import GOOD, OWN_FINITE, read
 from sparsecomm.device.whole import WholeError, WholeMomentum
 from sparsecomm.device.wire import WireFormat
@@ -128,6 +129,10 @@ class DeviceSent:
     """whether this rank's gradient was finite, once the sum is checked"""
     magnitude: torch.Tensor | None = None
     """the largest |value| sent, where ``adaptive``'s report needs it (read with the sum's check)"""
+    share: torch.Tensor | float | None = None
+    """the share of the density this rank's gradient proposes for the next step, where the
+    selection shared it out by one threshold over the bucket (on the device: read with the sum's
+    check)"""
 
 
 class DevicePath(Path):
@@ -156,7 +161,13 @@ class DevicePath(Path):
         spare = bucket.take_spare()
         proposal = propose(config.spec.feedback, grad, bucket.held.buffers, spare.buffers)
         generator = seeded_generator(flat.device, config.seed, key_hash(call.key), first.step)
-        indices = select(proposal.accumulated, layout, ratio, generator)
+        proposed = None
+        if plan is not None and isinstance(config.spec.sparsifier, Adaptive):  # one threshold over the bucket
+            share = pipeline.states[layout.sparsified_segments[0][1].key].density_share \
+                if layout.sparsified_segments else 1.0
+            indices, proposed = select_shared(proposal.accumulated, layout, ratio, share, generator)
+        else:
+            indices = select(proposal.accumulated, layout, ratio, generator)
         values = proposal.accumulated[indices]
         if layout.whole is not None:  # then every entry of the parameters sent whole, with the codec's error
             whole = bucket.whole_error.sent(grad) if bucket.whole_error is not None else grad[layout.whole]
@@ -179,7 +190,8 @@ class DevicePath(Path):
         work = all_gather_single(gathered, posted, group=parts.process_group, async_op=True)
         sent = DeviceSent(bucket, spare, form, indices,
                           None if device_values.lossless(form.values) else delivered[:form.capacity],
-                          proposal, finite, gathered, wire.numel() * wire.element_size(), magnitude=magnitude)
+                          proposal, finite, gathered, wire.numel() * wire.element_size(), magnitude=magnitude,
+                          share=proposed)
         submitted = time.perf_counter()
         if adaptive is not None:
             adaptive.measuring.submitted(flat.numel(), layout.sparsified_numel, indices.numel(), 0, submitted - start,
@@ -259,13 +271,18 @@ class DevicePath(Path):
         # the step's last call reads the density the step's gradient prefers, where it was sampled
         preferred = adaptive.planner.costs.energy_choice(adaptive.measuring.energy_samples) \
             if adaptive is not None and call.last else None
-        status = read(flags, sent.magnitude, preferred)
+        on_device = sent.share if isinstance(sent.share, torch.Tensor) else None
+        status = read(flags, sent.magnitude, preferred, on_device)
         if adaptive is not None:
             if status.magnitude is not None and status.good and status.own_finite:
                 adaptive.measuring.saw_magnitude(status.magnitude)
             if status.density is not None:
                 adaptive.measuring.preferred_density = status.density
         sent.kept = status.own_finite
+        share = status.share if on_device is not None else sent.share
+        if status.good and status.own_finite and share is not None:  # the next step's floors
+            for segment in call.segments or (Segment(call.key, 0, call.tensor.numel()),):
+                self.parts.pipeline.states[segment.key].density_share = rounded(float(share))
         if not status.good:
             if not bool(sent.agreed):
                 raise SparseCommError(f"the ranks' buckets differ in {call.key!r}: every rank must build the same "
