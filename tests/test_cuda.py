@@ -293,7 +293,7 @@ def test_the_device_routes_wire_is_the_same_bits_on_a_gpu(density):
         out = torch.empty(form.words, dtype=torch.int32, device=device)
         delivered = form.pack(out, 7, indices.to(device), torch.cat([values, whole]).to(device))
         whole_indices = torch.arange(numel - 7, numel, device=device)
-        total, agreed, _ = form.unpack_sum(out, 1, 7, whole_indices, torch.device(device))
+        total, agreed, _, _ = form.unpack_sum(out, 1, 7, whole_indices, torch.device(device))
         assert bool(agreed) and total.device.type == device
         words[device] = (out.cpu(), delivered.cpu(), total.cpu())
     assert all(torch.equal(a, b) for a, b in zip(words["cpu"], words["cuda"], strict=True))

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import sparsecomm as sc
 from sparsecomm.adaptive.config import Mode, Plan
 from sparsecomm.bench.op_counts import count_ops
+from sparsecomm.device.wire import HEADER
 from sparsecomm.launch import run_local
 from sparsecomm.pipeline import Segment
 from test_training import batches, digest, full_loss, mlp
@@ -25,12 +26,12 @@ ADAPTIVE_SPEC = "adaptive(budget=20000)+residual+packed+int8+allgather"
 
 
 def buffer_bytes(model: nn.Module, ratio: float) -> int:
-    """The device route's bytes per step for ``model`` in one bucket (raw indices, fp32 values): a
-    header word, an index and a value per selected entry — ceil(ratio·numel) of each matrix — and
+    """The device route's bytes per step for ``model`` in one bucket (raw indices, fp32 values): the
+    header's words, an index and a value per selected entry — ceil(ratio·numel) of each matrix — and
     a value per entry of each vector, sent whole."""
     selected = sum(math.ceil(ratio * p.numel()) for p in model.parameters() if p.dim() > 1)
     whole = sum(p.numel() for p in model.parameters() if p.dim() == 1)
-    return 4 * (1 + 2 * selected + whole)
+    return 4 * (HEADER + 2 * selected + whole)
 
 
 def train(rank: int, world: int, spec: str, steps: int) -> dict:
@@ -99,17 +100,23 @@ def test_a_custom_loop_on_the_device_route_resumes_bit_identically_from_a_checkp
     assert straight[0] == straight[1] == resumed[0] == resumed[1]
 
 
-def shared_out(rank: int, world: int, steps: int, resume_at: int | None) -> tuple[str, dict[str, float]]:
-    """`train_manual` under ``adaptive`` with a byte budget (every step sparse, on the device route):
-    the parameters, and each one's share of the density."""
+def shared_out(rank: int, world: int, spec: str, steps: int, resume_at: int | None) -> tuple[str, dict[str, float]]:
+    """`train_manual` under ``adaptive``, every step sparse on the device route (a byte budget, or
+    the plans scripted): the parameters, and each one's share of the density."""
+    def reducer_of() -> sc.GradientReducer:
+        reducer = sc.GradientReducer(spec, seed=3)
+        if "budget" not in spec:  # every rank plans the same sparse steps
+            reducer.adaptive.planner.plan = lambda: Plan(Mode.SPARSE, 0.02)
+        return reducer
+
     model = mlp(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    reducer = sc.GradientReducer(ADAPTIVE_SPEC, seed=3)
+    reducer = reducer_of()
     for step, (data, labels) in enumerate(batches(rank, world, steps)):
         if step == resume_at:
             saved = copy.deepcopy(reducer.state_dict())
             reducer.close()
-            reducer = sc.GradientReducer(ADAPTIVE_SPEC, seed=3)
+            reducer = reducer_of()
             reducer.load_state_dict(saved)
         optimizer.zero_grad()
         F.cross_entropy(model(data), labels).backward()
@@ -122,14 +129,18 @@ def shared_out(rank: int, world: int, steps: int, resume_at: int | None) -> tupl
     return digest(model), shares
 
 
-def test_adaptive_on_the_device_route_shares_its_density_out_and_resumes_bit_identically():
-    """Each rank's share of the density (`sparsecomm.device.shares`) is held in each parameter's
-    checkpointed state: a resumed run goes on exactly as the straight one."""
-    straight = run_local(2, shared_out, 12, None)
-    resumed = run_local(2, shared_out, 12, 6)
+@pytest.mark.parametrize("spec", [ADAPTIVE_SPEC, ADAPTIVE_SPEC.replace("(budget=20000)", "")])
+def test_adaptive_on_the_device_route_shares_its_density_out_and_resumes_bit_identically(spec):
+    """Each parameter's share of the density (`sparsecomm.device.shares`) is held in its checkpointed
+    state: a resumed run goes on exactly as the straight one. Without a byte budget the ranks agree
+    on it (it sizes every rank's buffer); within one, each keeps its own."""
+    straight = run_local(2, shared_out, spec, 12, None)
+    resumed = run_local(2, shared_out, spec, 12, 6)
     assert straight == resumed and straight[0][0] == straight[1][0]
     for _, shares in straight:
         assert len(set(shares.values())) == 1 and 1.0 < min(shares.values()) <= 2.0, shares  # one bucket, one share
+    if "budget" not in spec:
+        assert straight[0][1] == straight[1][1]
 
 
 def test_the_device_routes_checkpoint_is_the_host_paths_state_by_name():

@@ -17,7 +17,7 @@ from sparsecomm.device.selection import select, select_shared
 from sparsecomm.device.shares import MAX_SHARE, lowered, rounded
 from sparsecomm.device.status import Status, read
 from sparsecomm.device.support import device_native
-from sparsecomm.device.wire import WireFormat
+from sparsecomm.device.wire import HEADER, WireFormat
 from sparsecomm.encode.base import VALUE_CODECS
 from sparsecomm.encode.value.int8 import Int8Values
 from sparsecomm.feedback.dgc_momentum import DGCMomentum
@@ -137,21 +137,26 @@ def chosen_per_segment(chosen: torch.Tensor, layout: BucketLayout) -> list[int]:
     return torch.bucketize(used, ends, right=True).bincount(minlength=len(layout.segments)).tolist()
 
 
-def test_one_threshold_over_the_bucket_gives_a_tensor_that_stands_out_more_than_its_floor_in_the_same_capacity():
+def test_one_threshold_over_the_bucket_gives_a_tensor_that_stands_out_more_than_its_floor():
     layout = layout_of([200_000, 5000, 30_000])
     values = torch.randn(layout.numel, generator=torch.Generator().manual_seed(4))
     values[200_000:205_000] *= 10  # a small tensor whose gradient stands out
-    capacity, ratio = layout.at_ratio(0.01).capacity, 0.01
+    ratio, floors = 0.01, [2000, 50, 300]
     _, proposed = select_shared(padded(values), layout, ratio, 1.0, torch.Generator().manual_seed(1))
-    assert 1.3 < float(proposed) <= MAX_SHARE  # it asks for more than the floors' count
     share = float(proposed)
+    assert 1.3 < share <= MAX_SHARE  # it asks for more than the floors' count
+    # the share sizes the capacity; every tensor keeps about its floor, the one standing out more
     chosen = select_shared(padded(values), layout, ratio, share, torch.Generator().manual_seed(1))[0]
-    assert chosen.numel() == capacity and chosen.unique().numel() == capacity  # the capacity: the budget's bytes
+    assert chosen.numel() == math.ceil(sum(floors) * rounded(share)) and chosen.unique().numel() == chosen.numel()
     counts = chosen_per_segment(chosen, layout)
-    floors = [math.ceil(s.numel * ratio / rounded(share)) for s in layout.segments]
-    assert counts[1] >= 3 * 50, counts  # far above its own count at the ratio
-    # each keeps about its floor (a sampled threshold's count errs by about 1/√22 at this floor)
-    assert all(count >= 0.6 * floor for count, floor in zip(counts, floors, strict=True)), (counts, floors)
+    assert counts[1] >= 3 * floors[1], counts
+    # a sampled threshold's count errs by about 1/√22 at these floors
+    assert all(count >= 0.6 * floor for count, floor in zip(counts, floors, strict=True)), counts
+    # within the planned density's capacity (a byte budget): the floors make way
+    within = select_shared(padded(values), layout, ratio, share, torch.Generator().manual_seed(1), within=True)[0]
+    assert within.numel() == sum(floors) and within.unique().numel() == sum(floors)
+    counts = chosen_per_segment(within, layout)
+    assert counts[1] >= 3 * floors[1] and counts[0] >= 0.6 * floors[0] / rounded(share), counts
     # where no tensor stands out, the floors take about the whole capacity
     alike = torch.randn(layout.numel, generator=torch.Generator().manual_seed(5))
     _, proposed = select_shared(padded(alike), layout, ratio, 1.0, torch.Generator().manual_seed(1))
@@ -176,8 +181,18 @@ def test_a_processor_chooses_what_the_device_form_chooses_under_one_threshold_ov
     capacity = layout.at_ratio(ratio).capacity
     on_device = selection._select_on_device(accumulated, selection._per_segment(layout, accumulated, candidates),
                                             selection._per_segment(layout, accumulated, members), layout, capacity)
-    chosen, in_memory = select_shared(accumulated, layout, ratio, share, torch.Generator().manual_seed(3))
+    chosen, in_memory = select_shared(accumulated, layout, ratio, share, torch.Generator().manual_seed(3), within=True)
     assert torch.equal(on_device, chosen) and in_memory == pytest.approx(float(proposed), rel=1e-5)
+
+
+def test_the_wire_carries_each_ranks_proposed_share_and_every_receiver_reads_the_largest():
+    form = WireFormat(100, 4, 0, VALUE_CODECS.parse("fp32"), packed=True)
+    buffers = []
+    for share in (torch.tensor(1.25), 1.75, None):
+        buffer = torch.empty(form.words, dtype=torch.int32)
+        form.pack(buffer, 9, torch.tensor([1, 5, 9, 100]), torch.ones(4), share)
+        buffers.append(buffer)
+    assert float(form.unpack_sum(torch.cat(buffers), 3, 9, None, torch.device("cpu"), shares=True).share) == 1.75
 
 
 @pytest.mark.parametrize(("share", "read_back"), [(1.3, 1.3125), (1.0, 1.0), (0.4, 1.0), (7.0, 2.0), (2.0, 2.0)])
@@ -259,12 +274,12 @@ def test_the_wire_sums_every_ranks_entries_as_each_sender_says_they_arrive_and_f
         assert torch.allclose(delivered, torch.cat([values, whole_values]), rtol=0.01, atol=0.03)
         expected.index_add_(0, indices, delivered[:capacity]).index_add_(0, whole, delivered[capacity:])
         buffers.append(buffer)
-    total, agreed, _ = form.unpack_sum(torch.cat(buffers), 3, digest, whole, torch.device("cpu"))
-    assert bool(agreed) and torch.allclose(total, expected, rtol=0, atol=1e-6)
+    total, agreed, _, share = form.unpack_sum(torch.cat(buffers), 3, digest, whole, torch.device("cpu"), shares=True)
+    assert bool(agreed) and torch.allclose(total, expected, rtol=0, atol=1e-6) and float(share) == 0.0
     stranger = buffers[2].clone()
     stranger[0] = digest + 1
-    stranger[1] = -1  # out of range: clamped, never out of bounds
-    _, agreed, _ = form.unpack_sum(torch.cat([buffers[0], buffers[1], stranger]), 3, digest, whole,
+    stranger[HEADER] = -1  # out of range: clamped, never out of bounds
+    _, agreed, _, _ = form.unpack_sum(torch.cat([buffers[0], buffers[1], stranger]), 3, digest, whole,
                                 torch.device("cpu"))
     assert not bool(agreed)
 
@@ -378,7 +393,7 @@ def test_a_bucket_of_zeros_fills_its_capacity_with_the_padding_and_sums_to_zero(
     form = WireFormat(layout.numel, capacity, 40, VALUE_CODECS.parse(value_codec), packed=packed)
     buffer = torch.empty(form.words, dtype=torch.int32)
     form.pack(buffer, layout.digest, chosen, torch.zeros(capacity + 40))
-    total, agreed, _ = form.unpack_sum(torch.cat([buffer, buffer]), 2, layout.digest, layout.whole,
+    total, agreed, _, _ = form.unpack_sum(torch.cat([buffer, buffer]), 2, layout.digest, layout.whole,
                                     torch.device("cpu"))
     assert bool(agreed) and not bool(total.any())
 
@@ -433,9 +448,9 @@ def test_a_sum_that_overflows_is_flagged_from_the_values_received_alone():
 
     # rank by rank the values cancel, yet entry 1 of the sum overflows
     rows = torch.cat([buffer([1, 2], [3e38, -3e38]), buffer([1, 2], [3e38, -3e38])])
-    total, agreed, finite = form.unpack_sum(rows, 2, 5, None, torch.device("cpu"))
+    total, agreed, finite, _ = form.unpack_sum(rows, 2, 5, None, torch.device("cpu"))
     assert bool(agreed) and not bool(total.isfinite().all()) and not bool(finite)
-    total, _, finite = form.unpack_sum(torch.cat([buffer([1, 2], [1.0, -2.0])] * 2), 2, 5, None, torch.device("cpu"))
+    total, _, finite, _ = form.unpack_sum(torch.cat([buffer([1, 2], [1.0, -2.0])] * 2), 2, 5, None, torch.device("cpu"))
     assert bool(finite) and total.tolist() == [0, 2, -4] + [0] * 7
     nan = torch.cat([buffer([1, 2], [1.0, math.nan]), buffer([0, 3], [1.0, 1.0])])
     assert not bool(form.unpack_sum(nan, 2, 5, None, torch.device("cpu"))[2])

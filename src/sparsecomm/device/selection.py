@@ -15,8 +15,8 @@ twice what is expected — come about once in a million tensor-steps; then the e
 and what the rest would have sent stays in the feedback for a later step.
 
 `select_shared` (``adaptive``'s) lowers a segment's threshold to one over the whole bucket where
-that is lower, so a tensor whose gradient stands out sends more than its floor, in the same
-capacity (`sparsecomm.device.shares`).
+that is lower, so a tensor whose gradient stands out sends more than its floor
+(`sparsecomm.device.shares`).
 
 On a processor the same choice is made a segment at a time in the CPU's own memory, where a
 candidate count costs no wait: faster there than one comparison over the bucket.
@@ -58,13 +58,15 @@ def select(accumulated: torch.Tensor, layout: BucketLayout, ratio: float,
 
 
 def select_shared(accumulated: torch.Tensor, layout: BucketLayout, ratio: float, share: float,
-                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | float]:
-    """`select` in the capacity at ``ratio``, shared out between floors at ``ratio`` over ``share``
-    and one threshold over the bucket (`sparsecomm.device.shares`); and the share this rank's
+                  generator: torch.Generator, within: bool = False) -> tuple[torch.Tensor, torch.Tensor | float]:
+    """`select` with every segment's floor and one threshold over the bucket besides
+    (`sparsecomm.device.shares`): floors at ``ratio`` in the capacity at ``ratio`` times ``share``,
+    or, ``within`` that capacity, floors at ``ratio`` over ``share``. And the share this rank's
     gradient proposes for the next step (a 0-d float32 on the device, or a float where the choice
     was made in host memory)."""
-    capacity = layout.at_ratio(ratio).capacity
-    grid = layout.at_ratio(ratio / shares.rounded(share)).grid
+    floors = ratio / shares.rounded(share) if within else ratio
+    capacity = shares.capacity_at(layout, ratio, 1.0 if within else share)
+    grid = layout.at_ratio(floors).grid
     samples = _sampled(accumulated, grid, generator)
     if samples is None:
         return select(accumulated, layout, ratio, generator), 1.0

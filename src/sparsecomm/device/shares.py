@@ -7,11 +7,13 @@ than its floor. A bucket's segments are all at hand in one call, so the threshol
 found from the samples each segment's own threshold has drawn, each weighted by the entries it
 stands for: a sort of a bounded pool of them (`sparsecomm.device.layout.POOLED`), no host read.
 
-Floors and threshold together take *share* times the floors' count, in [1, 2]. The wire has one
-size, the planned density's capacity, on every step (a byte budget holds to the byte), so the
-floors are the planned density over the share: the share this rank's gradient proposed a step
-before (read with the call's status, `sparsecomm.device.status`), rounded up to a
-`SHARE_STEPS`-th. Each rank shares out its own entries; the capacity alone must agree.
+Floors and threshold together take *share* times the floors' count, in [1, 2]. Every rank's
+buffer has one size, so the share is agreed: each rank proposes the share its gradient asks for in
+its buffer's header (`sparsecomm.device.wire`), and the next step's capacity is the floors' count
+times the largest share any rank proposed, rounded up to a `SHARE_STEPS`-th — as on the host
+path, the density is every tensor's floor. Under a byte budget a user set, the capacity is the
+planned density's instead (the budget holds to the byte) and the floors are the density over this
+rank's own share: the threshold takes the rest.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ import math
 import numpy as np
 import torch
 
-from sparsecomm.device.layout import TINY, SampleGrid
+from sparsecomm.device.layout import TINY, BucketLayout, SampleGrid
 
 MAX_SHARE = 2.0
 """floor and threshold take at most twice the floor's count: each takes at most the count"""
 SHARE_STEPS = 16
-"""a share is rounded up to a multiple of 1/SHARE_STEPS: a bucket then has few floor densities"""
+"""a share is rounded up to a multiple of 1/SHARE_STEPS: a bucket then has few capacities"""
 
 
 def rounded(share: float) -> float:
@@ -34,6 +36,11 @@ def rounded(share: float) -> float:
     if not share > 1.0:  # NaN included
         return 1.0
     return min(MAX_SHARE, math.ceil(share * SHARE_STEPS - 1e-9) / SHARE_STEPS)
+
+
+def capacity_at(layout: BucketLayout, ratio: float, share: float) -> int:
+    """A selection's slots: the floors' count at ``ratio`` times ``share`` (rounded)."""
+    return min(layout.sparsified_numel, math.ceil(layout.at_ratio(ratio).capacity * rounded(share)))
 
 
 def lowered(samples: torch.Tensor, grid: SampleGrid, candidates: torch.Tensor,

@@ -1,4 +1,5 @@
-"""One fixed-size int32 buffer per bucket and rank: a header word (the bucket layout's digest), the
+"""One fixed-size int32 buffer per bucket and rank: two header words (the bucket layout's digest, and
+the share of the density its sender proposes for the next step as float32 bits, 0 where none), the
 capacity's indices (32-bit words, or `sparsecomm.device.indices`' fixed-size stream; ``numel``, the
 padding, for an unused slot), then their values followed by those of the entries sent whole, which
 go without indices (every rank's layout names them), all in the value codec's device form. Every rank's
@@ -8,7 +9,9 @@ everywhere)."""
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -17,8 +20,20 @@ from sparsecomm.device import values as device_values
 from sparsecomm.encode.base import ValueCodec
 from sparsecomm.host_memory import clear_
 
-HEADER = 1
-"""words before the indices: the layout's digest"""
+HEADER = 2
+"""words before the indices: the layout's digest, the proposed share"""
+
+
+class Received(NamedTuple):
+    """The ranks' buffers summed (`WireFormat.unpack_sum`), and what the receiver checks."""
+
+    total: torch.Tensor
+    agreed: torch.Tensor
+    """every rank's header matched the layout and its indices were sound (a 0-d bool)"""
+    finite: torch.Tensor
+    """the values received were finite, so no entry of the sum overflowed (a 0-d bool)"""
+    share: torch.Tensor | None
+    """the largest share any rank proposed (a 0-d float32; 0 where none did; None: not asked)"""
 
 
 @dataclass(frozen=True)
@@ -51,10 +66,17 @@ class WireFormat:
         """What the entries sent whole add to the buffer."""
         return 4 * (self.value_words - device_values.nwords(self.values, self.capacity))
 
-    def pack(self, out: torch.Tensor, digest: int, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def pack(self, out: torch.Tensor, digest: int, indices: torch.Tensor, values: torch.Tensor,
+             share: torch.Tensor | float | None = None) -> torch.Tensor:
         """Write the buffer into ``out`` (int32, `words` long): ``values`` holds the selected entries'
-        values, then the whole entries'. Returns them as every receiver decodes them."""
-        out[0] = digest
+        values, then the whole entries'; ``share`` (0-d, or a number), what this rank proposes.
+        Returns the values as every receiver decodes them."""
+        if isinstance(share, torch.Tensor):
+            out[0] = digest
+            out[1:2].copy_(share.reshape(1).to(torch.float32).view(torch.int32))
+        else:  # both words in one write
+            bits = struct.unpack("<I", struct.pack("<f", share or 0.0))[0]
+            out[:HEADER].view(torch.int64).fill_(struct.unpack("=q", struct.pack("=iI", digest, bits))[0])
         index_end = HEADER + self.index_words
         if self.packed:
             packed_indices.encode(indices, self.numel, out[HEADER:index_end], padded=True)
@@ -64,16 +86,18 @@ class WireFormat:
 
     def unpack_sum(self, gathered: torch.Tensor, world_size: int, digest: int, whole: torch.Tensor | None,
                    device: torch.device,
-                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   out: torch.Tensor | None = None, shares: bool = False) -> Received:
         """The ranks' buffers (``gathered``, world_size of them end to end) summed into a dense fp32
-        tensor of ``numel`` on ``device``, and two 0-d bools: whether every rank's header matched
-        ``digest`` and its indices were sound (they are clamped into range, so a stranger's buffer
-        sums to garbage, never out of bounds), and whether the sum is finite — checked on the values
-        received, not the sum: their magnitudes' total bounds every entry's, so where it is finite
-        no entry of the sum overflowed. The caller raises on the flags. The sum lands in ``out``
-        (fp32, ``numel``) where one is given; an unused slot adds its zero to the last entry."""
+        tensor of ``numel`` on ``device``, with whether every rank's header matched ``digest`` and
+        its indices were sound (they are clamped into range, so a stranger's buffer sums to garbage,
+        never out of bounds), whether the sum is finite — checked on the values received, not the
+        sum: their magnitudes' total bounds every entry's, so where it is finite no entry of the sum
+        overflowed — and, asked for ``shares``, the largest proposed share. The caller raises on the
+        flags. The sum lands in ``out`` (fp32, ``numel``) where one is given; an unused slot adds
+        its zero to the last entry."""
         rows = gathered.to(device).view(world_size, self.words)
         agreed = (rows[:, 0] == digest).all()
+        share = rows[:, 1].view(torch.float32).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).amax() if shares else None
         index_end = HEADER + self.index_words
         values = device_values.decode(self.values, rows[:, index_end:], self.capacity + self.whole)
         finite = torch.isfinite(torch.linalg.vector_norm(values, 1))
@@ -89,4 +113,4 @@ class WireFormat:
             total.index_add_(0, indices[rank], values[rank])
             if whole is not None:
                 total.index_add_(0, whole, whole_values[rank])
-        return total, agreed, finite
+        return Received(total, agreed, finite, share)

@@ -131,8 +131,11 @@ class DeviceSent:
     """the largest |value| sent, where ``adaptive``'s report needs it (read with the sum's check)"""
     share: torch.Tensor | float | None = None
     """the share of the density this rank's gradient proposes for the next step, where the
-    selection shared it out by one threshold over the bucket (on the device: read with the sum's
-    check)"""
+    selection shared it out by one threshold over the bucket"""
+    within: bool = False
+    """whether the selection kept to the planned density's capacity (a user's byte budget)"""
+    agreed_share: torch.Tensor | None = None
+    """the largest share any rank proposed, once the sum is known"""
 
 
 class DevicePath(Path):
@@ -161,11 +164,12 @@ class DevicePath(Path):
         spare = bucket.take_spare()
         proposal = propose(config.spec.feedback, grad, bucket.held.buffers, spare.buffers)
         generator = seeded_generator(flat.device, config.seed, key_hash(call.key), first.step)
-        proposed = None
+        proposed, within = None, False
         if plan is not None and isinstance(config.spec.sparsifier, Adaptive):  # one threshold over the bucket
             share = pipeline.states[layout.sparsified_segments[0][1].key].density_share \
                 if layout.sparsified_segments else 1.0
-            indices, proposed = select_shared(proposal.accumulated, layout, ratio, share, generator)
+            within = config.spec.sparsifier.budget > 0
+            indices, proposed = select_shared(proposal.accumulated, layout, ratio, share, generator, within)
         else:
             indices = select(proposal.accumulated, layout, ratio, generator)
         values = proposal.accumulated[indices]
@@ -181,7 +185,7 @@ class DevicePath(Path):
                           packed=isinstance(config.spec.index_codec, PackedIndices))
         # a new buffer per call: a stream's earlier call (reduce_async) may still be on the wire
         wire = torch.empty(form.words, dtype=torch.int32, device=flat.device)
-        delivered = form.pack(wire, layout.digest, indices, values)
+        delivered = form.pack(wire, layout.digest, indices, values, proposed)
         if bucket.whole_error is not None:
             bucket.whole_error.propose(values[form.capacity:], delivered[form.capacity:])
         posted = on_wire(wire, parts.wire_device)
@@ -191,11 +195,12 @@ class DevicePath(Path):
         sent = DeviceSent(bucket, spare, form, indices,
                           None if device_values.lossless(form.values) else delivered[:form.capacity],
                           proposal, finite, gathered, wire.numel() * wire.element_size(), magnitude=magnitude,
-                          share=proposed)
+                          share=proposed, within=within)
         submitted = time.perf_counter()
         if adaptive is not None:
-            adaptive.measuring.submitted(flat.numel(), layout.sparsified_numel, indices.numel(), 0, submitted - start,
-                                         submitted)
+            # planned: the floors' count, so that a share's bytes count as the cost of a planned entry
+            adaptive.measuring.submitted(flat.numel(), layout.sparsified_numel, layout.at_ratio(ratio).capacity, 0,
+                                         submitted - start, submitted)
         return Pending(work.get_future(), submitted,
                        finish_with_step=call.in_step and flat.device.type == "cpu", sent=sent)
 
@@ -253,8 +258,9 @@ class DevicePath(Path):
         tensor = call.tensor  # this rank's gradient is in the wire: the sum may land in its buffer
         out = tensor.view(-1) if not tensor.is_sparse and tensor.dtype == torch.float32 and tensor.is_contiguous() \
             else None
-        total, sent.agreed, sent.sum_finite = sent.form.unpack_sum(
-            sent.gathered, self.parts.config.world_size, layout.digest, layout.whole, tensor.device, out)
+        total, sent.agreed, sent.sum_finite, sent.agreed_share = sent.form.unpack_sum(
+            sent.gathered, self.parts.config.world_size, layout.digest, layout.whole, tensor.device, out,
+            shares=sent.share is not None and not sent.within)
         return Summed(total, sent.nbytes, owned=True)
 
     def checked(self, call: Call, pending: Pending, summed: Summed) -> torch.Tensor:
@@ -271,7 +277,10 @@ class DevicePath(Path):
         # the step's last call reads the density the step's gradient prefers, where it was sampled
         preferred = adaptive.planner.costs.energy_choice(adaptive.measuring.energy_samples) \
             if adaptive is not None and call.last else None
-        on_device = sent.share if isinstance(sent.share, torch.Tensor) else None
+        # the next step's share: this rank's own within a budget (a number where the choice was made in
+        # host memory), else the largest any rank proposed, which sizes every rank's next buffer alike
+        share = None if sent.share is None else sent.share if sent.within else sent.agreed_share
+        on_device = share if isinstance(share, torch.Tensor) else None
         status = read(flags, sent.magnitude, preferred, on_device)
         if adaptive is not None:
             if status.magnitude is not None and status.good and status.own_finite:
@@ -279,8 +288,8 @@ class DevicePath(Path):
             if status.density is not None:
                 adaptive.measuring.preferred_density = status.density
         sent.kept = status.own_finite
-        share = status.share if on_device is not None else sent.share
-        if status.good and status.own_finite and share is not None:  # the next step's floors
+        share = status.share if on_device is not None else share
+        if status.good and share is not None:
             for segment in call.segments or (Segment(call.key, 0, call.tensor.numel()),):
                 self.parts.pipeline.states[segment.key].density_share = rounded(float(share))
         if not status.good:
