@@ -143,6 +143,32 @@ def test_adaptive_on_the_device_route_shares_its_density_out_and_resumes_bit_ide
         assert straight[0][1] == straight[1][1]
 
 
+def disagreeing_shares(rank: int, world: int) -> list[float]:
+    """A checkpoint whose shares differ by rank (as the host path's may) loaded on the device route
+    without a byte budget: the ranks make them one before their buffers' sizes depend on them."""
+    reducer = sc.GradientReducer(ADAPTIVE_SPEC.replace("(budget=20000)", ""), seed=3)
+    reducer.adaptive.planner.plan = lambda: Plan(Mode.SPARSE, 0.02)
+    model = mlp(0)
+    steps = list(batches(rank, world, 4))
+    for step, (data, labels) in enumerate(steps):
+        if step == 2:
+            saved = copy.deepcopy(reducer.state_dict())
+            for state in saved["pipeline"]["tensors"].values():
+                state["density_share"] = 1.0 + 0.5 * rank
+            reducer.load_state_dict(saved)
+        model.zero_grad()
+        F.cross_entropy(model(data), labels).backward()
+        reducer.allreduce_((n, p.grad) for n, p in model.named_parameters())
+    shares = [state.density_share for state in reducer.pipeline.states.values()]
+    reducer.close()
+    return shares
+
+
+def test_shares_that_differ_by_rank_are_made_one_before_they_size_a_buffer():
+    first, second = run_local(2, disagreeing_shares, timeout=120)
+    assert first == second
+
+
 def test_the_device_routes_checkpoint_is_the_host_paths_state_by_name():
     """The host path's state, loaded into a reducer on the device route, goes on from where it was:
     the same momentum by name, so the run differs from a host-only run only in what it selects."""

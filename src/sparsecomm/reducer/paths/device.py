@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from sparsecomm.adaptive.config import Plan
 from sparsecomm.device import values as device_values
@@ -75,6 +76,9 @@ class Bucket:
     whole_error: WholeError | None = None
     """what a lossy value codec rounded off the parameters sent whole"""
     spare: BufferSet | None = None
+    shares_agreed: bool = False
+    """whether the ranks made their parameters' shares of the density one since it was built (a
+    checkpoint the host path wrote holds each rank's own)"""
 
     def current(self, states: dict[str, TensorState], uncompressed: dict[str, dict[str, Any]]) -> bool:
         """Whether every parameter's state still is this bucket's view: the pipeline's (``states``)
@@ -166,9 +170,8 @@ class DevicePath(Path):
         generator = seeded_generator(flat.device, config.seed, key_hash(call.key), first.step)
         proposed, within = None, False
         if plan is not None and isinstance(config.spec.sparsifier, Adaptive):  # one threshold over the bucket
-            share = pipeline.states[layout.sparsified_segments[0][1].key].density_share \
-                if layout.sparsified_segments else 1.0
             within = config.spec.sparsifier.budget > 0
+            share = self._share(bucket, within)
             indices, proposed = select_shared(proposal.accumulated, layout, ratio, share, generator, within)
         else:
             indices = select(proposal.accumulated, layout, ratio, generator)
@@ -203,6 +206,24 @@ class DevicePath(Path):
                                          submitted - start, submitted)
         return Pending(work.get_future(), submitted,
                        finish_with_step=call.in_step and flat.device.type == "cpu", sent=sent)
+
+    def _share(self, bucket: Bucket, within: bool) -> float:
+        """The bucket's share of the density for this step (`sparsecomm.device.shares`): this rank's
+        own within a byte budget, else the ranks' one, which sizes every rank's buffer — agreed
+        by an all_reduce the first time after the bucket is built."""
+        sparsified = bucket.layout.sparsified_segments
+        states = [self.parts.pipeline.states[segment.key] for _, segment in sparsified]
+        share = max((state.density_share for state in states), default=1.0)
+        if within or bucket.shares_agreed:
+            return share
+        self.parts.calls.session.drain()  # after the worker thread's collectives, in order
+        largest = on_wire(torch.tensor([share], dtype=torch.float32), self.parts.wire_device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.parts.process_group)
+        share = float(largest)
+        for state in states:
+            state.density_share = share
+        bucket.shares_agreed = True
+        return share
 
     def _ratio(self, plan: Plan | None, step: int) -> float:
         """The density the call's capacity is sized by: the sparsifier's ratio at ``step``, or
