@@ -73,9 +73,9 @@ def select_shared(accumulated: torch.Tensor, layout: BucketLayout, ratio: float,
     both = _at_ranks(samples, grid, grid.both_ranks)
     if _in_host_memory(accumulated):
         own_floor = both.numpy()
-        candidates, members, proposed = shares.lowered_in_host_memory(samples.numpy(), grid, own_floor[:, 0],
-                                                                      own_floor[:, 1])
-        return _select_in_host_memory(accumulated, candidates, members, layout, capacity), proposed
+        lowest, scale, own_share = shares.lowered_in_host_memory(samples.numpy(), grid, own_floor[:, 0],
+                                                                 own_floor[:, 1])
+        return _select_in_host_memory(accumulated, lowest, scale, layout, capacity), own_share
     candidates, members, proposed = shares.lowered(samples, grid, *both.unbind(1))
     return _select_on_device(accumulated, _per_segment(layout, accumulated, candidates),
                              _per_segment(layout, accumulated, members), layout, capacity), proposed
