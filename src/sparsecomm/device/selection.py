@@ -48,13 +48,13 @@ def select(accumulated: torch.Tensor, layout: BucketLayout, ratio: float,
     """The indices (int64, as many as the capacity at ``ratio``, ascending) of the sparsified entries
     to send, or ``numel`` for an unused slot. ``accumulated`` holds ``numel + 1`` entries, the last
     (the padding) zero; the entries sent whole (`BucketLayout.whole`) are never among them."""
-    own = _own(accumulated, layout.at_ratio(ratio).grid, generator)
-    capacity = layout.at_ratio(ratio).capacity
+    at = layout.at_ratio(ratio)
+    own = _own(accumulated, at.grid, generator)
     if _in_host_memory(accumulated):
         host = own.numpy() if own is not None else None
-        return _select_in_host_memory(accumulated, host, host, layout, capacity)
+        return _select_in_host_memory(accumulated, host, host, layout, at.capacity)
     threshold = _per_segment(layout, accumulated, own)
-    return _select_on_device(accumulated, threshold, threshold, layout, capacity)
+    return _select_on_device(accumulated, threshold, threshold, layout, at.capacity)
 
 
 def select_shared(accumulated: torch.Tensor, layout: BucketLayout, ratio: float, share: float,

@@ -299,8 +299,9 @@ class DevicePath(Path):
         preferred = adaptive.planner.costs.energy_choice(adaptive.measuring.energy_samples) \
             if adaptive is not None and call.last else None
         # the next step's share: this rank's own within a budget (a number where the choice was made in
-        # host memory), else the largest any rank proposed, which sizes every rank's next buffer alike
-        share = None if sent.share is None else sent.share if sent.within else sent.agreed_share
+        # host memory, read with nothing), else the largest any rank proposed, which sizes every rank's
+        # next buffer alike; a tensor comes with the status word
+        share = sent.share if sent.within else sent.agreed_share
         on_device = share if isinstance(share, torch.Tensor) else None
         status = read(flags, sent.magnitude, preferred, on_device)
         if adaptive is not None:
