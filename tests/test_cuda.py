@@ -14,6 +14,7 @@ from sparsecomm.launch import run_local
 from sparsecomm.transport.request import Request
 from sparsecomm.transport.session import TransportSession
 from test_adaptive_reducer import agree_on_sparse_steps_at_the_preferred_density, on_a_slow_link
+from test_device_mode import moving
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 
@@ -330,3 +331,11 @@ def test_one_threshold_over_the_bucket_is_the_same_on_a_gpu_as_in_host_memory_wi
     torch.testing.assert_close(candidates.cpu(), torch.from_numpy(on_host[0]))
     torch.testing.assert_close(members.cpu(), torch.from_numpy(on_host[1]))
     assert float(share) == pytest.approx(on_host[2], rel=1e-4)
+
+
+def test_steps_that_move_between_the_codecs_and_the_device_route_lose_nothing_on_a_gpu():
+    """`adaptive`'s sparse steps on the host codecs and on the device route by turns, gloo carrying
+    CUDA gradients: ranks alike, nothing lost, each step on the route its plan named."""
+    (model, missing, routes), (other, _, _) = run_local(2, moving, None, "cuda", timeout=240)
+    assert model == other and missing < 1e-5, missing
+    assert routes.count("device") == 4 and routes.count("compressed") == 3

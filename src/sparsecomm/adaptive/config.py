@@ -16,22 +16,24 @@ FP16_MAX = float(torch.finfo(torch.float16).max)
 
 class Mode(Name):
     """How a step sends its gradient: every entry in fp32 or in fp16 (a *dense* step), or its
-    largest entries (``sparse``)."""
+    largest entries — with the pipeline's own codecs (``sparse``) or on the device route, in its
+    device form (``device``, `sparsecomm.device.support.device_form`)."""
 
     FP32 = "fp32"
     FP16 = "fp16"
     SPARSE = "sparse"
+    DEVICE = "device"
 
     @property
     def dense(self) -> bool:
         """Whether every entry is sent."""
-        return self is not Mode.SPARSE
+        return self in (Mode.FP32, Mode.FP16)
 
     @property
     def exactness(self) -> int:
-        """0 for the most exact mode: fp16 rounds what fp32 sends whole, sparse holds back all it
-        leaves in the feedback."""
-        return list(Mode).index(self)
+        """0 for the most exact mode: fp16 rounds what fp32 sends whole, a sparse step holds back
+        all it leaves in the feedback (on either route alike)."""
+        return min(list(Mode).index(self), list(Mode).index(Mode.SPARSE))
 
 
 @dataclass(frozen=True)
@@ -122,12 +124,16 @@ class AdaptiveConfig:
 
     def margin(self, mode: Mode) -> float:
         """What a step in ``mode`` must save to be chosen over a more exact one."""
-        return {Mode.FP16: self.fp16_margin, Mode.SPARSE: self.sparse_margin}.get(mode, 0.0)
+        return {Mode.FP16: self.fp16_margin, Mode.SPARSE: self.sparse_margin,
+                Mode.DEVICE: self.sparse_margin}.get(mode, 0.0)
 
     def win_threshold(self, challenger: Mode, incumbent: Mode) -> float:
         """The largest ratio of a challenger's step time to the incumbent's at which it wins: a less
         exact mode must save its own margin over a more exact one (sparse 10% on fp16 as on fp32),
-        and a more exact one wins unless it costs more than the less exact one's margin."""
+        and a more exact one wins unless it costs more than the less exact one's margin; of two as
+        exact (a sparse step's two routes), the cheaper wins."""
+        if challenger.exactness == incumbent.exactness:
+            return 1.0
         if challenger.exactness > incumbent.exactness:
             return 1 / (1 + self.margin(challenger))
         return 1 + self.margin(incumbent)

@@ -49,6 +49,7 @@ class AdaptiveController:
             return None
         controller = cls(sparsifier, world_size, spec.feedback.delay_horizon(), group, wire_device, module,
                          received_per_sent=spec.transport.received_per_sent(world_size))
+        controller.planner.suit(spec)
         if world_size > 1 and not sparsifier.budget:
             controller.planner.calibrate(spec)
             model_numel = sum(p.numel() for p in module.parameters()) if module is not None else None
@@ -60,15 +61,17 @@ class AdaptiveController:
     def measuring(self) -> StepMeasurement:
         return self.planner.measuring
 
-    def plan_call(self, now: float) -> Plan:
-        """The open step's plan; a step's first call learns the reports due (the very first at once,
-        so that the second step already has numbers) and plans it."""
+    def plan_call(self, now: float, device: torch.device) -> Plan:
+        """The open step's plan for a call whose gradient is on ``device``; a step's first call
+        learns the reports due (the very first at once, so that the second step already has
+        numbers) and plans it."""
         if self.plan is None:
             planner = self.planner
             for step, agreed in self.reports.ready(planner.step, first=planner.reports_read == 0):
                 planner.observe(agreed, step)
             self.plan = planner.begin_step(now, self._forward_start)
             self._forward_start = None
+        self.planner.measuring.host_memory |= device.type == "cpu"
         return self.plan
 
     def report_needed(self, steps: int) -> bool:

@@ -9,7 +9,9 @@
   gradient, the codecs' per-call costs, agreement, handoffs), κ = κ_e + R(κ_d + 1/β) seconds per
   payload byte (a rank encodes its payload, then receives and decodes R bytes for each it sent:
   the transport's `Transport.received_per_sent`, P−1 for an allgather; κ_e and κ_d calibrated at
-  start-up), bytes(d) = fixed bytes + d·N·(bytes per budgeted entry);
+  start-up), bytes(d) = fixed bytes + d·N·(bytes per budgeted entry); on the device route
+  (`Mode.DEVICE`) O_s, the bytes per entry and the fixed bytes are its own, and κ = R/β: its
+  work is fixed-size tensor ops whatever the density, so its overhead holds it;
 - the density d: the median of the last densities the ranks preferred, each the d whose entries
   carry the most of the gradient's energy per second of step, E(min(1, H·d)) / (C + O_s + κ·bytes(d))
   (`energy_density`; H the horizon within which error feedback delivers what a step leaves out);
@@ -34,9 +36,9 @@ from sparsecomm.adaptive.report import Report
 from sparsecomm.sparsify.adaptive import Adaptive
 
 WINDOWS = ("compute_s", "throughput", "fp16_throughput", "fp32_step_s", "fp16_step_s", "sparse_overhead_s",
-           "preferred_density")
+           "preferred_density", "device_overhead_s")
 SCALARS = ("total_numel", "budget_numel", "bytes_per_nnz", "fixed_bytes", "encode_per_byte", "decode_per_byte",
-           "max_magnitude")
+           "max_magnitude", "device_bytes_per_nnz", "device_fixed_bytes", "host_memory")
 
 
 @dataclass
@@ -64,17 +66,25 @@ class Costs:
     fp16_step_s: deque[float] = field(default_factory=deque)
     sparse_overhead_s: deque[float] = field(default_factory=deque)
     """O_s: what a sparse step cost beyond the compute, its payloads' wire time and per-byte cost"""
+    device_overhead_s: deque[float] = field(default_factory=deque)
+    """the same of a ``device`` step"""
     preferred_density: deque[float] = field(default_factory=deque)
     """the densities the steps' gradients preferred (of each step, the ranks' largest)"""
     bytes_per_nnz: float = 3.0
     """payload bytes per entry the density budgets (the planner starts it at its config's
     `AdaptiveConfig.first_bytes_per_nnz`)"""
     fixed_bytes: float = 0.0
+    device_bytes_per_nnz: float = 3.0
+    device_fixed_bytes: float = 0.0
+    """the same two of a ``device`` step (the planner starts the first at
+    `AdaptiveConfig.first_bytes_per_nnz`)"""
     encode_per_byte: float = 0.0
     decode_per_byte: float = 0.0
     """κ_e, κ_d: the slowest rank's calibrated marginal seconds per payload byte"""
     max_magnitude: float = math.inf
     """the largest |value| any rank sent lately (unknown: fp16 not allowed)"""
+    host_memory: float = 1.0
+    """1 where some rank's gradients are in host memory (the latest report's; until one is heard, 1)"""
     least: float = 0.0
     """this step's least density: the sparsifier's floor, or above it during its warm-up (the
     planner sets it every step; 0 until then: the floor)"""
@@ -106,10 +116,15 @@ class Costs:
         for window, whole in ((self.fp32_step_s, agreed.fp32_step_s), (self.fp16_step_s, agreed.fp16_step_s)):
             if whole > 0:
                 window.append(whole)
+        device = agreed.device_route > 0
         if agreed.sparse_step_s > 0:  # O_s: the slowest rank's sparse step beyond the slowest compute
-            self.sparse_overhead_s.append(max(1e-6, agreed.sparse_step_s - agreed.compute_s))
-        if agreed.bytes_per_nnz > 0:
+            self.overhead_s(Mode.DEVICE if device else Mode.SPARSE).append(
+                max(1e-6, agreed.sparse_step_s - agreed.compute_s))
+        if agreed.bytes_per_nnz > 0 and device:
+            self.device_bytes_per_nnz, self.device_fixed_bytes = agreed.bytes_per_nnz, agreed.fixed_bytes
+        elif agreed.bytes_per_nnz > 0:
             self.bytes_per_nnz, self.fixed_bytes = agreed.bytes_per_nnz, agreed.fixed_bytes
+        self.host_memory = agreed.host_memory
         if agreed.max_magnitude > 0:
             self.max_magnitude = agreed.max_magnitude
         if agreed.encode_per_byte > 0 or agreed.decode_per_byte > 0:
@@ -135,14 +150,24 @@ class Costs:
             return None
         return statistics.median(self.compute_s) / self.per_byte_s(statistics.median(self.throughput))
 
-    def per_byte_s(self, throughput: float) -> float:
-        """Seconds a step spends per byte a rank sends: encoding it, and receiving and decoding
-        the R bytes the transport brings back for it."""
+    def overhead_s(self, mode: Mode) -> deque[float]:
+        """O_s of a sparse ``mode``'s steps."""
+        return self.device_overhead_s if mode is Mode.DEVICE else self.sparse_overhead_s
+
+    def per_byte_s(self, throughput: float, mode: Mode = Mode.SPARSE) -> float:
+        """Seconds a sparse step in ``mode`` spends per byte a rank sends: encoding it, and
+        receiving and decoding the R bytes the transport brings back for it (on the device route,
+        receiving them only)."""
         received = self.received_per_sent if self.received_per_sent is not None else max(1, self.world_size - 1)
+        if mode is Mode.DEVICE:
+            return received / throughput
         return self.encode_per_byte + received * (self.decode_per_byte + 1 / throughput)
 
-    def step_bytes(self, density: Any) -> Any:
-        """Bytes one rank sends on a sparse step at ``density`` (one, or a tensor of candidates)."""
+    def step_bytes(self, density: Any, mode: Mode = Mode.SPARSE) -> Any:
+        """Bytes one rank sends on a sparse step in ``mode`` at ``density`` (one, or a tensor of
+        candidates)."""
+        if mode is Mode.DEVICE:
+            return self.device_fixed_bytes + density * self.budget_numel * self.device_bytes_per_nnz
         return self.fixed_bytes + density * self.budget_numel * self.bytes_per_nnz
 
     def sparse_at(self, budget: float) -> Plan:
@@ -150,13 +175,16 @@ class Costs:
         density = (budget - self.fixed_bytes) / (self.bytes_per_nnz * self.budget_numel)
         return self.sparse(min(density, self.config.max_sparse_density))
 
-    def sparse(self, density: float) -> Plan:
-        """A sparse step at ``density``, raised to this step's `least` (and the sparsifier's floor)."""
-        return Plan(Mode.SPARSE, self.sparsifier.at_density(max(density, self.least)).density)
+    def sparse(self, density: float, mode: Mode = Mode.SPARSE) -> Plan:
+        """A sparse step in ``mode`` at ``density``, raised to this step's `least` (and the
+        sparsifier's floor)."""
+        return Plan(mode, self.sparsifier.at_density(max(density, self.least)).density)
 
-    def predicted(self, budget: float) -> dict[Mode, tuple[float, Plan]]:
+    def predicted(self, budget: float, device: bool = False) -> dict[Mode, tuple[float, Plan]]:
         """Each allowed mode's predicted whole step time times one plus its margin, and the plan
-        that runs it."""
+        that runs it; with ``device``, a sparse step on the device route too, at the same density
+        (predicted as dear as on the codecs until a trial has timed it, so it is never chosen
+        unmeasured)."""
         config, dense_bytes = self.config, self.dense_bytes()
         throughput, compute = statistics.median(self.throughput), statistics.median(self.compute_s)
         fp32_cost = typical(self.fp32_step_s) if self.fp32_step_s else compute + dense_bytes / throughput
@@ -166,32 +194,35 @@ class Costs:
             fp16_cost = (typical(self.fp16_step_s) if self.fp16_step_s
                          else fp32_cost - dense_bytes / throughput + dense_bytes / 2 / fp16_throughput)
             costs[Mode.FP16] = (fp16_cost * (1 + config.fp16_margin), Plan(Mode.FP16))
-        exploring = not self.sparse_overhead_s
-        if exploring:
-            sparse = self.sparse(self.least)
+        if not self.sparse_overhead_s:  # exploring
+            density = self.sparse(self.least).density
         elif self.preferred_density:
-            sparse = self.sparse(statistics.median(self.preferred_density))
+            density = self.sparse(statistics.median(self.preferred_density)).density
         else:
-            sparse = self.sparse_at(budget)
-        carrying = self.per_byte_s(throughput) * self.step_bytes(sparse.density)
-        overhead = typical(self.sparse_overhead_s) if not exploring else 0.0
-        costs[Mode.SPARSE] = ((compute + carrying + overhead) * (1 + config.sparse_margin) + 1e-9, sparse)
+            density = self.sparse_at(budget).density
+        for mode in (Mode.SPARSE, Mode.DEVICE) if device else (Mode.SPARSE,):
+            carrying = self.per_byte_s(throughput, mode) * self.step_bytes(density, mode)
+            overhead = typical(self.overhead_s(mode)) if self.overhead_s(mode) else 0.0
+            costs[mode] = ((compute + carrying + overhead) * (1 + config.sparse_margin) + 1e-9, Plan(mode, density))
+        if device and not self.device_overhead_s:  # unmeasured: as dear as the codecs, until a trial times it
+            costs[Mode.DEVICE] = (costs[Mode.SPARSE][0], costs[Mode.DEVICE][1])
         return costs
 
-    def energy_density(self, samples: list[torch.Tensor]) -> float:
+    def energy_density(self, samples: list[torch.Tensor], mode: Mode = Mode.SPARSE) -> float:
         """The density at which the sampled gradient (``samples``, squared entries) sends the most
-        of its energy per second of step (`energy_choice`), read (0: not measurable yet)."""
-        choice = self.energy_choice(samples)
+        of its energy per second of a step in ``mode`` (`energy_choice`), read (0: not measurable
+        yet)."""
+        choice = self.energy_choice(samples, mode)
         return 0.0 if choice is None else float(choice)
 
-    def energy_choice(self, samples: list[torch.Tensor]) -> torch.Tensor | None:
+    def energy_choice(self, samples: list[torch.Tensor], mode: Mode = Mode.SPARSE) -> torch.Tensor | None:
         """That density as a 0-d float64 tensor on the samples' device, unread (0: the gradient has
         no energy; None: no samples, or no costs measured yet): the argmax over the candidate
-        densities d of E(min(1, H·d)) / (compute + O_s + per-byte cost · bytes(d)), from the agreed
-        costs (so every rank weighs alike) and this rank's own gradient. With error feedback an
-        entry left out is sent some steps later, and one sent within H steps moves the weights
-        about as it would have on time, so a step's k entries carry about what the H·k largest of
-        one step's gradient hold."""
+        densities d of E(min(1, H·d)) / (compute + O_s + per-byte cost · bytes(d)) of a step in
+        sparse ``mode``, from the agreed costs (so every rank weighs alike) and this rank's own
+        gradient. With error feedback an entry left out is sent some steps later, and one sent
+        within H steps moves the weights about as it would have on time, so a step's k entries
+        carry about what the H·k largest of one step's gradient hold."""
         if not samples or not self.compute_s or not self.throughput or self.budget_numel == 0:
             return None
         squares = torch.cat(samples)
@@ -200,9 +231,9 @@ class Costs:
                                    self.config.density_candidates, dtype=torch.float64, device=squares.device)
         horizon = self.sparsifier.horizon or self.feedback_horizon
         energy = energy_share(squares, (densities * horizon).clamp(max=1.0))
-        overhead = typical(self.sparse_overhead_s) if self.sparse_overhead_s else 0.0
+        overhead = typical(self.overhead_s(mode)) if self.overhead_s(mode) else 0.0
         seconds = (statistics.median(self.compute_s) + overhead
-                   + self.per_byte_s(statistics.median(self.throughput)) * self.step_bytes(densities))
+                   + self.per_byte_s(statistics.median(self.throughput), mode) * self.step_bytes(densities, mode))
         return torch.where(energy[-1] > 0, densities[(energy / seconds).argmax()], 0.0)
 
     # -- checkpoints ------------------------------------------------------------------------------

@@ -46,6 +46,8 @@ class StepMeasurement:
     """whether this step samples its gradient's energy (`Planner.begin_step` decides)"""
     energy_samples: list[torch.Tensor] = field(default_factory=list)
     """squares of a strided sample of the gradient's entries under the budget"""
+    host_memory: bool = False
+    """whether a gradient of the step was in host memory (a CPU's)"""
     preferred_density: float | None = None
     """the density the samples prefer, where the step's last call read it with its own check
     (`Costs.energy_choice`); None: read when the step ends"""

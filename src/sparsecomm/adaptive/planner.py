@@ -10,7 +10,10 @@ measure it). The least density is the ``floor``, or during the ``warmup`` steps 
 geometrically from `AdaptiveConfig.max_sparse_density` to the floor, as DGC eases sparsity in. A
 step is fp32 on every ``probe``-th step (to measure again), and whenever the link carries the whole
 fp32 gradient within the compute time. fp16 is allowed while the largest magnitude sent leaves
-`AdaptiveConfig.fp16_headroom` of fp16's range. Until sparse steps have been measured their fixed
+`AdaptiveConfig.fp16_headroom` of fp16's range. Where the pipeline has a device form and its
+sparsifier's ``device_route`` weighs it where the gradients are (`Planner.device_weighed`), a
+sparse step may also go on the device route (`Mode.DEVICE`): the trials put the two routes side
+by side as they do the modes. Until sparse steps have been measured their fixed
 overhead counts as 0, so a link slower than the compute gets sparse steps at the least density —
 the first warms the sparse path up and is not counted — until their cost is known, cheaply where
 sparse does not pay.
@@ -34,7 +37,9 @@ from sparsecomm.adaptive.costs import Costs
 from sparsecomm.adaptive.measurement import StepMeasurement
 from sparsecomm.adaptive.report import Report
 from sparsecomm.adaptive.trials import Trials
+from sparsecomm.device.support import device_form
 from sparsecomm.sparsify.adaptive import Adaptive
+from sparsecomm.spec import PipelineSpec
 
 
 @dataclass
@@ -47,6 +52,9 @@ class Planner:
     config: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     received_per_sent: float | None = None
     """the transport's `Transport.received_per_sent` at this world size (None: an allgather's)"""
+    device_form: bool = False
+    """whether the pipeline's sparse steps may take the device route in its device form
+    (`sparsecomm.device.support.device_form`; a pipeline that is its own device form takes it always)"""
     step: int = 0
     codec_cost: tuple[float, float] = (0.0, 0.0)
     """this rank's own calibrated (κ_e, κ_d) (`calibrate`), carried by every report"""
@@ -58,6 +66,7 @@ class Planner:
     last_compute_s: float = 0.0
     """the finished step's compute time, known once the next step starts (without a forward hook)"""
     sparse_steps: int = 0
+    """steps in either sparse mode"""
     reports_read: int = 0
     mode_steps: dict[Mode, int] = field(default_factory=dict)
     """how many steps ran in each mode"""
@@ -65,15 +74,28 @@ class Planner:
     trials: Trials = field(init=False)
 
     def __post_init__(self) -> None:
+        first = self.config.first_bytes_per_nnz
         self.costs = Costs(self.config, self.sparsifier, self.world_size, self.feedback_horizon,
-                           self.received_per_sent, bytes_per_nnz=self.config.first_bytes_per_nnz)
+                           self.received_per_sent, bytes_per_nnz=first, device_bytes_per_nnz=first)
         self.trials = Trials(self.config)
 
-    def suit(self, sparsifier: Adaptive, horizon: float) -> None:
-        """The pipeline changed for its optimizer (before the first step): its sparsifier and its
-        feedback's `Feedback.delay_horizon`."""
-        self.sparsifier = self.costs.sparsifier = sparsifier
-        self.feedback_horizon = self.costs.feedback_horizon = horizon
+    def suit(self, spec: PipelineSpec) -> None:
+        """The pipeline changed for its optimizer (before the first step): its sparsifier, its
+        feedback's `Feedback.delay_horizon` and whether it has a device form."""
+        assert isinstance(spec.sparsifier, Adaptive)
+        self.sparsifier = self.costs.sparsifier = spec.sparsifier
+        self.feedback_horizon = self.costs.feedback_horizon = spec.feedback.delay_horizon()
+        self.device_form = device_form(spec) is not None
+
+    def device_weighed(self) -> bool:
+        """Whether this step weighs the device route against the pipeline's codecs: it has a device
+        form, no user-set budget (bytes alone decide there, and the codecs send fewer), and its
+        sparsifier's ``device_route`` is ``any``, or ``accelerator`` while every rank's gradients
+        are off the host (as the latest report says; the device route saves the copies to and
+        from the host and the reads of the device that the codecs make)."""
+        route = self.sparsifier.device_route
+        return (self.device_form and not self.sparsifier.budget
+                and (route == "any" or route == "accelerator" and self.costs.host_memory == 0))
 
     # -- the reducer's calls, in step order ------------------------------------------------------
     def calibrate(self, spec: Any) -> None:
@@ -103,7 +125,7 @@ class Planner:
         previous, self.current = self.current.mode, self.plan()
         self.switched = self.current.mode != previous
         # a preferred density matters only to sparse steps, and not to a user-set budget
-        self.measuring.wants_energy = (self.current.mode == Mode.SPARSE
+        self.measuring.wants_energy = (not self.current.dense
                                        and self.sparse_steps % self.config.energy_every == 0
                                        and not self.sparsifier.budget)
         self.mode_steps[self.current.mode] = self.mode_steps.get(self.current.mode, 0) + 1
@@ -121,25 +143,27 @@ class Planner:
         per_budgeted = per_nnz * selected / done.planned_nnz if done.planned_nnz and selected > 0 else per_nnz
         cost = done.local_s + max(0.0, done.last_done - done.last_submit)
         compute = done.forward_backward_s() if done.forward_start is not None else self.last_compute_s
-        whole = {Mode.FP32: 0.0, Mode.FP16: 0.0, Mode.SPARSE: 0.0}
-        if self.current.mode != Mode.SPARSE:
+        mode = self.current.mode
+        whole = dict.fromkeys(Mode, 0.0)
+        if mode.dense:
             if self.step > config.warmup_steps:
                 # the whole step: where a collective's own work competes with the backward for the
                 # processor (gloo's fp16 sums on a CPU), the compute it slowed counts against it
-                whole[self.current.mode] = compute + cost
+                whole[mode] = compute + cost
         else:
             self.sparse_steps += 1
-            if self.sparse_steps >= config.exploration_steps and costs.throughput:
+            if self.mode_steps.get(mode, 0) >= config.exploration_steps and costs.throughput:
                 sent = done.payload_bytes + done.fixed_bytes
                 wire = (self.world_size - 1) * sent / statistics.median(costs.throughput)
-                encode_per_byte, decode_per_byte = done.codec_cost
+                encode_per_byte, decode_per_byte = done.codec_cost if mode is Mode.SPARSE else (0.0, 0.0)
                 codecs = (encode_per_byte + (self.world_size - 1) * decode_per_byte) * done.payload_bytes
-                whole[Mode.SPARSE] = max(1e-6, compute + cost - wire - codecs)
+                whole[mode] = max(1e-6, compute + cost - wire - codecs)
         throughput = done.wire_bytes / done.wire_s if done.wire_s > 0 else 0.0
         preferred = (done.preferred_density if done.preferred_density is not None
-                     else costs.energy_density(done.energy_samples))
-        return Report(compute, throughput, whole[Mode.FP32], whole[Mode.FP16], whole[Mode.SPARSE], per_budgeted,
-                      fixed, done.max_magnitude, *done.codec_cost, preferred)
+                     else costs.energy_density(done.energy_samples, mode))
+        return Report(compute, throughput, whole[Mode.FP32], whole[Mode.FP16], whole[Mode.SPARSE] + whole[Mode.DEVICE],
+                      per_budgeted, fixed, done.max_magnitude, *done.codec_cost, preferred,
+                      device_route=float(mode is Mode.DEVICE), host_memory=float(done.host_memory))
 
     def observe(self, agreed: Report, step: int | None = None) -> None:
         """Every rank's report of one step (``step``, when known), agreed."""
@@ -149,10 +173,10 @@ class Planner:
         running = self.trials.running(step) if step is not None else None
         if running is not None:
             mode, density = running
-            whole = {Mode.FP32: agreed.fp32_step_s, Mode.FP16: agreed.fp16_step_s,
-                     Mode.SPARSE: agreed.sparse_step_s}[mode]
-            if whole > 0 and mode == Mode.SPARSE and costs.throughput:  # its payloads' wire and codec time back in
-                whole += costs.per_byte_s(statistics.median(costs.throughput)) * costs.step_bytes(density)
+            whole = {Mode.FP32: agreed.fp32_step_s, Mode.FP16: agreed.fp16_step_s}.get(mode, agreed.sparse_step_s)
+            if whole > 0 and not mode.dense and costs.throughput:  # its payloads' wire and codec time back in
+                whole += (costs.per_byte_s(statistics.median(costs.throughput), mode)
+                          * costs.step_bytes(density, mode))
             self.trials.reported(step, whole)  # type: ignore[arg-type]
 
     # -- the plan -------------------------------------------------------------------------------
@@ -183,10 +207,10 @@ class Planner:
         probing = sparsifier.probe and self.step > 0 and self.step % sparsifier.probe == 0
         if budget is None or budget >= dense_bytes or probing:
             return Plan(Mode.FP32)
-        predicted = costs.predicted(budget)
+        predicted = costs.predicted(budget, device=self.device_weighed())
         if not costs.sparse_overhead_s:  # the sparse path's cost unknown: learn it (cheap steps) before choosing
             return predicted[Mode.SPARSE][1]
-        return self.trials.choose(predicted, self.step, self.sparse_steps)
+        return self.trials.choose(predicted, self.step, self.mode_steps)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -29,9 +29,10 @@ class Report:
     sparse_step_s: float = 0.0
     """a sparse step's whole time less its payloads' wire time and per-byte cost"""
     bytes_per_nnz: float = 0.0
-    """payload bytes per entry the density budgeted (what tensors sent above it included)"""
+    """a sparse step's payload bytes per entry the density budgeted (what tensors sent above it
+    included)"""
     fixed_bytes: float = 0.0
-    """bytes sent outside the budget (small tensors, parameters sent whole, sparse rows)"""
+    """a sparse step's bytes outside the budget (small tensors, parameters sent whole, sparse rows)"""
     max_magnitude: float = 0.0
     """the largest |value| sent"""
     encode_per_byte: float = 0.0
@@ -40,6 +41,10 @@ class Report:
     """and receiving"""
     preferred_density: float = 0.0
     """the density this rank's sampled gradient preferred (`Costs.energy_density`)"""
+    device_route: float = 0.0
+    """1 where the step was a ``device`` one: its sparse step's fields are the device route's"""
+    host_memory: float = 0.0
+    """1 where this rank's gradients were in host memory (agreed: where any rank's were)"""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.throughput < math.inf:  # no throughput was measured, or none that means one

@@ -30,8 +30,9 @@ Predicted = dict[Mode, tuple[float, Plan]]
 
 
 def pair_of(first: Mode, second: Mode) -> tuple[Mode, Mode]:
-    """Two modes, the more exact first: how a pair's ratios are kept."""
-    return (first, second) if first.exactness <= second.exactness else (second, first)
+    """Two modes in `Mode`'s order (the more exact first): how a pair's ratios are kept."""
+    order = list(Mode)
+    return (first, second) if order.index(first) <= order.index(second) else (second, first)
 
 
 @dataclass
@@ -86,14 +87,14 @@ class Trials:
     pair_ratios: dict[tuple[Mode, Mode], deque[float]] = field(default_factory=dict)
     """per pair of modes (`pair_of`), the first's step time over the second's in their trials' pairs"""
 
-    def choose(self, predicted: Predicted, step: int, sparse_steps: int) -> Plan:
+    def choose(self, predicted: Predicted, step: int, runs: dict[Mode, int]) -> Plan:
         """This step's plan: the trial's next step, or the incumbent's."""
         self._decide(predicted, step)
         if self.incumbent not in predicted:  # the first choice, or fp16 no longer allowed: the cheapest
             self.incumbent = min(predicted, key=lambda mode: predicted[mode][0])
         trial = self.trial
         if trial is None:
-            trial = self._due(predicted, step, sparse_steps)
+            trial = self._due(predicted, step, runs)
         if trial is not None and trial.to_run:
             mode = trial.to_run.pop(0)
             if mode in predicted:
@@ -115,9 +116,9 @@ class Trials:
         if whole_s > 0:
             self.trial.costs[step] = (mode, whole_s)
 
-    def _due(self, predicted: Predicted, step: int, sparse_steps: int) -> Trial | None:
-        """A trial of the cheapest predicted mode whose turn has come; a sparse path not yet warmed
-        up gets one untimed step first."""
+    def _due(self, predicted: Predicted, step: int, runs: dict[Mode, int]) -> Trial | None:
+        """A trial of the cheapest predicted mode whose turn has come; a sparse route not yet warmed
+        up (``runs``: the steps each mode has run) gets one untimed step first."""
         config = self.config
         assert self.incumbent is not None
         if step <= config.warmup_steps:  # dense steps this early are not timed
@@ -135,7 +136,7 @@ class Trials:
             extra_share = max(0.0, (measured - 1.0) if measured is not None else cost / incumbent_cost - 1.0)
             extra = config.trial_pairs * extra_share / config.explore_share
             if since >= max(config.min_reexplore if mode in self.last_trial else 0, extra):
-                warm_up = [Mode.SPARSE] if mode == Mode.SPARSE and sparse_steps < config.exploration_steps - 1 else []
+                warm_up = [mode] if not mode.dense and runs.get(mode, 0) < config.exploration_steps - 1 else []
                 self.trial = Trial(mode, self.incumbent, warm_up + [mode, self.incumbent] * config.trial_pairs)
                 return self.trial
         return None

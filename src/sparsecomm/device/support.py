@@ -1,6 +1,9 @@
-"""Which pipelines the device path runs: every stage with a form in fixed-size tensor ops."""
+"""Which pipelines the device path runs: every stage with a form in fixed-size tensor ops; and an
+``adaptive`` pipeline's device form, which its sparse steps may take instead of its codecs."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from sparsecomm.device import values
 from sparsecomm.encode.index.packed import PackedIndices
@@ -36,3 +39,18 @@ def device_native(spec: PipelineSpec) -> str | None:
     if not isinstance(spec.transport, AllgatherTransport):
         return f"its transport {spec.transport.name} is not allgather"
     return None
+
+
+def device_form(spec: PipelineSpec) -> PipelineSpec | None:
+    """The pipeline an ``adaptive`` ``spec``'s sparse steps run on the device route: the same
+    sparsifier, feedback, value codec and transport, with ``packed`` indices (near the entropy
+    codecs' size at the densities ``adaptive`` plans, in tensor ops) where its index codec has no
+    device form. None where another stage has none, where the sparsifier's ``device_route`` is
+    ``never``, or where ``spec`` runs on the device path already."""
+    if not isinstance(spec.sparsifier, Adaptive) or spec.sparsifier.device_route == "never":
+        return None
+    if device_native(spec) is None:
+        return None
+    form = spec if spec.index_codec in (RawIndices(bits=32), PackedIndices()) else replace(
+        spec, index_codec=PackedIndices())
+    return form if device_native(form) is None else None

@@ -12,8 +12,9 @@ Routes, chosen once per call (`route_of`), each with its path object:
   stands for, and its average goes back as rows;
 - ``dense step``: a step the ``adaptive`` controller planned as fp32 or fp16 — every entry, each
   tensor's feedback flushed into it, one all_reduce as DDP's own hook posts it (`DenseStepPath`);
-- ``device``: the compressed route of a pipeline whose every stage has a device form — one pass
-  over the bucket in fixed sizes, one equal-size all_gather (`DevicePath`).
+- ``device``: the compressed route of a pipeline whose every stage has a device form, and of an
+  ``adaptive`` step planned on it (`Mode.DEVICE`) — one pass over the bucket in fixed sizes, one
+  equal-size all_gather (`DevicePath`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsecomm.adaptive.config import Plan
+from sparsecomm.adaptive.config import Mode, Plan
 from sparsecomm.names import Name
 from sparsecomm.pipeline import Segment
 from sparsecomm.reducer.config import ReducerConfig
@@ -84,8 +85,8 @@ def route_of(tensor: torch.Tensor, segments: tuple[Segment, ...] | None, config:
     if config.spec.transport.name == "dense" or (whole and (tensor.numel() < config.dense_below
                                                              or config.codecs_exact)):
         return Route.PLAIN
-    if config.on_device:  # every entry of a tensor sent whole goes cheapest as it is
-        return Route.PLAIN if whole else Route.DEVICE
+    if config.on_device or plan is not None and plan.mode is Mode.DEVICE:
+        return Route.PLAIN if whole else Route.DEVICE  # every entry of a tensor sent whole goes cheapest as it is
     return Route.COMPRESSED
 
 

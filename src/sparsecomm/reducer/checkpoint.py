@@ -3,7 +3,8 @@
 
 Format 0 (no ``"format"`` key) named the adaptive modes ``dense``/``half``/``sparse``, held the
 planner's numbers flat and its reports as positional tensors, and left out keys added later (their
-defaults below)."""
+defaults below). Format 1 held no costs of the device route's sparse steps (`Mode.DEVICE`): they
+start unmeasured."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ from typing import Any
 
 import torch
 
+from sparsecomm.adaptive.config import AdaptiveConfig
 from sparsecomm.adaptive.report import Report
 from sparsecomm.errors import SparseCommError
 
-FORMAT = 1
+FORMAT = 2
+DEVICE_COSTS_1 = {"device_overhead_s": [], "device_bytes_per_nnz": AdaptiveConfig().first_bytes_per_nnz,
+                  "device_fixed_bytes": 0.0, "host_memory": 1.0}
 MODES_0 = {"dense": "fp32", "half": "fp16", "sparse": "sparse"}
 COSTS_0 = {"compute_s": "compute_s", "throughput": "throughput", "half_throughput": "fp16_throughput",
            "dense_cost_s": "fp32_step_s", "half_cost_s": "fp16_step_s", "sparse_overhead_s": "sparse_overhead_s",
@@ -26,15 +30,26 @@ COSTS_0 = {"compute_s": "compute_s", "throughput": "throughput", "half_throughpu
 def migrate(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` in the current `FORMAT` (a new dict; the tensors are shared)."""
     version = state.get("format", 0)
-    if version == FORMAT:
-        return state
-    if version != 0:
+    if version not in range(FORMAT + 1):
         raise SparseCommError(f"this checkpoint has format {version}; this sparsecomm reads formats 0 to {FORMAT}")
+    if version == 0:
+        state = _from_0(state)
+    if state["format"] == 1:
+        adaptive = state["adaptive"]
+        if adaptive is not None:
+            planner = adaptive["planner"]
+            adaptive = {**adaptive, "planner": {**planner, "costs": {**DEVICE_COSTS_1, **planner["costs"]}}}
+        state = {**state, "format": 2, "adaptive": adaptive}
+    return state
+
+
+def _from_0(state: dict[str, Any]) -> dict[str, Any]:
+    """A format-0 checkpoint in format 1."""
     pipeline = dict(state["pipeline"])
     pipeline["tensors"] = {key: {"density_share": 1.0, **saved} for key, saved in pipeline["tensors"].items()}
     session = {"split_points": [], "payload_capacity": 0, **state["session"]}
     budget = state.get("budget")
-    return {"format": FORMAT, "pipeline": pipeline, "calls": state["calls"], "steps": state["steps"],
+    return {"format": 1, "pipeline": pipeline, "calls": state["calls"], "steps": state["steps"],
             "uncompressed": state["uncompressed"], "session": session,
             "bucket_orders": state.get("layouts", {}), "row_errors": state.get("row_errors", {}),
             "adaptive": None if budget is None else {"planner": _planner_0(budget),

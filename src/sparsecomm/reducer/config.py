@@ -10,7 +10,7 @@ from functools import cached_property
 import torch
 import torch.distributed as dist
 
-from sparsecomm.device.support import device_native
+from sparsecomm.device.support import device_form, device_native
 from sparsecomm.encode.base import codecs_lossless
 from sparsecomm.errors import SparseCommError
 from sparsecomm.pipeline import NONFINITE_POLICIES
@@ -54,6 +54,12 @@ class ReducerConfig:
     def on_device(self) -> bool:
         """Whether its compressed calls take the device route (`sparsecomm.device.support`)."""
         return device_native(self.spec) is None
+
+    @cached_property
+    def device_spec(self) -> PipelineSpec | None:
+        """The pipeline the device route runs: the spec where it is device-native, else its device
+        form where ``adaptive``'s sparse steps may take the route (`Mode.DEVICE`), else None."""
+        return self.spec if self.on_device else device_form(self.spec)
 
     def agree(self, group: dist.ProcessGroup | None) -> None:
         """Raise on every rank unless every rank of ``group`` has this configuration."""

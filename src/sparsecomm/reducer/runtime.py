@@ -28,7 +28,6 @@ from sparsecomm.reducer.paths.rows import RowsPath
 from sparsecomm.reducer.stats import ReducerStats, TensorStats
 from sparsecomm.reducer.step_calls import StepCalls
 from sparsecomm.reducer.uncompressed import UncompressedFeedback
-from sparsecomm.sparsify.adaptive import Adaptive
 from sparsecomm.transport.collectives import wire_device
 from sparsecomm.transport.session import TransportSession
 
@@ -75,8 +74,7 @@ class Runtime:
         self.pipeline = Pipeline(config.spec, seed=config.seed, nonfinite=config.nonfinite,
                                  world_size=config.world_size)
         if self.adaptive is not None:
-            assert isinstance(config.spec.sparsifier, Adaptive)
-            self.adaptive.planner.suit(config.spec.sparsifier, config.spec.feedback.delay_horizon())
+            self.adaptive.planner.suit(config.spec)
         self._build_paths()
 
     def submit(self, key: str, tensor: torch.Tensor, segments: tuple[Segment, ...] | None = None,
@@ -87,7 +85,7 @@ class Runtime:
         stats.steps += 1
         stats.dense_bytes += tensor.numel() * 4
         start = time.perf_counter()
-        plan = self.adaptive.plan_call(start) if self.adaptive is not None else None
+        plan = self.adaptive.plan_call(start, tensor.device) if self.adaptive is not None else None
         route = route_of(tensor, segments, self.config, plan)
         if route is Route.COMPRESSED and segments is None and self.config.sends_whole(tensor.shape):
             segments = (Segment(key, 0, tensor.numel(), whole=True),)  # a large vector under DGC's rule

@@ -4,7 +4,8 @@ Inside a `GradientReducer` the density is set every step by the reducer's adapti
 `sparsecomm.adaptive`) from the measured link, compute and gradient, as every tensor's
 floor (`sparsecomm.sparsify.shared_threshold` adds the entries that stand above the rest of the
 model); ``budget``, ``floor``, ``probe``, ``dense_start``, ``warmup`` and ``horizon`` are that
-controller's settings. Used alone, it keeps ``density``.
+controller's settings, and ``device_route`` where its sparse steps may go on the device route
+(`sparsecomm.device.support.device_form`). Used alone, it keeps ``density``.
 
 Selection: a threshold estimated from a strided sample (as DGC's), then one pass; if that selects
 more than ``UPPER``·k, the threshold is raised to the k-th largest of the selected magnitudes, and
@@ -32,6 +33,8 @@ where an entry held back many steps arrives as a burst its second moment remembe
 MIN_SAMPLES = 256
 """below this many samples a tensor is small enough for an exact top-k"""
 UPPER, LOWER, DECAY, RETRIES = 1.5, 0.7, 0.7, 4
+DEVICE_ROUTES = ("accelerator", "any", "never")
+"""where a reducer weighs the device route against the pipeline's codecs (``device_route``)"""
 
 
 @SPARSIFIERS.register("adaptive")
@@ -62,6 +65,11 @@ class Adaptive(Sparsifier):
     """fraction of the entries sampled for the threshold"""
     density: float = 1.0
     """the fraction kept when no reducer sets one"""
+    device_route: str = "accelerator"
+    """where a reducer's sparse steps may take the device route in the pipeline's device form,
+    the trials choosing it over the pipeline's codecs where its steps are faster: ``accelerator``
+    (where every rank's gradients are off the host: the codecs cost copies and reads of the
+    device there), ``any`` (CPUs too) or ``never``"""
 
     def __post_init__(self) -> None:
         if self.budget < 0:
@@ -78,6 +86,8 @@ class Adaptive(Sparsifier):
             raise SparseCommError("adaptive horizon must be >= 1 step, or 0 (from the feedback)")
         if not 0.0 < self.sample <= 1.0:
             raise SparseCommError("adaptive sample must be in (0, 1]")
+        if self.device_route not in DEVICE_ROUTES:
+            raise SparseCommError(f"adaptive device_route must be one of {', '.join(DEVICE_ROUTES)}")
 
     @property
     def least(self) -> float:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sparsecomm.adaptive.config import Plan
+from sparsecomm.adaptive.config import Mode, Plan
 from sparsecomm.device import values as device_values
 from sparsecomm.device.feedback import Proposal, buffer_names, commit, propose
 from sparsecomm.device.layout import BucketLayout
@@ -37,6 +37,7 @@ from sparsecomm.reducer.call import Call, Route, Summed
 from sparsecomm.reducer.paths.base import Path, Pending
 from sparsecomm.sparsify.adaptive import Adaptive
 from sparsecomm.sparsify.base import CountedSparsifier
+from sparsecomm.spec import PipelineSpec
 from sparsecomm.transport.collectives import all_gather_single, on_wire
 
 
@@ -76,9 +77,10 @@ class Bucket:
     whole_error: WholeError | None = None
     """what a lossy value codec rounded off the parameters sent whole"""
     spare: BufferSet | None = None
-    shares_agreed: bool = False
-    """whether the ranks made their parameters' shares of the density one since it was built (a
-    checkpoint the host path wrote holds each rank's own)"""
+    shares_agreed: int | None = None
+    """the pipeline's own sparse steps run when the ranks last made their parameters' shares of
+    the density one (None: not since it was built). The host path leaves each rank its own share:
+    a checkpoint it wrote holds them, and so do the parameters after its steps (`Mode.SPARSE`)."""
 
     def current(self, states: dict[str, TensorState], uncompressed: dict[str, dict[str, Any]]) -> bool:
         """Whether every parameter's state still is this bucket's view: the pipeline's (``states``)
@@ -108,6 +110,8 @@ class Bucket:
         self.held, self.spare = filled, self.held
         for state, name, view in filled.views:
             state.feedback[name] = view
+            if name == "residual":  # `Residual`'s flag: what was not sent is held, a flush must send it
+                state.feedback["clear"] = False
 
 
 @dataclass
@@ -150,9 +154,16 @@ class DevicePath(Path):
         self._buckets: dict[str, Bucket] = {}
         """per stream: its fixed parts (rebuilt from the parameters' states when stale)"""
 
+    @property
+    def spec(self) -> PipelineSpec:
+        """The pipeline this route runs (`ReducerConfig.device_spec`)."""
+        spec = self.parts.config.device_spec
+        assert spec is not None, "a call took the device route of a pipeline without a device form"
+        return spec
+
     def post(self, call: Call, plan: Plan | None, start: float) -> Pending:
         parts = self.parts
-        config, pipeline = parts.config, parts.pipeline
+        config, pipeline, spec = parts.config, parts.pipeline, self.spec
         flat = call.tensor.detach().reshape(-1)
         segments = call.segments or (Segment(call.key, 0, flat.numel()),)
         bucket = self._bucket(call.key, segments, flat)
@@ -163,14 +174,14 @@ class DevicePath(Path):
         adaptive = parts.adaptive
         if adaptive is not None:  # this step's sample of the gradient, where it takes one: the bucket's
             adaptive.planner.sample_energy(flat, [(0, layout.numel)])
-        if isinstance(config.spec.feedback, DGCMomentum):
+        if isinstance(spec.feedback, DGCMomentum):
             bucket.own_momentum()
         spare = bucket.take_spare()
-        proposal = propose(config.spec.feedback, grad, bucket.held.buffers, spare.buffers)
+        proposal = propose(spec.feedback, grad, bucket.held.buffers, spare.buffers)
         generator = seeded_generator(flat.device, config.seed, key_hash(call.key), first.step)
         proposed, within = None, False
-        if plan is not None and isinstance(config.spec.sparsifier, Adaptive):  # one threshold over the bucket
-            within = config.spec.sparsifier.budget > 0
+        if plan is not None and isinstance(spec.sparsifier, Adaptive):  # one threshold over the bucket
+            within = spec.sparsifier.budget > 0
             share = self._share(bucket, within)
             indices, proposed = select_shared(proposal.accumulated, layout, ratio, share, generator, within)
         else:
@@ -184,8 +195,8 @@ class DevicePath(Path):
         magnitude = None  # the largest sent, where adaptive's report needs it: read with the sum's check
         if adaptive is not None and adaptive.report_needed(parts.stats.steps):
             magnitude = torch.linalg.vector_norm(values, math.inf) if values.numel() else values.new_zeros(())
-        form = WireFormat(layout.numel, indices.numel(), values.numel() - indices.numel(), config.spec.value_codec,
-                          packed=isinstance(config.spec.index_codec, PackedIndices))
+        form = WireFormat(layout.numel, indices.numel(), values.numel() - indices.numel(), spec.value_codec,
+                          packed=isinstance(spec.index_codec, PackedIndices))
         # a new buffer per call: a stream's earlier call (reduce_async) may still be on the wire
         wire = torch.empty(form.words, dtype=torch.int32, device=flat.device)
         delivered = form.pack(wire, layout.digest, indices, values, proposed)
@@ -210,11 +221,15 @@ class DevicePath(Path):
     def _share(self, bucket: Bucket, within: bool) -> float:
         """The bucket's share of the density for this step (`sparsecomm.device.shares`): this rank's
         own within a byte budget, else the ranks' one, which sizes every rank's buffer — agreed
-        by an all_reduce the first time after the bucket is built."""
+        by an all_reduce the first time after the bucket is built or the host path stepped its
+        parameters (a count every rank has alike)."""
         sparsified = bucket.layout.sparsified_segments
         states = [self.parts.pipeline.states[segment.key] for _, segment in sparsified]
         share = max((state.density_share for state in states), default=1.0)
-        if within or bucket.shares_agreed:
+        adaptive = self.parts.adaptive
+        host_steps = adaptive.planner.mode_steps.get(Mode.SPARSE, 0) \
+            if adaptive is not None and not self.parts.config.on_device else 0
+        if within or bucket.shares_agreed == host_steps:
             return share
         self.parts.calls.session.drain()  # after the worker thread's collectives, in order
         largest = on_wire(torch.tensor([share], dtype=torch.float32), self.parts.wire_device)
@@ -222,13 +237,13 @@ class DevicePath(Path):
         share = float(largest)
         for state in states:
             state.density_share = share
-        bucket.shares_agreed = True
+        bucket.shares_agreed = host_steps
         return share
 
     def _ratio(self, plan: Plan | None, step: int) -> float:
         """The density the call's capacity is sized by: the sparsifier's ratio at ``step``, or
         ``adaptive``'s planned density (every rank plans the same)."""
-        sparsifier = self.parts.config.spec.sparsifier
+        sparsifier = self.spec.sparsifier
         if isinstance(sparsifier, Adaptive):
             return sparsifier.at_density(plan.density if plan is not None else sparsifier.density).density
         sparsifier = sparsifier.at_step(step)
@@ -252,7 +267,7 @@ class DevicePath(Path):
     def _build(self, segments: tuple[Segment, ...], flat: torch.Tensor) -> Bucket:
         """A bucket's flat buffers from its parameters' states (zeros where they have none), each
         parameter's state then a view of its segment."""
-        pipeline, feedback = self.parts.pipeline, self.parts.config.spec.feedback
+        pipeline, feedback = self.parts.pipeline, self.spec.feedback
         states = [pipeline.states.setdefault(s.key, TensorState()) for s in segments]
         buffers, views = {}, []
         for name in buffer_names(feedback):
@@ -270,7 +285,7 @@ class DevicePath(Path):
         layout = BucketLayout.of(segments, flat.numel(), flat.device)
         return Bucket(layout, tuple(states), BufferSet(buffers, views),
                       WholeMomentum.of(feedback, layout, self.parts.uncompressed.states),
-                      WholeError.of(self.parts.config.spec.value_codec, layout, states))
+                      WholeError.of(self.spec.value_codec, layout, states))
 
     def summed(self, call: Call, pending: Pending, done: torch.futures.Future) -> Summed:
         done.wait()
@@ -296,7 +311,8 @@ class DevicePath(Path):
         flags = good * GOOD + (sent.finite if sent.finite is not None else good) * OWN_FINITE  # int64
         adaptive = self.parts.adaptive
         # the step's last call reads the density the step's gradient prefers, where it was sampled
-        preferred = adaptive.planner.costs.energy_choice(adaptive.measuring.energy_samples) \
+        preferred = adaptive.planner.costs.energy_choice(adaptive.measuring.energy_samples,
+                                                         adaptive.planner.current.mode) \
             if adaptive is not None and call.last else None
         # the next step's share: this rank's own within a budget (a number where the choice was made in
         # host memory, read with nothing), else the largest any rank proposed, which sizes every rank's
@@ -335,7 +351,7 @@ class DevicePath(Path):
     def after_average(self, call: Call, pending: Pending, total: torch.Tensor) -> torch.Tensor:
         sent: DeviceSent = pending.sent
         if sent.finite is None or sent.kept:
-            commit(self.parts.config.spec.feedback, sent.proposal, sent.indices, sent.bucket.layout.whole,
+            commit(self.spec.feedback, sent.proposal, sent.indices, sent.bucket.layout.whole,
                    sent.delivered)
             sent.bucket.keep(sent.spare)
             if sent.bucket.whole_error is not None:
