@@ -163,12 +163,17 @@ class Costs:
             return received / throughput
         return self.encode_per_byte + received * (self.decode_per_byte + 1 / throughput)
 
+    def payload_bytes(self, mode: Mode) -> tuple[float, float]:
+        """A sparse ``mode``'s (bytes per budgeted entry, fixed bytes)."""
+        if mode is Mode.DEVICE:
+            return self.device_bytes_per_nnz, self.device_fixed_bytes
+        return self.bytes_per_nnz, self.fixed_bytes
+
     def step_bytes(self, density: Any, mode: Mode = Mode.SPARSE) -> Any:
         """Bytes one rank sends on a sparse step in ``mode`` at ``density`` (one, or a tensor of
         candidates)."""
-        if mode is Mode.DEVICE:
-            return self.device_fixed_bytes + density * self.budget_numel * self.device_bytes_per_nnz
-        return self.fixed_bytes + density * self.budget_numel * self.bytes_per_nnz
+        per_nnz, fixed = self.payload_bytes(mode)
+        return fixed + density * self.budget_numel * per_nnz
 
     def sparse_at(self, budget: float) -> Plan:
         """A sparse step that sends ``budget`` bytes (at least this step's `least` density)."""

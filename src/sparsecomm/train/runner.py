@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from sparsecomm.adaptive.config import Mode
 from sparsecomm.errors import SparseCommError
 from sparsecomm.launch import run_local
 from sparsecomm.netns import bits_per_second, bytes_sent_here
@@ -191,10 +192,13 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
         if reducer.adaptive is not None:
             planner, costs = reducer.adaptive.planner, reducer.adaptive.planner.costs
             adaptive["mode_steps"] = {str(mode): count for mode, count in planner.mode_steps.items()}
-            if costs.sparse_overhead_s:
-                # what a sparse step cost beyond its wire time, and its bytes per nonzero (for projections)
-                adaptive |= {"sparse_overhead_s": min(costs.sparse_overhead_s), "bytes_per_nnz": costs.bytes_per_nnz,
-                           "fixed_bytes": costs.fixed_bytes}
+            # the route its sparse steps settled on: what such a step cost beyond its wire time, and its
+            # bytes per nonzero (for projections)
+            route = Mode.DEVICE if planner.trials.incumbent is Mode.DEVICE else Mode.SPARSE
+            if costs.overhead_s(route):
+                per_nnz, fixed = costs.payload_bytes(route)
+                adaptive |= {"sparse_route": str(route), "sparse_overhead_s": min(costs.overhead_s(route)),
+                             "bytes_per_nnz": per_nnz, "fixed_bytes": fixed}
             if costs.preferred_density:
                 adaptive["sparse_density"] = statistics.median(costs.preferred_density)
         reducer.close()
