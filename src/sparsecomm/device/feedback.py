@@ -9,6 +9,7 @@ the same either way."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,9 +21,19 @@ BUFFERS = {Residual: ("residual",), DGCMomentum: ("momentum_buffer", "accumulate
 """each feedback's state, by the names its per-parameter dictionaries give them"""
 
 
+KEPT_FLAGS: dict[type, dict[str, Any]] = {Residual: {"clear": False}}
+"""what each feedback's per-parameter state says once a sparse step is kept, as its own `update`
+says it: `Residual`'s residual holds what was not sent, so a dense step's flush must send it"""
+
+
 def buffer_names(feedback: Feedback) -> tuple[str, ...]:
     """The flat buffers ``feedback`` keeps per bucket (none for no feedback)."""
     return BUFFERS.get(type(feedback), ())
+
+
+def kept_flags(feedback: Feedback) -> dict[str, Any]:
+    """The flags ``feedback``'s per-parameter state takes once a proposal is kept (`KEPT_FLAGS`)."""
+    return KEPT_FLAGS.get(type(feedback), {})
 
 
 @dataclass

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from sparsecomm.adaptive.config import Mode, Plan
 from sparsecomm.device import values as device_values
-from sparsecomm.device.feedback import Proposal, buffer_names, commit, propose
+from sparsecomm.device.feedback import Proposal, buffer_names, commit, kept_flags, propose
 from sparsecomm.device.layout import BucketLayout
 from sparsecomm.device.selection import select, select_shared
 from sparsecomm.device.shares import rounded
@@ -77,6 +77,8 @@ class Bucket:
     whole_error: WholeError | None = None
     """what a lossy value codec rounded off the parameters sent whole"""
     spare: BufferSet | None = None
+    flags: dict[str, Any] = field(default_factory=dict)
+    """what each parameter's state in the feedback says once a proposal is kept (`kept_flags`)"""
     shares_agreed: int | None = None
     """the pipeline's own sparse steps run when the ranks last made their parameters' shares of
     the density one (None: not since it was built). The host path leaves each rank its own share:
@@ -110,8 +112,7 @@ class Bucket:
         self.held, self.spare = filled, self.held
         for state, name, view in filled.views:
             state.feedback[name] = view
-            if name == "residual":  # `Residual`'s flag: what was not sent is held, a flush must send it
-                state.feedback["clear"] = False
+            state.feedback.update(self.flags)
 
 
 @dataclass
@@ -285,7 +286,7 @@ class DevicePath(Path):
         layout = BucketLayout.of(segments, flat.numel(), flat.device)
         return Bucket(layout, tuple(states), BufferSet(buffers, views),
                       WholeMomentum.of(feedback, layout, self.parts.uncompressed.states),
-                      WholeError.of(self.spec.value_codec, layout, states))
+                      WholeError.of(self.spec.value_codec, layout, states), flags=kept_flags(feedback))
 
     def summed(self, call: Call, pending: Pending, done: torch.futures.Future) -> Summed:
         done.wait()
