@@ -85,13 +85,12 @@ def test_the_device_route_runs_next_to_the_codecs_and_replaces_them_only_where_i
 
 
 def test_a_trial_of_the_device_route_under_way_round_trips_through_a_checkpoint():
-    plan = sparse_incumbent()
-    routed_steps(plan, 3, {SPARSE: 0.010, DEVICE: 0.003})  # the warm-up step and the trial's first pair
+    plan, costs = sparse_incumbent(), {SPARSE: 0.010, DEVICE: 0.003}
+    routed_steps(plan, 3, costs)  # the warm-up step and the trial's first pair
     assert plan.trials.trial is not None and plan.trials.trial.challenger is DEVICE
     resumed = budget(probe=0, device_route="any")
     resumed.device_form = True
     resumed.load_state_dict(copy.deepcopy(plan.state_dict()))
-    costs = {SPARSE: 0.010, DEVICE: 0.003}
     going_on = routed_steps(plan, 12, costs)
     assert routed_steps(resumed, 12, costs) == going_on and DEVICE in going_on
     assert resumed.trials.state_dict() == plan.trials.state_dict()
