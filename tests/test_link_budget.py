@@ -179,6 +179,32 @@ def test_the_sparse_paths_marginal_cost_is_a_slope_not_an_average():
     assert 0 < sending < 1e-6 and 0 < receiving < 1e-6  # nanoseconds a byte, not the milliseconds of a pass
 
 
+def test_a_calibration_that_noise_swamps_is_taken_again():
+    from sparsecomm.adaptive import calibration
+
+    # each timed call reads the clock three times (start, after sending, after receiving); the warm
+    # calls and the first attempt time the small selection as the dearer one, the second the large
+    calls = {"timed": 0, "reads": 0, "now": 0.0}
+    warm = 2 * 2
+
+    def clock() -> float:
+        if calls["reads"] % 3 != 0:
+            index = calls["timed"] - 1
+            large = index % 2 == 1
+            noisy = index < warm + 2
+            calls["now"] += (1e-3 if large == noisy else 3e-3)
+        else:
+            calls["timed"] += 1
+        calls["reads"] += 1
+        return calls["now"]
+
+    sending, receiving = calibration.marginal_sparse_cost(resolve("adaptive"), numel=4096, nnz=(16, 1024),
+                                                          repeats=1, attempts=3, clock=clock)
+    assert calls["timed"] == warm + 2 * 2  # one noisy attempt, one clean one
+    assert sending > 0 and receiving > 0
+    assert sending == pytest.approx(receiving)
+
+
 def test_sparse_density_stops_at_its_ceiling_and_dense_wins_where_it_costs_no_more():
     # a budget worth more than a quarter of the entries, sparse steps that cost a lot of CPU, and
     # magnitudes too large for fp16
