@@ -129,6 +129,32 @@ def test_a_slow_link_explores_sparse_at_the_floor_then_sends_what_it_carries_whi
     assert chosen.mode == SPARSE and chosen.density == pytest.approx((20_000 - 1000) / (2.0 * N))
 
 
+@pytest.mark.parametrize("throughput, between, alternates", [(100e6, CONFIG.explore_between, True),
+                                                             (10e6, CONFIG.explore_between, False),
+                                                             (100e6, 1.5, False)])
+def test_where_a_dense_step_costs_a_few_sparse_ones_a_dense_step_follows_each_exploring_one(throughput, between,
+                                                                                           alternates):
+    plan = Planner(Adaptive(dense_start=0, floor=0.0005), world_size=2,
+                   config=AdaptiveConfig(explore_between=between))
+    plan.costs.total_numel = plan.costs.budget_numel = N
+    next_plan(plan)
+    # 20 ms of compute; the fp16 gradient (2 MB) crosses 100 MB/s in 20 ms: an fp16 step is
+    # predicted at about twice an exploring sparse one (ten times at 10 MB/s)
+    measured = report(compute=0.020, throughput=throughput, per_nnz=2.0, magnitude=1.0)
+    modes = [next_plan(plan, measured).mode for _ in range(6)]
+    assert modes == ([SPARSE, FP16] * 3 if alternates else [SPARSE] * 6)
+
+
+@pytest.mark.parametrize("setting, field", [({"explore_between": -1.0}, "explore_between"),
+                                            ({"trial_pairs": 0}, "trial_pairs"),
+                                            ({"max_sparse_density": 0.0}, "max_sparse_density"),
+                                            ({"calibration_nnz": (10, 5)}, "calibration_nnz")])
+def test_the_controllers_settings_are_checked(setting, field):
+    with pytest.raises(sc.SparseCommError, match=field):
+        AdaptiveConfig(**setting)
+    assert AdaptiveConfig(explore_between=0.0).explore_between == 0.0  # 0: exploring steps run on end
+
+
 def test_the_codecs_time_per_byte_shrinks_the_budget_to_what_link_and_codecs_carry_while_computing():
     plan = Planner(Adaptive(dense_start=0), world_size=3)
     plan.costs.total_numel = plan.costs.budget_numel = N

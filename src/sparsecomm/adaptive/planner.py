@@ -16,7 +16,9 @@ sparse step may also go on the device route (`Mode.DEVICE`): the trials put the 
 by side as they do the modes. Until sparse steps have been measured their fixed
 overhead counts as 0, so a link slower than the compute gets sparse steps at the least density —
 the first warms the sparse path up and is not counted — until their cost is known, cheaply where
-sparse does not pay.
+sparse does not pay. Where a dense step is predicted to cost at most a few sparse ones
+(`AdaptiveConfig.explore_between`), a dense step follows each of them at the floor: what one held
+back then goes out with the next step.
 
 A user-set ``budget`` (bytes per step) replaces the measured one and the preferred density, and
 turns the probes off: bytes alone decide the mode (fp32, fp16 or sparse, whichever the budget
@@ -209,8 +211,20 @@ class Planner:
             return Plan(Mode.FP32)
         predicted = costs.predicted(budget, device=self.device_weighed())
         if not costs.sparse_overhead_s:  # the sparse path's cost unknown: learn it (cheap steps) before choosing
-            return predicted[Mode.SPARSE][1]
+            return self.exploring(predicted)
         return self.trials.choose(predicted, self.step, self.mode_steps)
+
+    def exploring(self, predicted: dict[Mode, tuple[float, Plan]]) -> Plan:
+        """A step while the sparse path's cost is unknown: sparse, unless the step before was, at the
+        floor (a warm-up's density holds little back), and a dense step is predicted to cost at
+        most `AdaptiveConfig.explore_between` sparse ones."""
+        sparse_cost, sparse = predicted[Mode.SPARSE]
+        dense_cost, dense = min((predicted[mode] for mode in (Mode.FP32, Mode.FP16) if mode in predicted),
+                                key=lambda choice: choice[0])
+        held_back = not self.current.dense and self.current.density <= self.sparsifier.least
+        if held_back and dense_cost <= self.config.explore_between * sparse_cost:
+            return dense
+        return sparse
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
