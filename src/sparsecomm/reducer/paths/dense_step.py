@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from sparsecomm.adaptive.config import Mode, Plan
+from sparsecomm.adaptive.flat_residual import FlatResidual
 from sparsecomm.adaptive.flush import flush, update_flushed
 from sparsecomm.errors import SparseCommError
 from sparsecomm.finite import all_finite
@@ -50,6 +51,9 @@ class DenseStepPath(Path):
         self._wires: dict[tuple[str, torch.dtype], torch.Tensor] = {}
         """per stream and wire dtype: the buffer it sends when it cannot send the gradient's own
         (fp16, or with a report's tail); scratch, not checkpointed"""
+        self._residuals: dict[str, FlatResidual] = {}
+        """per stream: its parameters' residuals as one buffer (`flush`); the parameters' states
+        hold its views, and it is rebuilt from them where they no longer do"""
 
     def post(self, call: Call, plan: Plan | None, start: float) -> Pending:
         parts, adaptive = self.parts, self.parts.adaptive
@@ -94,7 +98,8 @@ class DenseStepPath(Path):
             elif screened is not sent:
                 sent.copy_(screened)
         else:
-            sent, must_raise = flush(parts.pipeline, home, call.key, segments, out=sent, scale=scale, sum_checked=True)
+            sent, must_raise = flush(parts.pipeline, home, call.key, segments, out=sent, scale=scale, sum_checked=True,
+                                     buckets=self._residuals)
         wire, carrying = sent, None
         if side is not None:  # then full is the wire buffer
             assert full is not None
