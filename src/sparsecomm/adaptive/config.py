@@ -76,7 +76,7 @@ class AdaptiveConfig:
     dense step is predicted to cost at most this many sparse steps (their overhead counted as
     none): there a dense step may well be the faster, and the gradient a sparse step at the least
     density held back goes out one step later, not after several at the start of training, where
-    the gradient is largest; on a slower link the exploring steps run on end (0: always)"""
+    the gradient is largest; on a slower link the exploring steps run on end, as they always do at 0"""
     explore_share: float = 0.02
     """a challenger is tried again once its trial's predicted extra cost is this share of the
     steps' time since its last trial"""
