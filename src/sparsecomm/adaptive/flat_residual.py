@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparsecomm.feedback.base import hold_in
 from sparsecomm.pipeline import Segment, TensorState
 
 NAME = "residual"
@@ -43,14 +44,7 @@ class FlatResidual:
         if shared is not None:
             return cls(shared, tuple(state.feedback[NAME] for state, _ in sparsified), whole_index)
         buffer = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
-        views = []
-        for state, segment in sparsified:
-            view = buffer[segment.start:segment.start + segment.numel]
-            held = state.feedback.get(NAME)
-            if isinstance(held, torch.Tensor) and held.numel() == segment.numel:
-                view.copy_(held.reshape(-1))
-            state.feedback[NAME] = view
-            views.append(view)
+        views = hold_in(buffer, NAME, [(state.feedback, segment.start, segment.numel) for state, segment in sparsified])
         return cls(buffer, tuple(views), whole_index)
 
     def flush(self, grad: torch.Tensor, out: torch.Tensor, scale: float, clear: bool) -> bool:

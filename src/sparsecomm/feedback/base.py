@@ -3,6 +3,7 @@ was sent."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -101,6 +102,21 @@ def held(state: dict[str, Any], name: str, like: torch.Tensor) -> torch.Tensor:
         state[name] = state[name].to(like.device, memory_format=torch.contiguous_format)
     buffer: torch.Tensor = state[name]
     return buffer.view(like.shape)
+
+
+def hold_in(buffer: torch.Tensor, name: str, parts: Sequence[tuple[dict[str, Any], int, int]]) -> list[torch.Tensor]:
+    """One buffer for several tensors' states: each part's (state, start, numel) buffer ``name``
+    copied into ``buffer[start:start + numel]`` (left as it is where the state keeps none of that
+    size), the state then holding that view (as `held` hands it out). Returns the views."""
+    views = []
+    for state, start, numel in parts:
+        view = buffer[start:start + numel]
+        kept = state.get(name)
+        if isinstance(kept, torch.Tensor) and kept.numel() == numel:
+            view.copy_(kept.reshape(-1))
+        state[name] = view
+        views.append(view)
+    return views
 
 
 def holds(state: dict[str, Any], name: str, like: torch.Tensor) -> bool:

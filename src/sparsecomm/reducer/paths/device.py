@@ -31,6 +31,7 @@ from sparsecomm.device.whole import WholeError, WholeMomentum
 from sparsecomm.device.wire import WireFormat
 from sparsecomm.encode.index.packed import PackedIndices
 from sparsecomm.errors import SparseCommError
+from sparsecomm.feedback.base import hold_in
 from sparsecomm.feedback.dgc_momentum import DGCMomentum
 from sparsecomm.pipeline import Segment, TensorState, key_hash, seeded_generator
 from sparsecomm.reducer.call import Call, Route, Summed
@@ -271,18 +272,11 @@ class DevicePath(Path):
         pipeline, feedback = self.parts.pipeline, self.spec.feedback
         states = [pipeline.states.setdefault(s.key, TensorState()) for s in segments]
         buffers, views = {}, []
+        sparsified = [(state, segment) for state, segment in zip(states, segments, strict=True) if not segment.whole]
         for name in buffer_names(feedback):
-            buffer = flat.new_zeros(flat.numel() + 1)
-            for segment, state in zip(segments, states, strict=True):
-                if segment.whole:
-                    continue
-                view = buffer[segment.start:segment.start + segment.numel]
-                held = state.feedback.get(name)
-                if held is not None and held.numel() == segment.numel:
-                    view.copy_(held.reshape(-1))
-                state.feedback[name] = view
-                views.append((state, name, view))
-            buffers[name] = buffer
+            buffers[name] = flat.new_zeros(flat.numel() + 1)
+            held = hold_in(buffers[name], name, [(state.feedback, s.start, s.numel) for state, s in sparsified])
+            views += [(state, name, view) for (state, _), view in zip(sparsified, held, strict=True)]
         layout = BucketLayout.of(segments, flat.numel(), flat.device)
         return Bucket(layout, tuple(states), BufferSet(buffers, views),
                       WholeMomentum.of(feedback, layout, self.parts.uncompressed.states),
