@@ -100,6 +100,8 @@ def train_ddp_and_checkpoint(rank: int, world: int, spec: str, steps: int, resum
     (3, "dense"),
     (3, "topk(ratio=0.5)+residual+rice+fp32+auto(explore=1)"),
     (2, "topk(ratio=0.01)+dgc_momentum+rle+fp32+auto(explore=1)"),
+    # a global top-k's ranges follow the counts of the call before: they come back with the checkpoint
+    (3, "topk(ratio=0.05)+residual+raw+fp32+sparse_allreduce(algorithm=topk_sa)"),
     # a user-set budget: the plan (sparse, dense, fp16) comes from bytes alone, so a resume repeats it
     (2, "adaptive(budget=20000)+dgc_momentum(masking=false,nesterov=true)+rice+int8+allgather"),
     (2, "adaptive(budget=400000)+residual+rice+int8+allgather"),

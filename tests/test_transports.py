@@ -218,6 +218,59 @@ def test_split_allgather_balances_its_ranges_by_nonzeros(world):
     assert max(first["per_range"]) <= 1.25 * min(first["per_range"]), first["per_range"]
 
 
+def skewed_global_top_k(rank: int, world: int) -> dict:
+    numel, nnz = 100_000, 1_000
+    generator = torch.Generator().manual_seed(rank)
+    grad = torch.zeros(numel)
+    grad[torch.randperm(numel // 5, generator=generator)[:nnz]] = torch.randn(nnz, generator=generator)
+    union = grad.clone()
+    dist.all_reduce(union)
+    union = torch.nonzero(union).squeeze(1)
+    transport = sc.parse_spec("sparse_allreduce(algorithm=topk_sa)").transport
+    session, bounds, kept = TransportSession(), [], []
+    for call in range(2):
+        reduction = transport.reduce(sc.SparseGradient.from_dense(grad), request=Request(key="w", call=call),
+                                     session=session)
+        bounds.append(session.split_points[("w", numel, world)])
+        kept.append(int(torch.count_nonzero(reduction.total)))
+    per_range = [int(((union >= lo) & (union < hi)).sum()) for lo, hi in zip(bounds[0][:-1], bounds[0][1:],
+                                                                              strict=True)]
+    return {"bounds": bounds, "per_range": per_range, "kept": kept,
+            "digest": reduction.total.numpy().tobytes()}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_global_top_k_balances_its_ranges_by_the_sums_before_the_cut(world):
+    # topk_sa's owners each keep ⌈k/P⌉ entries, so its result cannot show where the selections lie;
+    # the counts each owner appends before its cut can: every nonzero here lies in the first fifth,
+    # and after one call the ranges split the summed selections into near-equal shares
+    results = run_local(world, skewed_global_top_k)
+    first = results[0]
+    assert all(r["bounds"] == first["bounds"] and r["digest"] == first["digest"] for r in results)
+    assert first["bounds"][0][-2] < 100_000 // 5  # every range but the last within the first fifth
+    assert max(first["per_range"]) <= 1.25 * min(first["per_range"]), first["per_range"]
+    # on equal ranges the first owner holds every sum and keeps its ⌈k/P⌉ of them, the others none:
+    # the result holds 1/P of a selection; on balanced ranges each owner keeps its ⌈k/P⌉, k in all
+    assert first["kept"][0] <= 1_000 // world + 1
+    assert 0.95 * 1_000 <= first["kept"][1] <= 1_000 + world
+
+
+def test_an_owners_counts_are_checked_before_they_split_anything():
+    from sparsecomm.transport.sparse_allreduce import balanced_bounds, without_counts
+
+    counts = torch.zeros(8, dtype=torch.int64)
+    with pytest.raises(sc.PayloadError, match="cannot end in"):
+        without_counts(torch.zeros(3, dtype=torch.uint8), 0, 100, 100, 8, counts)
+    tail = torch.tensor([5, -1], dtype=torch.int32).view(torch.uint8)
+    body = without_counts(torch.cat([torch.ones(2, dtype=torch.uint8), tail]), 0, 25, 100, 8, counts)
+    assert body.tolist() == [1, 1] and counts[:2].tolist() == [5, -1]
+    with pytest.raises(sc.PayloadError, match="cannot split"):
+        balanced_bounds(counts, 100, 2)
+    with pytest.raises(sc.PayloadError, match="cannot split"):
+        balanced_bounds(torch.tensor([60, 60]), 100, 2)
+    assert balanced_bounds(torch.tensor([0, 0, 10, 10]), 100, 2) == (0, 75, 100)
+
+
 def test_ranks_that_split_differently_fail_clearly():
     results = run_local(3, skewed_split_allgather, True)
     for r in results:

@@ -16,7 +16,10 @@ Algorithms (``algorithm=``):
   rank's selection does (a global top-k, as Ok-Topk's): what a rank sends and receives stays about
   twice its own selection at any P, where ``allgather`` receives P − 1 selections and ``ssar_sa``
   the union of P. Not exact: each owner keeps what it dropped of its range (`Reduction.lost`), for
-  its error feedback to send again.
+  its error feedback to send again. Its result holds equal counts per range, so it cannot balance
+  the next call; instead each owner appends its range's counts before the cut (`BALANCE_BINS_PER_RANGE`
+  int32 per range) to what it sends on, and with a session the next call's ranges split those
+  counts evenly: each owner then sums and cuts a like share.
 - ``auto`` — chosen per call by the α-β cost model (`sparsecomm.transport.cost_model`) among the
   exact ones.
 Every rank ends with the same bits: each sum is either commutative (two operands) or computed once
@@ -34,7 +37,7 @@ import numpy as np
 import torch
 
 from sparsecomm.encode.value.qsgd import QSGDValues
-from sparsecomm.errors import SparseCommError
+from sparsecomm.errors import PayloadError, SparseCommError
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.agreement import agree
 from sparsecomm.transport.base import TRANSPORTS, Transport, as_sparse, deliver, output_buffer
@@ -93,8 +96,7 @@ class SparseAllreduce(Transport):
         with record.phase("encode"):
             sparse = as_sparse(grad).sorted()
         model = (session.cost_model if session else load_cost_model()) if self.algorithm == "auto" else None
-        # topk_sa's owners keep equal shares of the result, so its ranges stay equal
-        bounds = split_points_of(session, request, sparse.numel, size) if self.algorithm != "topk_sa" else None
+        bounds = split_points_of(session, request, sparse.numel, size)
         with record.phase("agreement"):  # ranks must split alike: their bounds are part of the configuration
             record.agreement = agree(group, request, sparse.numel, fingerprint(
                 self.to_spec(), tuple(sparse.shape), sparse.dtype, model.fingerprint() if model else 0, bounds),
@@ -113,12 +115,10 @@ class SparseAllreduce(Transport):
         lost = None  # only a quantized dense phase and topk_sa's owners lose anything
         if algorithm == "ssar_rd":
             recursive_doubling(stream, group, record, total)
-        elif algorithm == "topk_sa":
-            _, lost = split_allgather(stream, group, request, record, total, dense_phase=False,
-                                      keep=math.ceil(max_nnz / size), receivers=receivers)
-        elif algorithm == "ssar_sa":
-            counts, _ = split_allgather(stream, group, request, record, total, dense_phase=False, bounds=bounds,
-                                        receivers=receivers)
+        elif algorithm in ("topk_sa", "ssar_sa"):
+            keep = math.ceil(max_nnz / size) if algorithm == "topk_sa" else None
+            counts, lost = split_allgather(stream, group, request, record, total, dense_phase=False, bounds=bounds,
+                                           receivers=receivers, keep=keep)
             if session is not None:
                 session.split_points[(request.key, sparse.numel, size)] = balanced_bounds(counts, sparse.numel, size)
         else:
@@ -200,17 +200,59 @@ def nonzero_counts(stream: Stream, numel: int, bins: int) -> torch.Tensor:
             - edges[:-1].clamp(stream.offset, stream.offset + stream.length))
 
 
+def entry_counts(stream: Stream, numel: int, bins: int) -> torch.Tensor:
+    """How many of ``stream``'s nonzero entries fall in each of ``bins`` equal bins of [0, numel)."""
+    if stream.indices is not None:
+        return nonzero_counts(stream, numel, bins)
+    where = torch.arange(stream.offset, stream.offset + stream.length, device=stream.values.device)
+    return torch.bincount(where[stream.values != 0] * bins // numel, minlength=bins)
+
+
+def bin_span(lo: int, hi: int, numel: int, bins: int) -> tuple[int, int]:
+    """The first and one past the last of ``bins`` equal bins of [0, numel) that [lo, hi) touches."""
+    return (lo * bins // numel, (hi - 1) * bins // numel + 1) if hi > lo else (0, 0)
+
+
+def with_counts(wire: torch.Tensor, stream: Stream, numel: int, bins: int) -> torch.Tensor:
+    """``wire`` followed by ``stream``'s nonzero counts in the bins its range touches, as int32."""
+    first, last = bin_span(stream.offset, stream.offset + stream.length, numel, bins)
+    if first == last:
+        return wire
+    counts = entry_counts(stream, numel, bins)[first:last].to(torch.int32)
+    return torch.cat([wire, counts.view(torch.uint8).to(wire.device)])
+
+
+def without_counts(buffer: torch.Tensor, lo: int, hi: int, numel: int, bins: int,
+                   counts: torch.Tensor) -> torch.Tensor:
+    """What `with_counts` appended to ``buffer`` (for the range [lo, hi)) added into ``counts``;
+    returns the bytes before it."""
+    first, last = bin_span(lo, hi, numel, bins)
+    size = 4 * (last - first)
+    if buffer.numel() < size:
+        raise PayloadError(f"an owner's message of {buffer.numel()} bytes cannot end in {size} bytes of counts")
+    cut = buffer.numel() - size
+    counts[first:last] += buffer[cut:].clone().view(torch.int32).to(counts.device, torch.int64)
+    return buffer[:cut]
+
+
 def balanced_bounds(counts: torch.Tensor, numel: int, parts: int) -> tuple[int, ...]:
     """Range bounds at bin edges that split the counted nonzeros into ``parts`` near-equal shares
-    (equal ranges when there is nothing to count)."""
+    (equal ranges when there is nothing to count).
+
+    Raises:
+        PayloadError: a count is negative, or they add up to more than ``numel``.
+    """
     counts = counts.cpu()  # a few bins per rank; the bounds are needed on the host
     total = int(counts.sum())
+    if total > numel or (counts.numel() and int(counts.min()) < 0):
+        raise PayloadError(f"nonzero counts summing to {total} over {counts.numel()} bins cannot split "
+                           f"{numel} entries")
     if total == 0:
         return tuple(range_bounds(numel, parts))
     bins = counts.numel()
     cumulative = torch.cumsum(counts, 0)
     targets = torch.arange(1, parts, dtype=torch.int64) * total // parts
-    edge_bins = torch.searchsorted(cumulative, targets, right=True) + 1  # first bin edge past each share
+    edge_bins = torch.searchsorted(cumulative, targets) + 1  # the edge after the bin that reaches each share
     inner = (edge_bins.clamp(max=bins) * numel // bins).tolist()
     return (0, *inner, numel)
 
@@ -232,9 +274,10 @@ def split_allgather(stream: Stream, group: Group, request: Request, record: Call
                     ) -> tuple[torch.Tensor, SparseGradient | None]:
     """Sums ``stream`` over the group into ``out`` (flat, zeroed), splitting [0, N) at ``bounds``
     (P + 1 ascending positions from 0 to N; default equal ranges). Returns the result's nonzero
-    counts in `BALANCE_BINS_PER_RANGE` × P equal bins, the same on every rank, and, where the dense
-    phase quantizes, what the quantization lost of this rank's range (each range's loss kept by its
-    owner, so summed over ranks it is all the sum lost: `Reduction.lost`), else None. The dense
+    counts in `BALANCE_BINS_PER_RANGE` × P equal bins (with ``keep``: the owners' sums' counts
+    before their cut), the same on every rank, and, where the dense phase quantizes, what the
+    quantization lost of this rank's range (each range's loss kept by its owner, so summed over
+    ranks it is all the sum lost: `Reduction.lost`), else None. The dense
     phase sums this rank's range straight into ``out`` (no buffer of the range's size per call);
     ``receivers``: where the all-to-all's and the allgather's messages land. ``keep`` (sparse phase
     only): each owner sends on only this many of its range's summed entries, the largest, and
@@ -255,21 +298,23 @@ def split_allgather(stream: Stream, group: Group, request: Request, record: Call
         incoming = [Stream.from_bytes(b, owned, stream.values.device) for b in received]
     with record.phase("sum"):  # only the owner sums this range, so every rank gets its bits
         mine = sum_streams_into(incoming, out[owned[0] : owned[0] + owned[1]]) if dense_phase else sum_streams(incoming)
-    dropped = None
+    dropped, cut = None, None
+    bins = BALANCE_BINS_PER_RANGE * size
     if keep is not None and not dense_phase:
         with record.phase("sum"):
-            mine, dropped = largest(mine, keep, stream.length)
+            cut, (mine, dropped) = mine, largest(mine, keep, stream.length)
     codec = QSGDValues(bits=qsgd_bits, bucket=bucket) if dense_phase and qsgd_bits else None
     with record.phase("encode"):
         if codec is not None:
             wire = torch.from_numpy(np.frombuffer(codec.encode(mine.values, request.rng(rank)), dtype=np.uint8).copy())
         else:
             wire = mine.to_bytes()
+        if cut is not None:  # the kept entries are equal per range: balance by the counts before the cut
+            wire = with_counts(wire, cut, stream.length, bins)
     record.bytes_sent += wire.numel() * (size - 1)
     exact = out[owned[0] : owned[0] + owned[1]].clone() if codec is not None else None
     # each range is written by its owner's bytes alone, so ranges are written as they arrive: this
     # rank's own first, while the others are still in flight
-    bins = BALANCE_BINS_PER_RANGE * size
     counts = torch.zeros(bins, dtype=torch.int64, device=out.device)
     with closing(allgather_arrivals(wire, group, receiver=receivers[1])) as arrivals:
         for owner, buffer in record.timed(arrivals, "transfer"):
@@ -279,6 +324,9 @@ def split_allgather(stream: Stream, group: Group, request: Request, record: Call
                     continue  # the exact sum is in place already
                 if codec is not None:  # this rank's range too: every rank must hold the quantized values
                     codec.decode(host_bytes(buffer).numpy().data, hi - lo, stream.values.dtype, out=out[lo:hi])
+                elif cut is not None:
+                    body = without_counts(buffer, lo, hi, stream.length, bins, counts)
+                    Stream.write_bytes_into(body, (lo, hi - lo), out[lo:hi])
                 else:
                     reduced = Stream.write_bytes_into(buffer, (lo, hi - lo), out[lo:hi])
                     counts += nonzero_counts(reduced, stream.length, bins)
