@@ -5,6 +5,8 @@ rank is a flat `GradientReducer`, bit for bit; a lossy one keeps every rank's gr
 only each rank's shard crosses between nodes; a checkpoint resumes bit for bit, and only on its own
 topology."""
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -110,6 +112,64 @@ def resume_and_flat(rank: int, world: int, tmp: str) -> None:
         elsewhere.load_state_dict(reducer.state_dict())
     for each in (reducer, again, elsewhere):
         each.close()
+
+
+def scatters_in_flight(rank: int, world: int) -> dict:
+    """A DDP model of several buckets whose node reduce-scatters never report done before waited for."""
+    import sparsecomm.reducer.hierarchical as hierarchical
+
+    class Unfinished:  # a reduce-scatter still in flight whenever asked
+        def __init__(self, work: dist.Work) -> None:
+            self.work = work
+
+        def is_completed(self) -> bool:
+            return False
+
+        def wait(self) -> bool:
+            events.append("landed")
+            return self.work.wait()
+
+    events: list[str] = []
+    scatter = hierarchical.reduce_scatter_single
+
+    def started(*args, **kwargs):
+        events.append("scatter")
+        return Unfinished(scatter(*args, **kwargs))
+
+    hierarchical.reduce_scatter_single = started
+    try:
+        torch.manual_seed(0)
+        layers = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(3)))
+        plain, ddp = DDP(layers, bucket_cap_mb=0.26), DDP(copy.deepcopy(layers), bucket_cap_mb=0.26)
+        reducer = sc.register_ddp_hook(ddp, "dense", topology=sc.Topology(2))
+        post = reducer.across.reduce_flat_async
+
+        def posted(*args, **kwargs):
+            events.append("post")
+            return post(*args, **kwargs)
+
+        reducer.across.reduce_flat_async = posted
+        for number in range(2):
+            events.clear()
+            data = torch.randn(4, 256, generator=torch.Generator().manual_seed(10 * number + rank))
+            for net in (plain, ddp):
+                net.zero_grad()
+                net(data).square().mean().backward()
+            for mine, ddps in zip(ddp.parameters(), plain.parameters(), strict=True):
+                torch.testing.assert_close(mine.grad, ddps.grad, rtol=1e-5, atol=1e-7)
+    finally:
+        hierarchical.reduce_scatter_single = scatter
+    reducer.close()
+    return {"events": events}
+
+
+def test_the_backward_pass_does_not_wait_for_the_nodes_reduce_scatters():
+    # no reduce-scatter lands before the last bucket's: every bucket's starts, then the last one's
+    # wait posts them all to the hop between nodes, oldest first — and the average is DDP's
+    for result in run_local(4, scatters_in_flight):
+        buckets = result["events"].count("scatter")
+        assert buckets >= 2
+        assert result["events"] == ["scatter"] * buckets + ["landed", "post"] * buckets
 
 
 def test_one_rank_nodes_are_flat_and_a_resume_continues_bit_for_bit(tmp_path):

@@ -11,8 +11,10 @@ the slow link between nodes carries compressed traffic, and only once per node:
 3. inside each node, an all-gather puts the averaged shards (or rows) back together.
 
 A node of one rank (``Topology(1)``) is a flat group: the shard is the whole buffer and no node hop
-runs. Node hops happen on the caller's thread in call order, so every node's ranks meet in the
-same collectives; the all-gathers wait for the step's end (`finish_step`).
+runs. Node hops are issued on the caller's thread in call order, so every node's ranks meet in the
+same collectives: a reduce-scatter starts without waiting and its shard goes on between nodes once
+it has landed (`NodeScatters`), while the backward pass computes; the all-gathers start at the
+step's end (`finish_step`), each as its shard's average arrives.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from sparsecomm.reducer.across_nodes import AcrossNodes, failed_in_node
 from sparsecomm.reducer.buckets import BucketLayouts
 from sparsecomm.reducer.completion import result_future
 from sparsecomm.reducer.config import DENSE_BELOW
+from sparsecomm.reducer.node_scatters import NodeScatters
 from sparsecomm.reducer.node_shards import NodeShards
 from sparsecomm.reducer.reducer import GradientReducer, by_name
 from sparsecomm.reducer.topology import NodeGroups, Topology
@@ -39,6 +42,7 @@ from sparsecomm.spec import PipelineSpec
 from sparsecomm.transport.agreement import agree
 from sparsecomm.transport.collectives import all_gather_single, fingerprint, reduce_scatter_single
 from sparsecomm.transport.request import Request
+from sparsecomm.transport.waiting import wait_for
 
 FORMAT = 1
 """the format of `HierarchicalReducer.state_dict`"""
@@ -52,14 +56,14 @@ class _Shard:
     """how the node splits the buffer (None: a node of one rank, or rows)"""
     buffer: torch.Tensor
     """this rank's shard, summed over its node (padded to the shard size; rows: the gradient)"""
-    across: torch.futures.Future[torch.Tensor]
-    """its average over nodes"""
     result: torch.futures.Future
     """the call's future (the average in the caller's layout)"""
     finish: Callable[[torch.Tensor], torch.Tensor]
     """the averaged buffer in the caller's layout"""
     rows: bool = False
     """a sparse gradient, split among the node's ranks by row"""
+    across: torch.futures.Future[torch.Tensor] | None = None
+    """its average over nodes, once posted"""
 
 
 class HierarchicalReducer(AcrossNodes):
@@ -114,6 +118,7 @@ class HierarchicalReducer(AcrossNodes):
         """bytes this rank sent to its node's ranks (reduce-scatter and all-gather, ring-counted)"""
         self._shards: dict[tuple[str, int], NodeShards] = {}
         self._open: list[_Shard] = []
+        self._scatters = NodeScatters()
 
     def __repr__(self) -> str:
         nodes, local_size = self.groups.nodes, self.groups.topology.local_size
@@ -178,9 +183,11 @@ class HierarchicalReducer(AcrossNodes):
 
     def _post(self, key: str, flat: torch.Tensor, segments: tuple[Segment, ...], stats_key: str, last: bool,
               finish: Callable[[torch.Tensor], torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
-        """Reduce-scatter ``flat`` inside the node now, and post this rank's shard across nodes."""
+        """Start reduce-scattering ``flat`` inside the node, and post this rank's shard across nodes
+        once it has landed (the step's last call: now)."""
         local_size, local_rank = self.groups.topology.local_size, self.groups.local_rank
         shards: NodeShards | None = None
+        work, source = None, flat
         if local_size == 1:  # the shard is the whole buffer
             buffer, owned, mine = flat, flat, segments
         else:
@@ -188,14 +195,19 @@ class HierarchicalReducer(AcrossNodes):
             if shards is None:
                 shards = self._shards[key, flat.numel()] = NodeShards.of(segments, flat.numel(), local_size,
                                                                          flat.device)
-            buffer = flat.new_empty(shards.shard_numel)
-            reduce_scatter_single(buffer, shards.to_shards(flat), group=self.groups.node_group)
+            buffer, source = flat.new_empty(shards.shard_numel), shards.to_shards(flat)
+            work = reduce_scatter_single(buffer, source, group=self.groups.node_group, async_op=True)
             self.node_bytes += (local_size - 1) * shards.shard_numel * flat.element_size()
             owned, mine = buffer[:shards.owned_numel(local_rank)], shards.owned[local_rank]
-        across = self.across.reduce_flat_async(key, owned, mine, stats_key, last)
-        result = result_future(flat)
-        self._open.append(_Shard(shards, buffer, across, result, finish))
-        return result
+        call = _Shard(shards, buffer, result_future(flat), finish)
+        self._open.append(call)
+
+        def post() -> None:
+            call.across = self.across.reduce_flat_async(key, owned, mine, stats_key, last)
+
+        self._scatters.add(work, (buffer, source), post)
+        self._scatters.post_landed(wait=last)
+        return call.result
 
     def _post_rows(self, key: str, grad: torch.Tensor, segments: tuple[Segment, ...], stats_key: str,
                    last: bool) -> torch.futures.Future[torch.Tensor]:
@@ -203,14 +215,15 @@ class HierarchicalReducer(AcrossNodes):
         this rank owns across nodes."""
         local_size = self.groups.topology.local_size
         mine = grad.coalesce()
+        self._scatters.post_landed(wait=True)  # the hop between nodes takes calls in call order
         if local_size > 1:
             total, sent = node_rows.summed(mine, self.groups.node_group)
             self.node_bytes += sent
             mine = node_rows.owned(total, local_size, self.groups.local_rank)
-        across = self.across.reduce_flat_async(key, mine, segments, stats_key, last)
-        result = result_future(grad)
-        self._open.append(_Shard(None, grad, across, result, lambda total: total, rows=True))
-        return result
+        call = _Shard(None, grad, result_future(grad), lambda total: total, rows=True)
+        call.across = self.across.reduce_flat_async(key, mine, segments, stats_key, last)
+        self._open.append(call)
+        return call.result
 
     def finish_step(self) -> None:
         """Wait for the step's calls across nodes, put each call's shards back together inside the
@@ -222,8 +235,10 @@ class HierarchicalReducer(AcrossNodes):
         open_calls, self._open = self._open, []
         error: Exception | None = None
         try:
+            self._scatters.post_landed(wait=True)
             self.across.finish_step()
         except Exception as err:  # noqa: BLE001 - every rank of the node raises it, below
+            self._scatters.drop()
             error = err
         local_size = self.groups.topology.local_size
         if local_size > 1 and failed_in_node(error is not None, self.groups.node_group) and error is None:
@@ -233,24 +248,29 @@ class HierarchicalReducer(AcrossNodes):
             for call in open_calls:
                 call.result.set_exception(error)
             raise error
+        gathers = []  # each shard's all-gather starts as its average arrives; the next one's travels meanwhile
         for call in open_calls:
+            assert call.across is not None  # every call was posted above
             averaged = call.across.wait()
+            if call.shards is not None:
+                call.buffer[:averaged.numel()].copy_(averaged)
+                gathered = call.buffer.new_empty(local_size * call.shards.shard_numel)
+                gathers.append((call, gathered, all_gather_single(gathered, call.buffer, group=self.groups.node_group,
+                                                                  async_op=True)))
+                self.node_bytes += (local_size - 1) * call.buffer.numel() * call.buffer.element_size()
+                continue
+            total = averaged
             if call.rows and local_size > 1:
                 total, sent = node_rows.put_together(averaged, call.buffer, self.groups.node_group)
                 self.node_bytes += sent
                 if self.average:
                     total = total.div_(local_size)
-            elif call.shards is None:
-                total = averaged
-            else:
-                call.buffer[:averaged.numel()].copy_(averaged)
-                gathered = call.buffer.new_empty(local_size * call.shards.shard_numel)
-                all_gather_single(gathered, call.buffer, group=self.groups.node_group)
-                self.node_bytes += (local_size - 1) * call.buffer.numel() * call.buffer.element_size()
-                total = call.shards.from_shards(gathered)
-                if self.average:
-                    total = total.div_(local_size)
             call.result.set_result(call.finish(total))
+        for call, gathered, work in gathers:
+            assert call.shards is not None
+            wait_for(work, gathered.device)
+            total = call.shards.from_shards(gathered)
+            call.result.set_result(call.finish(total.div_(local_size) if self.average else total))
 
     # -- lifetime and checkpoints -----------------------------------------------------------------
     def close(self) -> None:
