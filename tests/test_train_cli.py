@@ -103,7 +103,14 @@ def test_the_language_model_trains_through_sparse_embedding_gradients(tmp_path):
     assert train_on_loopback(["--workload", "lm", "--workers", "2", "--steps", "15", "--presets", "dgc",
                  "--baselines", "allreduce,fp16,powersgd-r1", "--json", str(out), "--plot",
                  str(tmp_path / "lm.png")]) == 0
-    rows = {row["preset"]: row for row in json.loads(out.read_text())["rows"]}
+    result = json.loads(out.read_text())
+    rows = {row["preset"]: row for row in result["rows"]}
+    # for the node projection: the embedding's bytes, the rows ranks touch together, each row's bytes for them
+    recorded = result["sparse_gradients"]
+    assert recorded["parameters"] == ["embedding.weight"] and recorded["dense_bytes"] == 4 * 5001 * 64
+    assert 0 < recorded["rows"]["1"] < recorded["rows"]["8"] < recorded["rows"]["256"] <= 5001
+    assert 0 < rows["dgc"]["sparse_bytes_per_step"] < rows["dgc"]["bytes_per_step"]
+    assert "sparse_bytes_per_step" not in rows["torch-allreduce"]
     # PyTorch's fp16 and PowerSGD hooks take no sparse gradients: their rows say so instead of running
     for name in ("torch-fp16", "torch-powersgd-r1"):
         assert "does not take sparse gradients" in rows.pop(name)["note"]

@@ -589,10 +589,12 @@ def _print_node_projection(result: dict[str, Any], per_node: int) -> dict[str, A
     anchor = projection["anchor"]
     anchored = (f"anchored at this run's {nodes} node(s) × {ranks} rank(s) on {anchor}"
                 if anchor and anchor[0].isdigit() else "not anchored (no shaped link in this run)")
+    hier = "hier: dense inside each node, the preset between nodes" + (
+        ", sparse gradients by their rows" if projection.get("sparse_rows") else "")
     for fabric, (rate, alpha) in projection["fabrics"].items():
         print(f"\nprojected speed-up over one rank on nodes of {per_node} ranks joined inside by {fabric} "
               f"({rate / 8e9:.0f} GB/s, alpha {alpha * 1e6:.0f} us); columns: the network between nodes (one link "
-              f"per node), nodes × ranks; hier: dense inside each node, the preset between nodes; {anchored}\n")
+              f"per node), nodes × ranks; {hier}; {anchored}\n")
         rows = node_scaling.table(projection, fabric)
         print(format_table(rows, list(rows[0])))
     if projection["check"]:

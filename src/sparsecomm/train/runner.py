@@ -29,7 +29,7 @@ from sparsecomm.reducer.reducer import GradientReducer
 from sparsecomm.reducer.sparse_reduce_scatter import FlatFSDPCompression
 from sparsecomm.reducer.topology import Topology
 from sparsecomm.spec import format_spec
-from sparsecomm.train import sharded
+from sparsecomm.train import sharded, sparse_rows
 from sparsecomm.train.baselines import BASELINES, BytesMeter, has_sparse_gradients
 from sparsecomm.train.regime import matching_rate
 from sparsecomm.train.row_names import HIERARCHICAL, SHARDED_BASELINES, is_sharded, preset_of
@@ -203,6 +203,10 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
                 adaptive["sparse_density"] = statistics.median(costs.preferred_density)
         reducer.close()
     numel = sum(p.numel() for p in model.parameters())
+    sparse_bytes = None  # what its sparse gradients' streams sent per step (the node projection splits them off)
+    if reducer is not None and (sparse := sparse_rows.sparse_parameters(model)):
+        streams = reducer.stats.tensors
+        sparse_bytes = sum(streams[name].bytes_sent for name in sparse if name in streams) / steps
     return {
         "losses": losses, "cumulative_bytes": cumulative_bytes, "elapsed_s": elapsed, "wall_s": wall_s,
         "select_s": summary["select_s"], "transport_s": summary["transport_s"], "decode_s": summary["decode_s"],
@@ -213,7 +217,7 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
         "bytes_per_step": summary["bytes_per_step"], "metric": evaluation.metric,
         "test_loss": evaluation.loss, "parameters": numel, "adaptive": adaptive,
         "suited_spec": None if suited is None or reducer is None else format_spec(reducer.spec),
-        "link_bytes": link_bytes,
+        "link_bytes": link_bytes, "sparse_bytes_per_step": sparse_bytes,
         "digest": hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes()
                                           for p in sharded.full_parameters(model))).hexdigest(),
     }
@@ -249,6 +253,7 @@ def run(workload: str | Workload, presets: list[str], workers: int, steps: int, 
     if workers % nodes:
         raise SparseCommError(f"{workers} workers do not fill {nodes} nodes of equal size")
     sparse_gradients = has_sparse_gradients(task.model(seed))
+    sparse_part = sparse_rows.record(task, batch, seed) if sparse_gradients else None
     refused = {name: why for name in presets if name in BASELINES
                and (why := BASELINES[name].why_not(sparse_gradients)) is not None}
     refused |= {name: f"{name} cannot run here: FSDP2 takes dense gradients only"
@@ -288,6 +293,8 @@ def run(workload: str | Workload, presets: list[str], workers: int, steps: int, 
             "modeled_s": first["compute_s"] + first["select_s"] + modeled_comm_s,
             "workers": workers, "steps": steps, "ranks_identical": identical, **first["adaptive"],
         })
+        if first["sparse_bytes_per_step"] is not None:  # its sparse gradients' share, for the node projection
+            rows[-1]["sparse_bytes_per_step"] = sum(r["sparse_bytes_per_step"] for r in results) / len(results)
         if first["link_bytes"] is not None:  # each node's first rank counted its node's bytes
             rows[-1]["link_bytes_per_step"] = sum(r["link_bytes"] for r in results) / (steps - 1)
         if first["suited_spec"]:  # its own momentum correction would apply the optimizer's momentum twice
@@ -321,7 +328,8 @@ def run(workload: str | Workload, presets: list[str], workers: int, steps: int, 
     return {"benchmark": "train", "workload": workload_name, "workers": workers, "nodes": nodes, "steps": steps,
             "lr": rule.lr, "optimizer": rule.optimizer, "warmup_share": rule.warmup_share, "batch": batch,
             "device": device, "launcher": "torchrun" if in_job else "local", "reference": reference,
-            "bandwidth": bandwidth, "target_loss": target, "rows": rows, "curves": curves}
+            "bandwidth": bandwidth, "target_loss": target, "rows": rows, "curves": curves,
+            **({sparse_rows.FIELD: sparse_part} if sparse_part else {})}
 
 
 TARGET_SLACK = 0.05

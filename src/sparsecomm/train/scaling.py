@@ -46,6 +46,7 @@ from sparsecomm.netns import bits_per_second
 from sparsecomm.presets import resolve
 from sparsecomm.train.baselines import BASELINES
 from sparsecomm.train.row_names import HIERARCHICAL, is_flat
+from sparsecomm.train.sparse_rows import SparseRows
 
 LINKS = MappingProxyType({"1gbit": (1e9, 50e-6), "10gbit": (10e9, 20e-6), "100gbit": (100e9, 5e-6)})
 """link rate (bits/s) and a typical per-message latency α (s): TCP over Ethernet at 1 and 10 Gbit/s,
@@ -73,14 +74,17 @@ class RowCosts:
     """adaptive: the density its sparse steps settled on (None: before any was preferred)"""
     unmodeled_s: float = 0.0
     """what the measured step took beyond the model at the run's own point (see the module)"""
+    sparse: SparseRows | None = None
+    """the gradients its model has as sparse rows, for the node projection (None: none)"""
 
     @classmethod
-    def from_row(cls, row: dict[str, Any], dense_bytes: float) -> RowCosts:
+    def from_row(cls, row: dict[str, Any], dense_bytes: float, sparse: dict[str, Any] | None = None) -> RowCosts:
+        """``row``'s costs; ``sparse``: its run's `sparsecomm.train.sparse_rows.FIELD`."""
         steps = row["steps"]
         kind, collectives = _travel(row["preset"])
         return cls(row["preset"], kind, row["compute_s"] / steps, row["encode_s"] / steps, row["decode_s"] / steps,
                    row["bytes_per_step"], dense_bytes, row["workers"], collectives, row.get("sparse_overhead_s"),
-                   row.get("bytes_per_nnz", 1.5), row.get("sparse_density"))
+                   row.get("bytes_per_nnz", 1.5), row.get("sparse_density"), sparse=SparseRows.of(sparse, row))
 
     def step_s(self, workers: int, rate_bps: float, alpha: float) -> float:
         """Projected seconds per step at ``workers`` on a link of ``rate_bps`` and latency ``alpha``."""
