@@ -13,6 +13,7 @@ from sparsecomm.train.node_model import inside_bytes
 from sparsecomm.train.node_scaling import Layout, crossing_bytes, project, step_s, table
 from sparsecomm.train.scaling import RowCosts
 from sparsecomm.train.sparse_rows import FIELD, record
+from sparsecomm.transport.owner_counts import owner_counts_bytes
 
 MB = 1e6
 NVLINK, GBIT = (2.4e12, 0.0), (1e9, 0.0)
@@ -64,7 +65,11 @@ def test_the_global_top_k_sends_a_bounded_share_of_a_selection_per_rank_whatever
         crossing = crossing_bytes(split, layout, False)
         assert crossing is not None
         per_rank.append(crossing / layout.ranks)
-        assert crossing_bytes(split, layout, True) == pytest.approx(2 * (nodes - 1) * MB)
+        # two selections (what a rank measured less its owner's counts to the other rank) per other
+        # node, and each owner's counts of its range to the owners on the other nodes
+        selection = 1 * MB - owner_counts_bytes(2)
+        assert crossing_bytes(split, layout, True) == pytest.approx(
+            2 * (nodes - 1) * selection + layout.ranks * owner_counts_bytes(nodes))
         if nodes > 1:
             assert step_s(split, layout, False) < step_s(gathered, layout, False)
     assert per_rank[0] == 0 and all(1 * MB <= b < 2 * MB for b in per_rank[1:])

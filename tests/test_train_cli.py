@@ -205,6 +205,9 @@ def test_on_two_nodes_each_preset_runs_flat_hierarchical_and_under_fsdp_and_the_
     assert list(rows) == ["torch-hsdp", "dense", "hier:dense", "fsdp:dense", "dgc", "hier:dgc", "fsdp:dgc", flat]
     # a row named with its layout runs once, as named: each owner gets the top 1% of its range
     assert 0 < rows[flat]["bytes_per_step"] < 0.05 * rows["dense"]["bytes_per_step"]
+    # the busiest rank's bytes beside the mean: a dense row's ranks send alike
+    assert all(row["bytes_per_step_max"] >= row["bytes_per_step"] for row in rows.values())
+    assert rows["hier:dense"]["bytes_per_step_max"] == rows["hier:dense"]["bytes_per_step"]
     assert all(row["ranks_identical"] for row in rows.values())
     crossed = {name: row["link_bytes_per_step"] for name, row in rows.items()}
     # dense: each node's two ranks send half the model each between nodes, not a ring over four

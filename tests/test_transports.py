@@ -228,12 +228,12 @@ def skewed_global_top_k(rank: int, world: int) -> dict:
     union = torch.nonzero(union).squeeze(1)
     transport = sc.parse_spec("sparse_allreduce(algorithm=topk_sa)").transport
     session, bounds, kept = TransportSession(), [], []
-    for call in range(2):
+    for call in range(3):
         reduction = transport.reduce(sc.SparseGradient.from_dense(grad), request=Request(key="w", call=call),
                                      session=session)
         bounds.append(session.split_points[("w", numel, world)])
         kept.append(int(torch.count_nonzero(reduction.total)))
-    per_range = [int(((union >= lo) & (union < hi)).sum()) for lo, hi in zip(bounds[0][:-1], bounds[0][1:],
+    per_range = [int(((union >= lo) & (union < hi)).sum()) for lo, hi in zip(bounds[-1][:-1], bounds[-1][1:],
                                                                               strict=True)]
     return {"bounds": bounds, "per_range": per_range, "kept": kept,
             "digest": reduction.total.numpy().tobytes()}
@@ -243,7 +243,7 @@ def skewed_global_top_k(rank: int, world: int) -> dict:
 def test_a_global_top_k_balances_its_ranges_by_the_sums_before_the_cut(world):
     # topk_sa's owners each keep ⌈k/P⌉ entries, so its result cannot show where the selections lie;
     # the counts each owner appends before its cut can: every nonzero here lies in the first fifth,
-    # and after one call the ranges split the summed selections into near-equal shares
+    # and each call's ranges split the sums of the call before more finely, into near-equal shares
     results = run_local(world, skewed_global_top_k)
     first = results[0]
     assert all(r["bounds"] == first["bounds"] and r["digest"] == first["digest"] for r in results)
@@ -256,19 +256,29 @@ def test_a_global_top_k_balances_its_ranges_by_the_sums_before_the_cut(world):
 
 
 def test_an_owners_counts_are_checked_before_they_split_anything():
-    from sparsecomm.transport.sparse_allreduce import balanced_bounds, without_counts
+    from sparsecomm.transport.owner_counts import OWNER_BINS, owner_counts, owner_edges, without_counts
+    from sparsecomm.transport.sparse_allreduce import balanced_bounds
+    from sparsecomm.transport.streams import Stream
 
-    counts = torch.zeros(8, dtype=torch.int64)
+    counts = torch.zeros(OWNER_BINS, dtype=torch.int64)
     with pytest.raises(sc.PayloadError, match="cannot end in"):
-        without_counts(torch.zeros(3, dtype=torch.uint8), 0, 100, 100, 8, counts)
-    tail = torch.tensor([5, -1], dtype=torch.int32).view(torch.uint8)
-    body = without_counts(torch.cat([torch.ones(2, dtype=torch.uint8), tail]), 0, 25, 100, 8, counts)
+        without_counts(torch.zeros(3, dtype=torch.uint8), counts)
+    tail = torch.tensor([5, -1] + [0] * (OWNER_BINS - 2), dtype=torch.int32).view(torch.uint8)
+    body = without_counts(torch.cat([torch.ones(2, dtype=torch.uint8), tail]), counts)
     assert body.tolist() == [1, 1] and counts[:2].tolist() == [5, -1]
     with pytest.raises(sc.PayloadError, match="cannot split"):
         balanced_bounds(counts, 100, 2)
     with pytest.raises(sc.PayloadError, match="cannot split"):
         balanced_bounds(torch.tensor([60, 60]), 100, 2)
     assert balanced_bounds(torch.tensor([0, 0, 10, 10]), 100, 2) == (0, 75, 100)
+    # an owner's parts hold exactly the entries between the edges every rank derives from the bounds
+    bounds = (0, 7, 7, 1000)
+    edges = owner_edges(bounds)
+    assert edges.numel() == 3 * OWNER_BINS + 1 and edges.diff().min() >= 0
+    for r, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        every = Stream.sparse(torch.arange(hi - lo), torch.ones(hi - lo), hi - lo, lo)
+        part = edges[r * OWNER_BINS:(r + 1) * OWNER_BINS + 1]
+        assert owner_counts(every).tolist() == part.diff().tolist()
 
 
 def test_ranks_that_split_differently_fail_clearly():

@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 
 from sparsecomm.train.scaling import RowCosts
 from sparsecomm.train.sparse_rows import SparseRows
+from sparsecomm.transport.owner_counts import owner_counts_bytes
 
 SPLIT = ("allgather", "adaptive", "sparse_allreduce", "split_topk")
 """the kinds of row projected hierarchically too: an all_reduce row is modeled as NCCL runs it over
@@ -161,12 +162,14 @@ def _split_topk(cost: RowCosts, layout: Layout, hierarchical: bool) -> float:
     per_node, nodes, ranks = layout.per_node, layout.nodes, layout.ranks
     if not hierarchical or per_node == 1:
         network_alpha = layout.network[1] if nodes > 1 else layout.fabric[1]
+        counts = owner_counts_bytes(ranks) / max(1, ranks - 1)  # an owner's counts, to each other rank
         return (cost.encode_s + cost.decode_s + (ranks - 1 + _rounds(ranks)) * network_alpha
-                + 2 * (per_node - 1) / ranks * selection * _beta(layout.fabric)
-                + per_node * 2 * (ranks - per_node) / ranks * selection * _beta(layout.network))
+                + (2 * (per_node - 1) / ranks * selection + (per_node - 1) * counts) * _beta(layout.fabric)
+                + per_node * (2 * (ranks - per_node) / ranks * selection + (ranks - per_node) * counts)
+                * _beta(layout.network))
     inside = _allreduce(Layout(1, per_node, layout.fabric, layout.network), cost.dense_bytes)
     return (inside + (cost.encode_s + cost.decode_s) / per_node + (nodes - 1 + _rounds(nodes)) * layout.network[1]
-            + 2 * (nodes - 1) / nodes * selection * _beta(layout.network))
+            + (2 * (nodes - 1) / nodes * selection + per_node * owner_counts_bytes(nodes)) * _beta(layout.network))
 
 
 def _recursive_doubling(cost: RowCosts, layout: Layout, hierarchical: bool) -> float:
@@ -222,10 +225,11 @@ def crossing_bytes(cost: RowCosts, layout: Layout, hierarchical: bool) -> float 
             return nodes * (nodes - 1) * cost.bytes_per_step
         return nodes * per_node * (layout.ranks - per_node) * cost.bytes_per_step
     if cost.kind == "split_topk":
-        selection = cost.selection_bytes()
+        selection, counts = cost.selection_bytes(), owner_counts_bytes(2)  # an owner's counts, to one other rank
         if hierarchical and per_node > 1:
-            return 2 * (nodes - 1) * selection
-        return layout.ranks * 2 * (layout.ranks - per_node) / layout.ranks * selection
+            return 2 * (nodes - 1) * selection + layout.ranks * owner_counts_bytes(nodes)
+        ranks = layout.ranks
+        return ranks * (2 * (ranks - per_node) / ranks * selection + (ranks - per_node) * counts)
     return None
 
 

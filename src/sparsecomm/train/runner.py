@@ -279,14 +279,16 @@ def run(workload: str | Workload, presets: list[str], workers: int, steps: int, 
                                 namespaces=namespaces)
         first = results[0]
         identical = len({r["digest"] for r in results}) == 1
-        # the mean over ranks: the ranks of a split collective (SparCML's, the global top-k) send unequal shares
+        # the mean over ranks, and the busiest rank's: the ranks of a split collective (SparCML's, the
+        # global top-k) send unequal shares
         bytes_per_step = sum(r["bytes_per_step"] for r in results) / len(results)
         modeled_comm_s = steps * bytes_per_step * 8 / link
         rows.append({
             "preset": preset, "workload": workload_name, "metric_name": task.metric_name,
             "final_metric": first["metric"], "test_loss": first["test_loss"],
             "final_train_loss": sum(first["losses"][-20:]) / min(20, len(first["losses"])),
-            "bytes_per_step": bytes_per_step, "wall_s": max(r["wall_s"] for r in results),
+            "bytes_per_step": bytes_per_step, "bytes_per_step_max": max(r["bytes_per_step"] for r in results),
+            "wall_s": max(r["wall_s"] for r in results),
             "compute_s": first["compute_s"], "encode_s": first["select_s"],
             "communicate_s": first["communicate_wait_s"],
             "decode_s": first["decode_s"], "modeled_comm_s": modeled_comm_s,

@@ -47,6 +47,7 @@ from sparsecomm.presets import resolve
 from sparsecomm.train.baselines import BASELINES
 from sparsecomm.train.row_names import HIERARCHICAL, is_flat
 from sparsecomm.train.sparse_rows import SparseRows
+from sparsecomm.transport.owner_counts import owner_counts_bytes
 
 LINKS = MappingProxyType({"1gbit": (1e9, 50e-6), "10gbit": (10e9, 20e-6), "100gbit": (100e9, 5e-6)})
 """link rate (bits/s) and a typical per-message latency α (s): TCP over Ethernet at 1 and 10 Gbit/s,
@@ -109,7 +110,7 @@ class RowCosts:
             return self.compute_s + self.encode_s + decode_s + _allreduce_time(workers, nbytes, beta, alpha)
         if self.kind == "split_topk":
             return (self.compute_s + self.encode_s + self.decode_s + (workers - 1 + _rounds(workers)) * alpha
-                    + 2 * (workers - 1) / workers * self.selection_bytes() * beta)
+                    + (2 * (workers - 1) / workers * self.selection_bytes() + owner_counts_bytes(workers)) * beta)
         if self.kind == "sparse_allreduce":
             return self.compute_s + self.encode_s + self.decode_s + _recursive_doubling(
                 workers, self.bytes_per_step, self.dense_bytes, beta, alpha)
@@ -117,9 +118,11 @@ class RowCosts:
                 + _rounds(workers) * alpha + (workers - 1) * self.bytes_per_step * beta)
 
     def selection_bytes(self) -> float:
-        """``split_topk``: one rank's selection, from what a rank sent at the run's P (2(P−1)/P of it)."""
+        """``split_topk``: one rank's selection, from what a rank sent at the run's P (2(P−1)/P of it,
+        and its owner's counts to the P − 1 others)."""
         measured = self.measured_workers
-        return self.bytes_per_step * measured / max(1, 2 * (measured - 1))
+        sent = max(0.0, self.bytes_per_step - owner_counts_bytes(measured))
+        return sent * measured / max(1, 2 * (measured - 1))
 
     def peeled_sketch(self, workers: int) -> tuple[float, float]:
         """A peeled sketch's (decode seconds, bytes) at ``workers``: sized to every rank's selection,

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from sparsecomm.errors import SparseCommError
+from sparsecomm.transport.owner_counts import owner_counts_bytes
 
 DEFAULT_PATH = Path.home() / ".cache" / "sparsecomm" / "cost_model.json"
 INDEX_BYTES = 4
@@ -130,8 +131,9 @@ class CostModel:
             compute += range_len * self.quantize_per_value + numel * self.dequantize_per_value
         if workers == 1:
             return compute
+        counts = owner_counts_bytes(workers) if keep else 0  # topk_sa's owners' counts before their cut
         return (self._agree(workers) + 4 * (workers - 1) * self.alpha
-                + ((workers - 1) / workers * own + (workers - 1) * reduced) * self.beta + compute)
+                + ((workers - 1) / workers * own + (workers - 1) * reduced + counts) * self.beta + compute)
 
     def sketch(self, workers: int, numel: int, nnz: int, ratio: float, block: int, rows: int = 1,
                decode: str = "median") -> float:

@@ -17,9 +17,9 @@ Algorithms (``algorithm=``):
   twice its own selection at any P, where ``allgather`` receives P − 1 selections and ``ssar_sa``
   the union of P. Not exact: each owner keeps what it dropped of its range (`Reduction.lost`), for
   its error feedback to send again. Its result holds equal counts per range, so it cannot balance
-  the next call; instead each owner appends its range's counts before the cut (`BALANCE_BINS_PER_RANGE`
-  int32 per range) to what it sends on, and with a session the next call's ranges split those
-  counts evenly: each owner then sums and cuts a like share.
+  the next call; instead each owner appends its sums' counts before the cut, in `OWNER_BINS` equal
+  parts of its range (int32: 64 bytes), to what it sends on, and with a session the next call's
+  ranges split those counts evenly: each owner then sums and cuts a like share.
 - ``auto`` — chosen per call by the α-β cost model (`sparsecomm.transport.cost_model`) among the
   exact ones.
 Every rank ends with the same bits: each sum is either commutative (two operands) or computed once
@@ -55,6 +55,7 @@ from sparsecomm.transport.collectives import (
     world,
 )
 from sparsecomm.transport.cost_model import load_cost_model
+from sparsecomm.transport.owner_counts import OWNER_BINS, owner_counts, owner_edges, without_counts
 from sparsecomm.transport.request import CallRecord, Reduction, Request
 from sparsecomm.transport.session import TransportSession
 from sparsecomm.transport.streams import Stream, sum_streams, sum_streams_into
@@ -119,8 +120,10 @@ class SparseAllreduce(Transport):
             keep = math.ceil(max_nnz / size) if algorithm == "topk_sa" else None
             counts, lost = split_allgather(stream, group, request, record, total, dense_phase=False, bounds=bounds,
                                            receivers=receivers, keep=keep)
-            if session is not None:
-                session.split_points[(request.key, sparse.numel, size)] = balanced_bounds(counts, sparse.numel, size)
+            if session is not None:  # topk_sa's counts are its owners' parts of the call's ranges
+                edges = owner_edges(bounds or range_bounds(sparse.numel, size)) if keep is not None else None
+                session.split_points[(request.key, sparse.numel, size)] = balanced_bounds(counts, sparse.numel, size,
+                                                                                          edges)
         else:
             _, lost = split_allgather(stream, group, request, record, total, dense_phase=True,
                                       qsgd_bits=self.qsgd_bits, bucket=self.bucket, receivers=receivers)
@@ -200,44 +203,11 @@ def nonzero_counts(stream: Stream, numel: int, bins: int) -> torch.Tensor:
             - edges[:-1].clamp(stream.offset, stream.offset + stream.length))
 
 
-def entry_counts(stream: Stream, numel: int, bins: int) -> torch.Tensor:
-    """How many of ``stream``'s nonzero entries fall in each of ``bins`` equal bins of [0, numel)."""
-    if stream.indices is not None:
-        return nonzero_counts(stream, numel, bins)
-    where = torch.arange(stream.offset, stream.offset + stream.length, device=stream.values.device)
-    return torch.bincount(where[stream.values != 0] * bins // numel, minlength=bins)
-
-
-def bin_span(lo: int, hi: int, numel: int, bins: int) -> tuple[int, int]:
-    """The first and one past the last of ``bins`` equal bins of [0, numel) that [lo, hi) touches."""
-    return (lo * bins // numel, (hi - 1) * bins // numel + 1) if hi > lo else (0, 0)
-
-
-def with_counts(wire: torch.Tensor, stream: Stream, numel: int, bins: int) -> torch.Tensor:
-    """``wire`` followed by ``stream``'s nonzero counts in the bins its range touches, as int32."""
-    first, last = bin_span(stream.offset, stream.offset + stream.length, numel, bins)
-    if first == last:
-        return wire
-    counts = entry_counts(stream, numel, bins)[first:last].to(torch.int32)
-    return torch.cat([wire, counts.view(torch.uint8).to(wire.device)])
-
-
-def without_counts(buffer: torch.Tensor, lo: int, hi: int, numel: int, bins: int,
-                   counts: torch.Tensor) -> torch.Tensor:
-    """What `with_counts` appended to ``buffer`` (for the range [lo, hi)) added into ``counts``;
-    returns the bytes before it."""
-    first, last = bin_span(lo, hi, numel, bins)
-    size = 4 * (last - first)
-    if buffer.numel() < size:
-        raise PayloadError(f"an owner's message of {buffer.numel()} bytes cannot end in {size} bytes of counts")
-    cut = buffer.numel() - size
-    counts[first:last] += buffer[cut:].clone().view(torch.int32).to(counts.device, torch.int64)
-    return buffer[:cut]
-
-
-def balanced_bounds(counts: torch.Tensor, numel: int, parts: int) -> tuple[int, ...]:
+def balanced_bounds(counts: torch.Tensor, numel: int, parts: int, edges: torch.Tensor | None = None,
+                    ) -> tuple[int, ...]:
     """Range bounds at bin edges that split the counted nonzeros into ``parts`` near-equal shares
-    (equal ranges when there is nothing to count).
+    (equal ranges when there is nothing to count); ``edges``: where the bins begin, and the end
+    (default: equal bins of [0, numel)).
 
     Raises:
         PayloadError: a count is negative, or they add up to more than ``numel``.
@@ -250,11 +220,12 @@ def balanced_bounds(counts: torch.Tensor, numel: int, parts: int) -> tuple[int, 
     if total == 0:
         return tuple(range_bounds(numel, parts))
     bins = counts.numel()
+    if edges is None:
+        edges = torch.arange(bins + 1, dtype=torch.int64) * numel // bins
     cumulative = torch.cumsum(counts, 0)
     targets = torch.arange(1, parts, dtype=torch.int64) * total // parts
     edge_bins = torch.searchsorted(cumulative, targets) + 1  # the edge after the bin that reaches each share
-    inner = (edge_bins.clamp(max=bins) * numel // bins).tolist()
-    return (0, *inner, numel)
+    return (0, *edges[edge_bins.clamp(max=bins)].tolist(), numel)
 
 
 def split_by_range(stream: Stream, bounds: Sequence[int]) -> list[Stream]:
@@ -275,10 +246,10 @@ def split_allgather(stream: Stream, group: Group, request: Request, record: Call
     """Sums ``stream`` over the group into ``out`` (flat, zeroed), splitting [0, N) at ``bounds``
     (P + 1 ascending positions from 0 to N; default equal ranges). Returns the result's nonzero
     counts in `BALANCE_BINS_PER_RANGE` × P equal bins (with ``keep``: the owners' sums' counts
-    before their cut), the same on every rank, and, where the dense phase quantizes, what the
-    quantization lost of this rank's range (each range's loss kept by its owner, so summed over
-    ranks it is all the sum lost: `Reduction.lost`), else None. The dense
-    phase sums this rank's range straight into ``out`` (no buffer of the range's size per call);
+    before their cut, in `OWNER_BINS` parts of each range), the same on every rank, and, where the
+    dense phase quantizes, what the quantization lost of this rank's range (each range's loss kept
+    by its owner, so summed over ranks it is all the sum lost: `Reduction.lost`), else None. The
+    dense phase sums this rank's range straight into ``out`` (no buffer of the range's size per call);
     ``receivers``: where the all-to-all's and the allgather's messages land. ``keep`` (sparse phase
     only): each owner sends on only this many of its range's summed entries, the largest, and
     returns the others as lost."""
@@ -299,7 +270,6 @@ def split_allgather(stream: Stream, group: Group, request: Request, record: Call
     with record.phase("sum"):  # only the owner sums this range, so every rank gets its bits
         mine = sum_streams_into(incoming, out[owned[0] : owned[0] + owned[1]]) if dense_phase else sum_streams(incoming)
     dropped, cut = None, None
-    bins = BALANCE_BINS_PER_RANGE * size
     if keep is not None and not dense_phase:
         with record.phase("sum"):
             cut, (mine, dropped) = mine, largest(mine, keep, stream.length)
@@ -310,12 +280,13 @@ def split_allgather(stream: Stream, group: Group, request: Request, record: Call
         else:
             wire = mine.to_bytes()
         if cut is not None:  # the kept entries are equal per range: balance by the counts before the cut
-            wire = with_counts(wire, cut, stream.length, bins)
+            wire = torch.cat([wire, owner_counts(cut).view(torch.uint8).to(wire.device)])
     record.bytes_sent += wire.numel() * (size - 1)
     exact = out[owned[0] : owned[0] + owned[1]].clone() if codec is not None else None
     # each range is written by its owner's bytes alone, so ranges are written as they arrive: this
     # rank's own first, while the others are still in flight
-    counts = torch.zeros(bins, dtype=torch.int64, device=out.device)
+    bins = BALANCE_BINS_PER_RANGE * size
+    counts = torch.zeros(size * OWNER_BINS if cut is not None else bins, dtype=torch.int64, device=out.device)
     with closing(allgather_arrivals(wire, group, receiver=receivers[1])) as arrivals:
         for owner, buffer in record.timed(arrivals, "transfer"):
             lo, hi = bounds[owner], bounds[owner + 1]
@@ -325,7 +296,7 @@ def split_allgather(stream: Stream, group: Group, request: Request, record: Call
                 if codec is not None:  # this rank's range too: every rank must hold the quantized values
                     codec.decode(host_bytes(buffer).numpy().data, hi - lo, stream.values.dtype, out=out[lo:hi])
                 elif cut is not None:
-                    body = without_counts(buffer, lo, hi, stream.length, bins, counts)
+                    body = without_counts(buffer, counts[owner * OWNER_BINS:(owner + 1) * OWNER_BINS])
                     Stream.write_bytes_into(body, (lo, hi - lo), out[lo:hi])
                 else:
                     reduced = Stream.write_bytes_into(buffer, (lo, hi - lo), out[lo:hi])
