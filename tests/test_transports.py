@@ -176,13 +176,19 @@ def test_allgather_sums_what_the_codecs_send_including_this_ranks_own_values(dty
     assert len({r["digest"] for r in results}) == 1
 
 
-def skewed_split_allgather(rank: int, world: int, tamper: bool) -> dict:
-    numel, nnz = 100_000, 1_000
+def skewed(rank: int, numel: int, nnz: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's gradient, ``nnz`` entries all in the first fifth of ``numel``, and the ranks' sum."""
     generator = torch.Generator().manual_seed(rank)
     grad = torch.zeros(numel)
     grad[torch.randperm(numel // 5, generator=generator)[:nnz]] = torch.randn(nnz, generator=generator)
-    reference = grad.clone()
-    dist.all_reduce(reference)
+    total = grad.clone()
+    dist.all_reduce(total)
+    return grad, total
+
+
+def skewed_split_allgather(rank: int, world: int, tamper: bool) -> dict:
+    numel = 100_000
+    grad, reference = skewed(rank, numel, 1_000)
     transport = sc.parse_spec("sparse_allreduce(algorithm=ssar_sa)").transport
     session = TransportSession()
     errors, results = [], []
@@ -219,13 +225,9 @@ def test_split_allgather_balances_its_ranges_by_nonzeros(world):
 
 
 def skewed_global_top_k(rank: int, world: int) -> dict:
-    numel, nnz = 100_000, 1_000
-    generator = torch.Generator().manual_seed(rank)
-    grad = torch.zeros(numel)
-    grad[torch.randperm(numel // 5, generator=generator)[:nnz]] = torch.randn(nnz, generator=generator)
-    union = grad.clone()
-    dist.all_reduce(union)
-    union = torch.nonzero(union).squeeze(1)
+    numel = 100_000
+    grad, total = skewed(rank, numel, 1_000)
+    union = torch.nonzero(total).squeeze(1)
     transport = sc.parse_spec("sparse_allreduce(algorithm=topk_sa)").transport
     session, bounds, kept = TransportSession(), [], []
     for call in range(3):
