@@ -114,6 +114,53 @@ def resume_and_flat(rank: int, world: int, tmp: str) -> None:
         each.close()
 
 
+def node_plans(rank: int, world: int, tmp: str) -> dict:
+    """``adaptive`` between nodes, its two shards' links probed unlike (a fast one for local rank 0,
+    a slow one for local rank 1), then a run with a byte budget checkpointed and resumed."""
+    import sparsecomm.adaptive.controller as controller
+
+    probe = controller.link_throughput
+    controller.link_throughput = lambda *args: [1e10, 1e10] if rank % 2 == 0 else [2e5, 2e5]
+    try:
+        planned = DDP(model())
+        reducer = sc.register_ddp_hook(planned, "adaptive", topology=sc.Topology(2))
+    finally:
+        controller.link_throughput = probe
+    modes = []
+    for number in range(8):
+        gradients(planned, rank, number)
+        modes.append(reducer.adaptive.planner.current.mode.value)
+    probed = reducer.adaptive.planner.costs.throughput[0]
+    reducer.close()
+
+    # the node's reports are on their way at a step's end: a checkpoint holds them
+    spec = "adaptive(budget=4000)+residual+rice+fp32+allgather"
+    going = DDP(model())
+    first = sc.register_ddp_hook(going, spec, topology=sc.Topology(2))
+    for number in range(3):
+        gradients(going, rank, number)
+    torch.save(first.state_dict(), f"{tmp}/planned-{rank}.pt")
+    resumed = DDP(model())
+    resumed.load_state_dict(going.state_dict())
+    again = sc.HierarchicalReducer(spec, sc.Topology(2), model=resumed)
+    again.load_state_dict(torch.load(f"{tmp}/planned-{rank}.pt"))
+    resumed.register_comm_hook(again, sc.ddp_comm_hook)
+    equal = all(torch.equal(a, b) for number in range(3, 7)
+                for a, b in zip(gradients(going, rank, number), gradients(resumed, rank, number), strict=True))
+    for each in (first, again):
+        each.close()
+    return {"modes": modes, "probed": probed, "resumed_equal": equal}
+
+
+def test_a_nodes_ranks_plan_as_one_since_their_shards_share_one_link(tmp_path):
+    # the slowest shard's probe is the node's, and every step's reports are agreed over the node:
+    # every rank of every node runs the same mode at every step
+    results = run_local(4, node_plans, str(tmp_path))
+    assert all(r["probed"] == 2e5 for r in results)
+    assert all(r["modes"] == results[0]["modes"] for r in results), [r["modes"] for r in results]
+    assert all(r["resumed_equal"] for r in results)
+
+
 def scatters_in_flight(rank: int, world: int) -> dict:
     """A DDP model of several buckets whose node reduce-scatters never report done before waited for."""
     import sparsecomm.reducer.hierarchical as hierarchical

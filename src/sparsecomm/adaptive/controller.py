@@ -18,6 +18,7 @@ from sparsecomm.adaptive.measurement import StepMeasurement
 from sparsecomm.adaptive.planner import Planner
 from sparsecomm.adaptive.report_exchange import ReportExchange
 from sparsecomm.sparsify.adaptive import Adaptive
+from sparsecomm.transport.collectives import on_wire
 
 
 class AdaptiveController:
@@ -90,7 +91,25 @@ class AdaptiveController:
         step = planner.step
         report = planner.end_step()
         self.reports.end_step(step, report, self.report_needed(steps), first=planner.reports_read == 0)
+        self.reports.prefetch(planner.step, first=planner.reports_read == 0)
         self.plan = None
+
+    def plan_with(self, node_group: dist.ProcessGroup) -> None:
+        """Plan as one with ``node_group``'s ranks, whose reducers share this one's link (a node's
+        ranks, each reducing its shard between nodes): agree the link probed at start-up (the
+        slowest rank's) now, and every step's reports from now on (`ReportExchange.prefetch`).
+        Every rank of ``node_group`` calls it, before the first step."""
+        costs = self.planner.costs
+        probed = [-costs.throughput[-1] if costs.throughput else 0.0,
+                  -costs.fp16_throughput[-1] if costs.fp16_throughput else 0.0]
+        wire = on_wire(torch.tensor(probed, dtype=torch.float64), self.reports.wire_device)
+        dist.all_reduce(wire, op=dist.ReduceOp.MAX, group=node_group)
+        slowest = [-value for value in wire.cpu().tolist()]
+        if costs.throughput and slowest[0] > 0:
+            costs.throughput[-1] = slowest[0]
+        if costs.fp16_throughput and slowest[1] > 0:
+            costs.fp16_throughput[-1] = slowest[1]
+        self.reports.node_group = node_group
 
     def _forward_started(self, module: nn.Module, inputs: Any) -> None:
         """The model's forward pre-hook: the first forward pass since the last step starts the clock."""

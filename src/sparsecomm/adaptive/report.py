@@ -71,3 +71,8 @@ class Report:
     @classmethod
     def from_dict(cls, state: dict[str, Any]) -> Report:
         return cls(**{name: float(value) for name, value in state.items()})
+
+
+def report_width() -> int:
+    """The numbers a `Report` travels as."""
+    return len(fields(Report))

@@ -15,6 +15,12 @@ Two exceptions send a report alone, in one small all_reduce (MAX):
 - a report the next step could not carry (a step of sparse COO tensors only) that the planner must
   hear (``needed``: its early steps, every few steps, a step whose mode switched), read when the
   step after next begins as a carried one would be. A report neither carried nor needed is dropped.
+
+With a ``node_group`` (the ranks of a node, each reducing its own shard between nodes over one
+shared link), the reports due are agreed once more over the node, so that its ranks plan as one:
+at a step's end the owner calls `prefetch`, whose all_reduce (MAX) is read when the next step
+begins. It runs on a group of its own, started where every rank of the node is (the step's end),
+so it never waits on a collective a rank of the node has yet to start.
 """
 
 from __future__ import annotations
@@ -26,9 +32,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sparsecomm.adaptive.report import Report
+from sparsecomm.adaptive.report import Report, report_width
 from sparsecomm.transport.collectives import on_wire
 from sparsecomm.transport.waiting import wait_for
+
+NODE_ROWS = 4
+"""the steps a node agrees at once: the step before the next, and up to three older ones"""
 
 
 @dataclass
@@ -47,6 +56,10 @@ class ReportExchange:
 
     def __init__(self, group: dist.ProcessGroup | None, wire_device: torch.device) -> None:
         self.group, self.wire_device = group, wire_device
+        self.node_group: dist.ProcessGroup | None = None
+        """the ranks the reports due are agreed with once more (None: the group's alone)"""
+        self._in_node: tuple[dist.Work | None, torch.Tensor] | None = None
+        """the reports due at the next step's start, on their way through the node (None: arrived)"""
         self.held: HeldReport | None = None
         self.agreed: deque[tuple[int, Report]] = deque()
         """(step, agreed report) not yet observed, oldest first"""
@@ -82,7 +95,32 @@ class ReportExchange:
 
     def ready(self, step: int, first: bool) -> list[tuple[int, Report]]:
         """The agreed reports (each with its step) the planner observes as step ``step`` begins:
-        those of two steps back or earlier, or (``first``) whichever came first."""
+        those of two steps back or earlier, or (``first``) whichever came first — with a node
+        group, as `prefetch` agreed them over the node (none before the first step's end)."""
+        if self.node_group is None:
+            return self._due(step, first)
+        if self._in_node is None:
+            return []
+        (work, rows), self._in_node = self._in_node, None
+        if work is not None:
+            wait_for(work, self.wire_device)
+        return [(int(row[0]) - 1, Report.from_numbers(row[1:])) for row in rows.cpu() if row[0] > 0]
+
+    def prefetch(self, step: int, first: bool) -> None:
+        """With a node group, at a step's end on every rank of the node: start agreeing the reports
+        due as step ``step`` begins (`ready`), each step's over the node by MAX. Row k holds the
+        report of step ``step`` − 1 − k (an older one shares the last row)."""
+        if self.node_group is None:
+            return
+        rows = torch.zeros(NODE_ROWS, 1 + report_width(), dtype=torch.float64)
+        for sent_step, report in self._due(step, first):
+            row = rows[min(NODE_ROWS - 1, max(0, step - 1 - sent_step))]
+            row[0] = max(float(row[0]), sent_step + 1)  # 0: no report
+            row[1:] = torch.maximum(row[1:], torch.tensor(report.numbers(), dtype=torch.float64))
+        wire = on_wire(rows, self.wire_device)
+        self._in_node = dist.all_reduce(wire, op=dist.ReduceOp.MAX, group=self.node_group, async_op=True), wire
+
+    def _due(self, step: int, first: bool) -> list[tuple[int, Report]]:
         self._collect_alone()
         due = [(sent_step, report) for sent_step, report in self.agreed if first or sent_step <= step - 2]
         self.agreed = deque(item for item in self.agreed if not (first or item[0] <= step - 2))
@@ -103,17 +141,28 @@ class ReportExchange:
         self.alone.append((step, work, wire))
 
     def close(self) -> None:
-        """Wait for the reports sent alone."""
+        """Wait for the reports sent alone, and those on their way through the node."""
         for _, work, _ in self.alone:
             work.wait()
+        if self._in_node is not None and self._in_node[0] is not None:
+            self._in_node[0].wait()
 
     def state_dict(self) -> dict[str, Any]:
-        """Between steps: the held report (if no call took it) and every agreed report, each waited for."""
+        """Between steps: the held report (if no call took it) and every agreed report, each waited
+        for (with a node group: those agreed over the node for the next step, which `load_state_dict`
+        hands to it again)."""
         self._collect_alone()
         held = self.held
-        return {"held": None if held is None else {"step": held.step, "report": held.report.to_dict(),
-                                                   "needed": held.needed},
-                "agreed": [{"step": step, "report": report.to_dict()} for step, report in self.agreed]}
+        state = {"held": None if held is None else {"step": held.step, "report": held.report.to_dict(),
+                                                    "needed": held.needed},
+                 "agreed": [{"step": step, "report": report.to_dict()} for step, report in self.agreed]}
+        if self._in_node is not None:
+            work, wire = self._in_node
+            if work is not None:
+                wait_for(work, self.wire_device)
+            self._in_node = None, wire
+            state["in_node"] = wire.cpu().tolist()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         held = state["held"]
@@ -121,3 +170,7 @@ class ReportExchange:
                                                          held["needed"])
         self.agreed = deque((item["step"], Report.from_dict(item["report"])) for item in state["agreed"])
         self.alone.clear()
+        self._in_node = None
+        if state.get("in_node") is not None:  # already agreed over the node: no rank waits for another
+            rows = on_wire(torch.tensor(state["in_node"], dtype=torch.float64), self.wire_device)
+            self._in_node = None, rows

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -85,6 +86,8 @@ class FSDPCompression(AcrossNodes, CheckpointsPerRank):
         self.modules = sorted(name or "<root>" for name in modules)
         self._reported: set[str] = set()
         self._node_ranks = mesh[NODE].size()
+        if self.across.adaptive is not None and self._node_ranks > 1:  # the node's shards share its link
+            self.across.adaptive.plan_with(dist.new_subgroups_by_enumeration(mesh.mesh.tolist())[0])
         for name, (module, parameters) in modules.items():
             segments = _segments(parameters, self._node_ranks, self.across.config.sends_whole)
             module.set_all_reduce_hook(self._hook_for(name or "<root>", segments))

@@ -37,7 +37,7 @@ from sparsecomm.reducer.config import DENSE_BELOW
 from sparsecomm.reducer.node_scatters import NodeScatters
 from sparsecomm.reducer.node_shards import NodeShards
 from sparsecomm.reducer.reducer import GradientReducer, by_name
-from sparsecomm.reducer.topology import NodeGroups, Topology
+from sparsecomm.reducer.topology import NodeGroups, Topology, node_twin
 from sparsecomm.spec import PipelineSpec
 from sparsecomm.transport.agreement import agree
 from sparsecomm.transport.collectives import all_gather_single, fingerprint, reduce_scatter_single
@@ -112,6 +112,8 @@ class HierarchicalReducer(AcrossNodes):
         self.across = GradientReducer(spec, group=self.groups.cross_group, seed=seed, nonfinite=nonfinite,
                                       dense_below=dense_below, average=average, model=model)
         """the compressed hop: this rank with the ranks owning the same shard on the other nodes"""
+        if self.across.adaptive is not None and topology.local_size > 1:  # the node's shards share its link
+            self.across.adaptive.plan_with(node_twin(topology, group))
         self.average = average
         self.buckets = BucketLayouts(model, self.across.config.sends_whole)
         self.node_bytes = 0

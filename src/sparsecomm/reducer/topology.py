@@ -96,12 +96,22 @@ class NodeGroups:
     @classmethod
     def make(cls, topology: Topology, group: dist.ProcessGroup | None) -> NodeGroups:
         """The groups of ``topology`` over ``group``'s ranks (every rank of it calls this together)."""
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        ranks = _ranks(group)
         local_size, nodes = topology.local_size, topology.nodes(len(ranks))
-        rank = dist.get_rank(group)
-        node, local_rank = divmod(rank, local_size)
-        node_ranks = [ranks[n * local_size:(n + 1) * local_size] for n in range(nodes)]
+        node, local_rank = divmod(dist.get_rank(group), local_size)
         cross_ranks = [ranks[local::local_size] for local in range(local_size)]
-        node_group = dist.new_subgroups_by_enumeration(node_ranks)[0]
+        node_group = node_twin(topology, group)
         cross_group = dist.new_subgroups_by_enumeration(cross_ranks)[0]
         return cls(topology, nodes, node, local_rank, node_group, cross_group)
+
+
+def node_twin(topology: Topology, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """A new group over this rank's node (of ``topology`` over ``group``'s ranks; every rank of
+    ``group`` calls it together): a node's collectives of one purpose, ordered apart from others."""
+    ranks, local_size = _ranks(group), topology.local_size
+    return dist.new_subgroups_by_enumeration([ranks[n * local_size:(n + 1) * local_size]
+                                              for n in range(topology.nodes(len(ranks)))])[0]
+
+
+def _ranks(group: dist.ProcessGroup | None) -> list[int]:
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
