@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from sparsecomm.presets import resolve
+from sparsecomm.train.baselines import BASELINES
 
 FIELD = "sparse_gradients"
 """the run JSON's field (absent: no parameter's gradient is sparse)"""
@@ -111,8 +112,6 @@ class SparseRows:
     def of(cls, field: dict[str, Any] | None, row: dict[str, Any]) -> SparseRows | None:
         """``row``'s sparse part, from its run's `FIELD` (None: the run has none, or the row is one of
         PyTorch's, which sends them as it sends a dense gradient)."""
-        from sparsecomm.train.baselines import BASELINES
-
         if not field or row["preset"] in BASELINES:
             return None
         touched = tuple(sorted((int(k), float(v)) for k, v in field["rows"].items()))
