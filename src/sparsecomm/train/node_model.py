@@ -47,7 +47,7 @@ from dataclasses import dataclass, replace
 
 from sparsecomm.train.scaling import RowCosts
 from sparsecomm.train.sparse_rows import SparseRows
-from sparsecomm.transport.owner_counts import owner_counts_bytes
+from sparsecomm.transport.owner_counts import OWNER_COUNTS_BYTES, owner_counts_bytes
 
 SPLIT = ("allgather", "adaptive", "sparse_allreduce", "split_topk")
 """the kinds of row projected hierarchically too: an all_reduce row is modeled as NCCL runs it over
@@ -162,7 +162,7 @@ def _split_topk(cost: RowCosts, layout: Layout, hierarchical: bool) -> float:
     per_node, nodes, ranks = layout.per_node, layout.nodes, layout.ranks
     if not hierarchical or per_node == 1:
         network_alpha = layout.network[1] if nodes > 1 else layout.fabric[1]
-        counts = owner_counts_bytes(ranks) / max(1, ranks - 1)  # an owner's counts, to each other rank
+        counts = OWNER_COUNTS_BYTES  # an owner's counts, to each other rank
         return (cost.encode_s + cost.decode_s + (ranks - 1 + _rounds(ranks)) * network_alpha
                 + (2 * (per_node - 1) / ranks * selection + (per_node - 1) * counts) * _beta(layout.fabric)
                 + per_node * (2 * (ranks - per_node) / ranks * selection + (ranks - per_node) * counts)
@@ -225,11 +225,10 @@ def crossing_bytes(cost: RowCosts, layout: Layout, hierarchical: bool) -> float 
             return nodes * (nodes - 1) * cost.bytes_per_step
         return nodes * per_node * (layout.ranks - per_node) * cost.bytes_per_step
     if cost.kind == "split_topk":
-        selection, counts = cost.selection_bytes(), owner_counts_bytes(2)  # an owner's counts, to one other rank
+        selection, ranks = cost.selection_bytes(), layout.ranks
         if hierarchical and per_node > 1:
-            return 2 * (nodes - 1) * selection + layout.ranks * owner_counts_bytes(nodes)
-        ranks = layout.ranks
-        return ranks * (2 * (ranks - per_node) / ranks * selection + (ranks - per_node) * counts)
+            return 2 * (nodes - 1) * selection + ranks * owner_counts_bytes(nodes)
+        return ranks * (2 * (ranks - per_node) / ranks * selection + (ranks - per_node) * OWNER_COUNTS_BYTES)
     return None
 
 

@@ -17,9 +17,13 @@ OWNER_BINS = 16
 64 bytes an owner, so a rank receives 64(P − 1) bytes of counts a call)"""
 
 
+OWNER_COUNTS_BYTES = 4 * OWNER_BINS
+"""the bytes of counts an owner sends each other rank"""
+
+
 def owner_counts_bytes(workers: int) -> int:
     """The bytes of counts a ``topk_sa`` owner sends on with its sums, to the ``workers`` − 1 others."""
-    return 4 * OWNER_BINS * max(0, workers - 1)
+    return OWNER_COUNTS_BYTES * max(0, workers - 1)
 
 
 def owner_counts(stream: Stream) -> torch.Tensor:
@@ -37,15 +41,15 @@ def owner_counts(stream: Stream) -> torch.Tensor:
 def owner_edges(bounds: Sequence[int]) -> torch.Tensor:
     """The positions where the `OWNER_BINS` parts of each range of ``bounds`` begin, and the end:
     ⌈s·L/OWNER_BINS⌉ into a range of L, so part s holds exactly the entries `owner_counts` puts there."""
+    at = torch.tensor(bounds, dtype=torch.int64)
+    starts, widths = at[:-1, None], (at[1:] - at[:-1])[:, None]
     parts = torch.arange(OWNER_BINS, dtype=torch.int64)
-    edges = [lo + (parts * (hi - lo) + OWNER_BINS - 1) // OWNER_BINS for lo, hi in zip(bounds[:-1], bounds[1:],
-                                                                                        strict=True)]
-    return torch.cat([*edges, torch.tensor([bounds[-1]])])
+    return torch.cat([(starts + (parts * widths + OWNER_BINS - 1) // OWNER_BINS).reshape(-1), at[-1:]])
 
 
 def without_counts(buffer: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``buffer`` less the `owner_counts` appended to it, which are written into ``counts``."""
-    size = 4 * OWNER_BINS
+    size = OWNER_COUNTS_BYTES
     if buffer.numel() < size:
         raise PayloadError(f"an owner's message of {buffer.numel()} bytes cannot end in {size} bytes of counts")
     cut = buffer.numel() - size
