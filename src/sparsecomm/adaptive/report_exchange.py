@@ -104,12 +104,12 @@ class ReportExchange:
         (work, rows), self._in_node = self._in_node, None
         if work is not None:
             wait_for(work, self.wire_device)
-        return [(int(row[0]) - 1, Report.from_numbers(row[1:])) for row in rows.cpu() if row[0] > 0]
+        return [(int(row[0]) - 1, Report.from_numbers(row[1:])) for row in rows.cpu().flip(0) if row[0] > 0]
 
     def prefetch(self, step: int, first: bool) -> None:
         """With a node group, at a step's end on every rank of the node: start agreeing the reports
-        due as step ``step`` begins (`ready`), each step's over the node by MAX. Row k holds the
-        report of step ``step`` − 1 − k (an older one shares the last row)."""
+        due as step ``step`` begins (`ready`, oldest first as without a node), each step's over the
+        node by MAX. Row k holds the report of step ``step`` − 1 − k (an older one shares the last row)."""
         if self.node_group is None:
             return
         rows = torch.zeros(NODE_ROWS, 1 + report_width(), dtype=torch.float64)
