@@ -74,6 +74,9 @@ class TensorState:
     the device route, its bucket's floors are d / share (`sparsecomm.device.shares`)"""
     magnitudes: tuple[float, torch.Tensor] | None = None
     """this step's planned density and sample of its accumulated magnitudes, until `share_density`"""
+    low_rank: torch.Tensor | None = None
+    """a matrix's Q (columns × rank) from its last low-rank step, the next one's start
+    (`sparsecomm.reducer.paths.low_rank`)"""
 
 
 @dataclass(frozen=True)
@@ -331,7 +334,7 @@ class Pipeline:
         return self.spec.sparsifier.at_density(density)
 
     def state_dict(self) -> dict[str, Any]:
-        """Every tensor's state (step, feedback, density share, codec error), with the spec and
+        """Every tensor's state (step, feedback, density share, codec error, low-rank Q), with the spec and
         seed it belongs to: what `load_state_dict` needs to continue bit for bit."""
         return {
             "spec": format_spec(self.spec),
@@ -340,7 +343,8 @@ class Pipeline:
                 key: {"step": s.step,
                       "feedback": {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.feedback.items()},
                       "density_share": s.density_share,
-                      **({"codec_error": s.codec_error.clone()} if s.codec_error is not None else {})}
+                      **({"codec_error": s.codec_error.clone()} if s.codec_error is not None else {}),
+                      **({"low_rank": s.low_rank.clone()} if s.low_rank is not None else {})}
                 for key, s in self.states.items()
             },
         }
@@ -362,7 +366,8 @@ class Pipeline:
             key: TensorState(step=saved["step"], feedback={k: (v.clone() if isinstance(v, torch.Tensor) else v)
                                                            for k, v in saved["feedback"].items()},
                              codec_error=saved["codec_error"].clone() if "codec_error" in saved else None,
-                             density_share=saved["density_share"])
+                             density_share=saved["density_share"],
+                             low_rank=saved["low_rank"].clone() if "low_rank" in saved else None)
             for key, saved in state["tensors"].items()
         }
 

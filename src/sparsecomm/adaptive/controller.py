@@ -110,6 +110,7 @@ class AdaptiveController:
         if costs.fp16_throughput and slowest[1] > 0:
             costs.fp16_throughput[-1] = slowest[1]
         self.reports.node_group = node_group
+        self.planner.sharded = True
 
     def _forward_started(self, module: nn.Module, inputs: Any) -> None:
         """The model's forward pre-hook: the first forward pass since the last step starts the clock."""

@@ -40,6 +40,7 @@ from sparsecomm.adaptive.measurement import StepMeasurement
 from sparsecomm.adaptive.report import Report
 from sparsecomm.adaptive.trials import Trials
 from sparsecomm.device.support import device_form
+from sparsecomm.feedback.residual import Residual
 from sparsecomm.sparsify.adaptive import Adaptive
 from sparsecomm.spec import PipelineSpec
 
@@ -57,6 +58,12 @@ class Planner:
     device_form: bool = False
     """whether the pipeline's sparse steps may take the device route in its device form
     (`sparsecomm.device.support.device_form`; a pipeline that is its own device form takes it always)"""
+    low_rank_form: bool = False
+    """whether the pipeline lets the warm-up's steps go low-rank (`Mode.LOW_RANK`): its sparsifier
+    asks for a rank and its feedback is ``residual``"""
+    sharded: bool = False
+    """whether the reducer's calls hold shards of buckets (between nodes, `AdaptiveController.plan_with`),
+    which hold no matrices to factor: no low-rank steps"""
     step: int = 0
     codec_cost: tuple[float, float] = (0.0, 0.0)
     """this rank's own calibrated (κ_e, κ_d) (`calibrate`), carried by every report"""
@@ -88,6 +95,7 @@ class Planner:
         self.sparsifier = self.costs.sparsifier = spec.sparsifier
         self.feedback_horizon = self.costs.feedback_horizon = spec.feedback.delay_horizon()
         self.device_form = device_form(spec) is not None
+        self.low_rank_form = spec.sparsifier.low_rank > 0 and isinstance(spec.feedback, Residual)
 
     def device_weighed(self) -> bool:
         """Whether this step weighs the device route against the pipeline's codecs: it has a device
@@ -127,7 +135,7 @@ class Planner:
         previous, self.current = self.current.mode, self.plan()
         self.switched = self.current.mode != previous
         # a preferred density matters only to sparse steps, and not to a user-set budget
-        self.measuring.wants_energy = (not self.current.dense
+        self.measuring.wants_energy = (not self.current.dense and self.current.mode is not Mode.LOW_RANK
                                        and self.sparse_steps % self.config.energy_every == 0
                                        and not self.sparsifier.budget)
         self.mode_steps[self.current.mode] = self.mode_steps.get(self.current.mode, 0) + 1
@@ -152,7 +160,7 @@ class Planner:
                 # the whole step: where a collective's own work competes with the backward for the
                 # processor (gloo's fp16 sums on a CPU), the compute it slowed counts against it
                 whole[mode] = compute + cost
-        else:
+        elif mode is not Mode.LOW_RANK:  # a warm-up's low-rank step is planned by the step, not by its cost
             self.sparse_steps += 1
             if self.mode_steps.get(mode, 0) >= config.exploration_steps and costs.throughput:
                 sent = done.payload_bytes + done.fixed_bytes
@@ -190,9 +198,9 @@ class Planner:
         # a user's byte budget holds from the first step; a measured one eases sparsity in
         costs.least = sparsifier.least_at(self.step, self.config.max_sparse_density) if not sparsifier.budget else 0.0
         if self.step == 0 and costs.throughput and not sparsifier.budget:
-            # the link probed at start-up, the compute not timed yet: sparse at the least density,
-            # cheap on any link, and a first sparse step warms the sparse path up
-            return costs.sparse(costs.least)
+            # the link probed at start-up, the compute not timed yet: sparse at the least density (or
+            # low-rank), cheap on any link, and a first sparse step warms the sparse path up
+            return Plan(Mode.LOW_RANK) if self.low_rank_step() else costs.sparse(costs.least)
         dense_bytes = costs.dense_bytes()
         if costs.budget_numel == 0:
             if self.step == 0 and 0 < sparsifier.budget < dense_bytes / 2:
@@ -209,10 +217,20 @@ class Planner:
         probing = sparsifier.probe and self.step > 0 and self.step % sparsifier.probe == 0
         if budget is None or budget >= dense_bytes or probing:
             return Plan(Mode.FP32)
+        if self.low_rank_step():
+            return Plan(Mode.LOW_RANK)
         predicted = costs.predicted(budget, device=self.device_weighed())
         if not costs.sparse_overhead_s:  # the sparse path's cost unknown: learn it (cheap steps) before choosing
             return self.exploring(predicted)
         return self.trials.choose(predicted, self.step, self.mode_steps)
+
+    def low_rank_step(self) -> bool:
+        """Whether this step, where the link does not carry the gradient dense, goes low-rank: the
+        warm-up's first `AdaptiveConfig.low_rank_warmup` share of its steps, where the pipeline
+        allows it (`low_rank_form`), the calls hold whole tensors and no user-set budget holds."""
+        warmup = self.sparsifier.warmup
+        return (self.low_rank_form and not self.sharded and not self.sparsifier.budget and warmup > 0
+                and self.step < round(self.config.low_rank_warmup * 2 * warmup))
 
     def exploring(self, predicted: dict[Mode, tuple[float, Plan]]) -> Plan:
         """A step while the sparse path's cost is unknown: sparse, unless the step before was, at the

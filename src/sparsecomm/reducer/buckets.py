@@ -75,6 +75,8 @@ class BucketLayouts:
         module = getattr(model, "module", model)
         self._names = {id(p): name for name, p in module.named_parameters()} if module is not None else {}
         """parameter object → its name in the model"""
+        self.shapes = {name: tuple(p.shape) for name, p in module.named_parameters()} if module is not None else {}
+        """each parameter's shape by name"""
         self.sends_whole = sends_whole
         """whether a parameter of a shape goes whole (`ReducerConfig.sends_whole`)"""
         self.orders: dict[str, list[str]] = {}

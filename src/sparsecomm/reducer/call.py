@@ -36,6 +36,7 @@ class Route(Name):
     ROWS = "rows"
     DENSE_STEP = "dense step"
     DEVICE = "device"
+    LOW_RANK = "low rank"
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,8 @@ def route_of(tensor: torch.Tensor, segments: tuple[Segment, ...] | None, config:
         return Route.ROWS
     if plan is not None and plan.dense:
         return Route.DENSE_STEP
+    if plan is not None and plan.mode is Mode.LOW_RANK:
+        return Route.LOW_RANK
     whole = all(s.whole for s in segments) if segments else config.sends_whole(tensor.shape)
     if config.spec.transport.name == "dense" or (whole and (tensor.numel() < config.dense_below
                                                              or config.codecs_exact)):

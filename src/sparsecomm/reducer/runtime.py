@@ -23,6 +23,7 @@ from sparsecomm.reducer.paths.base import Parts, Path
 from sparsecomm.reducer.paths.compressed import CompressedPath
 from sparsecomm.reducer.paths.dense_step import DenseStepPath
 from sparsecomm.reducer.paths.device import DevicePath
+from sparsecomm.reducer.paths.low_rank import LowRankPath
 from sparsecomm.reducer.paths.plain import PlainPath
 from sparsecomm.reducer.paths.rows import RowsPath
 from sparsecomm.reducer.stats import ReducerStats, TensorStats
@@ -64,7 +65,8 @@ class Runtime:
                            self.stats, self.process_group, self.wire_device, dist.get_rank(self.process_group),
                            self.adaptive)
         paths: list[Path] = [PlainPath(self.parts), CompressedPath(self.parts), RowsPath(self.parts),
-                             DenseStepPath(self.parts), DevicePath(self.parts)]
+                             DenseStepPath(self.parts), DevicePath(self.parts),
+                             LowRankPath(self.parts, self.buckets.shapes)]
         self.paths = {path.route: path for path in paths}
 
     def suit(self, config: ReducerConfig) -> None:

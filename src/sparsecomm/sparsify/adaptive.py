@@ -3,7 +3,7 @@
 Inside a `GradientReducer` the density is set every step by the reducer's adaptive controller (see
 `sparsecomm.adaptive`) from the measured link, compute and gradient, as every tensor's
 floor (`sparsecomm.sparsify.shared_threshold` adds the entries that stand above the rest of the
-model); ``budget``, ``floor``, ``probe``, ``dense_start``, ``warmup`` and ``horizon`` are that
+model); ``budget``, ``floor``, ``probe``, ``dense_start``, ``warmup``, ``low_rank`` and ``horizon`` are that
 controller's settings, and ``device_route`` where its sparse steps may go on the device route
 (`sparsecomm.device.support.device_form`). Used alone, it keeps ``density``.
 
@@ -57,6 +57,11 @@ class Adaptive(Sparsifier):
     gradient (Adam's kin: what error feedback holds back arrives later in one burst, which its second
     moment remembers for many steps), 0 under SGD, whose update is linear in the gradient
     (`check_optimizer` tells it; untold, 0)"""
+    low_rank: int = 0
+    """with a measured budget and ``residual`` feedback, the warm-up's steps that the link cannot
+    carry dense send each matrix as a product of this rank (PowerSGD) rather than their largest
+    entries at the warm-up's density: far fewer bytes and far less selecting and coding, for a
+    model trained less far (the guide's figures); 0: none"""
     horizon: float = 0.0
     """with a measured budget, a step's k entries are taken to deliver what the ``horizon``·k largest
     of one step's gradient hold: error feedback sends what a step leaves out some steps later
@@ -82,6 +87,8 @@ class Adaptive(Sparsifier):
             raise SparseCommError("adaptive dense_start must be >= 0 steps")
         if self.warmup < -1:
             raise SparseCommError("adaptive warmup must be >= 0 steps, or -1 (by the optimizer)")
+        if self.low_rank < 0:
+            raise SparseCommError("adaptive low_rank must be >= 1 (a matrix rank) or 0 (none)")
         if not (self.horizon == 0.0 or self.horizon >= 1.0):
             raise SparseCommError("adaptive horizon must be >= 1 step, or 0 (from the feedback)")
         if not 0.0 < self.sample <= 1.0:

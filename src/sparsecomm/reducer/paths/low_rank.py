@@ -1,0 +1,271 @@
+"""``low rank``: a step the ``adaptive`` controller planned as low-rank (`Mode.LOW_RANK`; PowerSGD,
+Vogels et al. 2019, rank r), which with ``adaptive(low_rank=r)`` replaces its warm-up's top-k.
+Each matrix M of a call — its gradient plus its residual, viewed as
+(first dimension) × (the rest) — goes as P = M·Q, summed over ranks and orthonormalized into P̂,
+then as Q' = Mᵀ·P̂, averaged into Q̄; every rank takes P̂·Q̄ᵀ for the average and keeps
+M − P̂·Q̄ᵀ in its residual, and Q̄ warm-starts the next low-rank step (`TensorState.low_rank`, the
+first drawn from a generator of the reducer's seed and the tensor's name, alike on every rank).
+Vectors, tensors sent whole, matrices too small for r to halve them, and tensors of unknown shape
+travel exactly in the first all_reduce, with a report the planner must hear in its tail.
+
+Two all_reduces a call: the first posted at once, the second when the step finishes, on the
+thread that finishes it, in the order the calls were posted — the same on every rank. Matrices of
+one shape go through each product together (batched)."""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from sparsecomm.adaptive.config import Plan
+from sparsecomm.adaptive.flat_residual import FlatResidual
+from sparsecomm.adaptive.flush import flush, update_flushed
+from sparsecomm.errors import SparseCommError
+from sparsecomm.feedback.base import held
+from sparsecomm.finite import all_finite
+from sparsecomm.pipeline import Segment, TensorState
+from sparsecomm.reducer.call import Call, Route, Summed
+from sparsecomm.reducer.paths.base import Parts, Path, Pending
+from sparsecomm.transport.collectives import on_wire
+from sparsecomm.transport.side_numbers import read_tail, tail_elements, write_tail
+
+MIN_COMPRESSION = 2.0
+"""a matrix goes low-rank only where its n·m entries are at least this many times the r(n + m) it
+would send (as PyTorch's PowerSGD hook decides)"""
+
+
+@dataclass(frozen=True)
+class Group:
+    """The call's matrices of one shape (n × m): their segments' keys and an index of their
+    entries in the flat call, matrix after matrix."""
+
+    shape: tuple[int, int]
+    keys: tuple[str, ...]
+    index: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one call's flat gradient splits: its matrices by shape, and the flat positions of
+    everything sent exactly."""
+
+    groups: tuple[Group, ...]
+    exact: torch.Tensor
+
+    def q_numel(self, rank_r: int) -> int:
+        return sum(len(g.keys) * g.shape[1] * rank_r for g in self.groups)
+
+
+@dataclass(frozen=True)
+class Sent:
+    """What a call's first all_reduce carried, and what its second needs."""
+
+    flat: torch.Tensor
+    """the gradient plus residual (flat, scratch)"""
+    home: torch.Tensor
+    """the gradient's flat buffer: the average goes there"""
+    layout: Layout
+    matrices: list[torch.Tensor]
+    """per group: its matrices stacked (count × n × m)"""
+    qs: list[torch.Tensor]
+    """per group: its matrices' Qs stacked (count × m × r), each state holding its view"""
+    carrying: int | None
+    nbytes: int
+    raised: bool
+    """this rank's own gradient was non-finite (it sent NaN, its state untouched)"""
+
+
+class LowRankPath(Path):
+    route = Route.LOW_RANK
+
+    def __init__(self, parts: Parts, shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
+        super().__init__(parts)
+        self.shapes = dict(shapes or {})
+        """each parameter's shape by name (a DDP model's); a call's own tensor tells its shape otherwise"""
+        self._layouts: dict[tuple[str, int], Layout] = {}
+        self._scratch: dict[str, torch.Tensor] = {}
+        """per stream: the buffer its gradient plus residual is flushed into"""
+        self._qs: dict[tuple[str, tuple[int, int], int], torch.Tensor] = {}
+        """per stream, matrix shape and rank: the group's Qs stacked, each matrix's state a view"""
+        self._residuals: dict[str, FlatResidual] = {}
+
+    def post(self, call: Call, plan: Plan | None, start: float) -> Pending:
+        parts, adaptive = self.parts, self.parts.adaptive
+        assert adaptive is not None and plan is not None
+        rank_r = adaptive.planner.sparsifier.low_rank
+        home = call.tensor.view(-1) if call.tensor.is_contiguous() else call.tensor.reshape(-1).clone()
+        flat, must_raise = flush(parts.pipeline, home, call.key, call.segments, out=self._buffer(call.key, home),
+                                 sum_checked=True, buckets=self._residuals)
+        layout = self._layout(call, rank_r, home.device)
+        matrices = [flat.index_select(0, group.index).view(len(group.keys), *group.shape) for group in layout.groups]
+        qs = [self._stacked_q(call.key, group, rank_r, flat) for group in layout.groups]
+        side = adaptive.reports.take(needed_only=True)
+        tail = tail_elements(parts.config.world_size) if side is not None else 0
+        wire = torch.cat([*(torch.bmm(m, q).reshape(-1) for m, q in zip(matrices, qs, strict=True)),
+                          flat.index_select(0, layout.exact), flat.new_zeros(tail)])
+        carrying = None
+        if side is not None:
+            carrying = wire.numel() - tail
+            write_tail(wire[carrying:], side, parts.rank)
+        if must_raise:
+            wire[:wire.numel() - tail].fill_(math.nan)  # every rank's sum is non-finite: every rank raises
+        nbytes = (wire.numel() + layout.q_numel(rank_r)) * wire.element_size()
+        submitted = time.perf_counter()
+        budget_numel = sum(numel for _, numel in call.density_spans())
+        adaptive.measuring.submitted(call.tensor.numel(), budget_numel, 0, 0, submitted - start, submitted)
+        work = parts.process_group.allreduce([on_wire(wire, parts.wire_device)])
+        # the second all_reduce must come in the same order on every rank: the step's thread posts
+        # it, and a call outside a step completes on this thread, before it returns
+        if not call.in_step:
+            work.wait()
+        return Pending(work.get_future(), submitted, finish_with_step=call.in_step, carries_report=side is not None,
+                       sent=Sent(flat, home, layout, matrices, qs, carrying, nbytes, must_raise))
+
+    def summed(self, call: Call, pending: Pending, done: torch.futures.Future) -> Summed:
+        sent: Sent = pending.sent
+        total = done.value()[0].to(sent.flat.device)
+        sides = None
+        if sent.carrying is not None:
+            sides = read_tail(total[sent.carrying:])
+            total = total[:sent.carrying]
+        refused = Summed(total, sent.nbytes, carried_report=sides is not None, sides=sides)
+        if not all_finite(total):  # the same sum on every rank: none posts the second all_reduce
+            self._restore(call, sent)
+            return refused
+        world_size, offset, orthonormal = self.parts.config.world_size, 0, []
+        for m, q in zip(sent.matrices, sent.qs, strict=True):
+            p = total[offset:offset + m.shape[0] * m.shape[1] * q.shape[2]].view(m.shape[0], m.shape[1], q.shape[2])
+            orthonormal.append(torch.linalg.qr(p.float()).Q.to(p.dtype))
+            offset += p.numel()
+        exact = total[offset:]
+        if sent.matrices:
+            q_wire = torch.cat([torch.bmm(m.transpose(1, 2), p).reshape(-1)
+                                for m, p in zip(sent.matrices, orthonormal, strict=True)])
+            self.parts.process_group.allreduce([on_wire(q_wire, self.parts.wire_device)]).wait()
+            q_wire = q_wire.to(sent.flat.device)
+            if not all_finite(q_wire):  # an overflow, the same on every rank
+                self._restore(call, sent)
+                return refused
+            offset = 0
+            for q in sent.qs:
+                q.copy_(q_wire[offset:offset + q.numel()].view_as(q)).div_(world_size)
+                offset += q.numel()
+        self._finish(call, sent, orthonormal, exact.div_(world_size))
+        return Summed(sent.home, sent.nbytes, owned=True, averaged=True, carried_report=sides is not None,
+                      sides=sides)
+
+    def _finish(self, call: Call, sent: Sent, orthonormal: list[torch.Tensor], exact: torch.Tensor) -> None:
+        """The average into the gradient's buffer; each matrix's residual keeps what the average
+        missed of it (its Q̄, in place, starts the next low-rank step)."""
+        states, home = self.parts.pipeline.states, sent.home
+        bucket = self._residuals.get(call.key)
+        for group, m, p, q in zip(sent.layout.groups, sent.matrices, orthonormal, sent.qs, strict=True):
+            approx = torch.bmm(p, q.transpose(1, 2))
+            home.index_copy_(0, group.index, approx.reshape(-1))
+            missed = m.sub_(approx).reshape(-1)
+            if bucket is not None and all(states[key].feedback.get("residual") is not None and
+                                          states[key].feedback["residual"]._base is bucket.buffer
+                                          for key in group.keys):
+                bucket.buffer.index_copy_(0, group.index, missed)
+            else:
+                for key, each in zip(group.keys, missed.view(len(group.keys), -1), strict=True):
+                    held(states[key].feedback, "residual", each).copy_(each)
+            for key in group.keys:
+                states[key].feedback["clear"] = False
+        home.index_copy_(0, sent.layout.exact, exact)
+
+    def _restore(self, call: Call, sent: Sent) -> None:
+        """A step every rank raises in: where this rank's gradient was finite and its flush moved its
+        residuals into the call, they hold again what they held (to rounding). A rank whose own
+        gradient raised flushed nothing."""
+        if sent.raised:
+            return
+        for segment in self._segments(call):
+            state = self.parts.pipeline.states.get(segment.key)
+            if segment.whole or state is None or state.feedback.get("clear") is not True:
+                continue
+            span = slice(segment.start, segment.start + segment.numel)
+            if all_finite(sent.home[span]):
+                held(state.feedback, "residual", sent.flat[span]).copy_(sent.flat[span] - sent.home[span])
+                state.feedback["clear"] = False
+
+    def checked(self, call: Call, pending: Pending, summed: Summed) -> torch.Tensor:
+        if not summed.owned:
+            raise SparseCommError(f"a rank had a non-finite gradient (NaN or Inf) in {call.key!r}, or the sum "
+                                  "overflowed; no rank applied it")
+        return summed.total
+
+    def measured(self, call: Call, pending: Pending, summed: Summed) -> None:
+        assert self.parts.adaptive is not None
+        self.parts.adaptive.measuring.finished(time.perf_counter(), summed.bytes_sent, in_budget=True)
+
+    def after_average(self, call: Call, pending: Pending, total: torch.Tensor) -> torch.Tensor:
+        update_flushed(self.parts.pipeline, total, call.key, call.segments)
+        return self.parts.uncompressed.apply(total, call.key, call.segments, whole_only=True)
+
+    # -- layout and state -------------------------------------------------------------------------
+    def _segments(self, call: Call) -> tuple[Segment, ...]:
+        return call.segments or (Segment(call.key, 0, call.tensor.numel()),)
+
+    def _buffer(self, key: str, home: torch.Tensor) -> torch.Tensor:
+        buffer = self._scratch.get(key)
+        if buffer is None or buffer.shape != home.shape or buffer.dtype != home.dtype or buffer.device != home.device:
+            buffer = self._scratch[key] = torch.empty_like(home)
+        return buffer
+
+    def _layout(self, call: Call, rank_r: int, device: torch.device) -> Layout:
+        """The call's matrices by shape and its exact positions (worked out once per stream)."""
+        cache_key = (call.key, rank_r)
+        known = self._layouts.get(cache_key)
+        if known is not None and known.exact.device == device:
+            return known
+        by_shape: dict[tuple[int, int], list[Segment]] = {}
+        exact: list[torch.Tensor] = []
+        for segment in self._segments(call):
+            shape = self.shapes.get(segment.key) if call.segments else tuple(call.tensor.shape)
+            matrix = _as_matrix(shape, segment.numel) if not segment.whole else None
+            if matrix is not None and rank_r * sum(matrix) * MIN_COMPRESSION <= matrix[0] * matrix[1]:
+                by_shape.setdefault(matrix, []).append(segment)
+            else:
+                exact.append(torch.arange(segment.start, segment.start + segment.numel))
+        groups = tuple(Group(shape, tuple(s.key for s in members),
+                             torch.cat([torch.arange(s.start, s.start + s.numel) for s in members]).to(device))
+                       for shape, members in by_shape.items())
+        index = torch.cat(exact).to(device) if exact else torch.zeros(0, dtype=torch.int64, device=device)
+        layout = self._layouts[cache_key] = Layout(groups, index)
+        return layout
+
+    def _stacked_q(self, key: str, group: Group, rank_r: int, like: torch.Tensor) -> torch.Tensor:
+        """The group's Qs (count × m × r) as one tensor whose slices its states hold: the last
+        low-rank step's, else each drawn from the reducer's seed and the matrix's name."""
+        states = self.parts.pipeline.states
+        stacked = self._qs.get((key, group.shape, rank_r))
+        if stacked is not None and stacked.device == like.device and stacked.dtype == like.dtype and all(
+                getattr(states[name].low_rank, "_base", None) is stacked for name in group.keys):
+            return stacked
+        columns = group.shape[1]
+        drawn = [self._q(states[name], name, columns, rank_r, like) for name in group.keys]
+        stacked = self._qs[(key, group.shape, rank_r)] = torch.stack(drawn)
+        for index, name in enumerate(group.keys):
+            states[name].low_rank = stacked[index]
+        return stacked
+
+    def _q(self, state: TensorState, key: str, columns: int, rank_r: int, like: torch.Tensor) -> torch.Tensor:
+        """A matrix's Q as its state holds it, else drawn from the reducer's seed and its name."""
+        q = state.low_rank
+        if q is not None and q.shape == (columns, rank_r):
+            return q.to(like.device, like.dtype)
+        generator = torch.Generator().manual_seed(self.parts.config.seed * 1_000_003 + zlib.crc32(key.encode()))
+        return torch.randn(columns, rank_r, generator=generator).to(like.device, like.dtype)
+
+
+def _as_matrix(shape: tuple[int, ...] | None, numel: int) -> tuple[int, int] | None:
+    """A tensor of ``shape`` as a matrix: (first dimension, the rest); None for a vector or an unknown shape."""
+    if shape is None or len(shape) < 2 or math.prod(shape) != numel:
+        return None
+    return shape[0], numel // shape[0]

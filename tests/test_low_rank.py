@@ -1,0 +1,171 @@
+"""``adaptive``'s low-rank steps (PowerSGD, `sparsecomm.reducer.paths.low_rank`): the warm-up's steps
+under an optimizer that normalizes the gradient. Every rank gets the same average, each matrix's of
+the step's rank and every vector's exact; what the average missed stays in the residual, so nothing
+is lost; a gradient of the step's rank arrives whole; a checkpoint (each matrix's warm-started Q)
+resumes bit for bit; a non-finite gradient fails every rank and loses nothing."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import sparsecomm as sc
+from sparsecomm.adaptive.config import Mode, Plan
+from sparsecomm.launch import run_local
+from test_training import batches, digest, mlp
+
+SPEC = "adaptive(low_rank=2)+residual+rice+int8+allgather"
+LOW_RANK_PRESET = "adaptive(low_rank=2)+dgc_momentum(masking=false,nesterov=true)+rice+int8+allgather"
+"""the ``adaptive`` preset asking for a low-rank warm-up (`check_optimizer` gives AdamW ``residual``)"""
+SHAPES = {"w": (48, 40), "v": (40,), "small": (3, 4)}  # a matrix, a vector, a matrix rank 2 cannot halve
+
+
+def forced_low_rank(reducer: sc.GradientReducer) -> None:
+    reducer.adaptive.planner.plan = lambda: Plan(Mode.LOW_RANK)
+
+
+def low_rank_steps(rank: int, world: int, steps: int, common: torch.Tensor | None = None) -> dict:
+    """``steps`` low-rank steps of random gradients (``common``: every rank's "w" is that matrix):
+    what every rank fed in (summed over ranks), was given (the averages, summed over steps), and
+    holds (summed over ranks)."""
+    generator = torch.Generator().manual_seed(rank)
+    fed = {name: torch.zeros(shape, dtype=torch.float64) for name, shape in SHAPES.items()}
+    given = {name: torch.zeros(shape, dtype=torch.float64) for name, shape in SHAPES.items()}
+    averages = []
+    with sc.GradientReducer(SPEC) as reducer:
+        forced_low_rank(reducer)
+        for _ in range(steps):
+            grads = {name: torch.randn(shape, generator=generator) for name, shape in SHAPES.items()}
+            if common is not None:
+                grads["w"] = common.clone()
+            for name, grad in grads.items():
+                fed[name] += grad
+            reducer.allreduce_(list(grads.items()))
+            for name, grad in grads.items():
+                given[name] += grad
+            averages.append({name: grad.clone() for name, grad in grads.items()})
+        held = {name: reducer.pipeline.states[name].feedback.get("residual", torch.zeros(0)).reshape(-1).double()
+                for name in SHAPES}
+        modes = dict(reducer.adaptive.planner.mode_steps)
+    for name in SHAPES:
+        dist.all_reduce(fed[name])
+        if held[name].numel():
+            dist.all_reduce(held[name])
+    return {"fed": fed, "given": given, "held": held, "averages": averages, "modes": modes}
+
+
+def test_a_low_rank_step_gives_every_rank_the_same_average_of_the_steps_rank_and_vectors_exact():
+    runs = run_local(2, low_rank_steps, 3)
+    assert runs[0]["modes"] == {Mode.LOW_RANK: 3}
+    for first, second in zip(runs[0]["averages"], runs[1]["averages"], strict=True):
+        assert all(torch.equal(first[name], second[name]) for name in SHAPES)
+        assert torch.linalg.matrix_rank(first["w"]) == 2
+    # vectors and matrices too small to factor go exactly: the mean of what the ranks fed
+    for name in ("v", "small"):
+        assert torch.allclose(runs[0]["given"][name] * 2, runs[0]["fed"][name], atol=1e-5)
+
+
+def test_what_a_low_rank_step_misses_stays_in_the_residual():
+    run = run_local(2, low_rank_steps, 4)[0]
+    fed, given, held = run["fed"]["w"], run["given"]["w"], run["held"]["w"]
+    assert float(held.abs().max()) > 1.0  # rank 2 of a random 48 × 40 matrix misses most of it
+    assert torch.allclose(given.reshape(-1) * 2 + held, fed.reshape(-1), atol=1e-4)
+
+
+def test_a_gradient_of_the_steps_rank_arrives_whole():
+    """Every rank feeding the same rank-2 matrix: P spans its columns, and P̂·Q̄ᵀ is the matrix itself
+    (P̂ orthonormal), every step, nothing left behind."""
+    generator = torch.Generator().manual_seed(7)
+    common = torch.randn(48, 2, generator=generator) @ torch.randn(2, 40, generator=generator)
+    run = run_local(2, low_rank_steps, 3, common)[0]
+    errors = [float((step["w"] - common).norm() / common.norm()) for step in run["averages"]]
+    assert max(errors) < 1e-5, errors
+    assert float(run["held"]["w"].abs().max()) < 1e-4
+
+
+def warmup_modes(rank: int, world: int, optimizer: str, steps: int, resume_at: int | None = None) -> dict:
+    """``steps`` of `LOW_RANK_PRESET` on a link faked slow (1 MB/s), under ``optimizer``, DDP
+    in several buckets; with ``resume_at``, from a checkpoint taken there into a new reducer."""
+    model = DDP(mlp(0), bucket_cap_mb=0.1)
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-3) if optimizer == "adamw"
+           else torch.optim.SGD(model.parameters(), lr=0.05))
+    reducer = slowed(sc.register_ddp_hook(model, LOW_RANK_PRESET))
+    sc.check_optimizer(opt, reducer)
+    modes = []
+    for step, (data, labels) in enumerate(batches(rank, world, steps)):
+        if step == resume_at:
+            state = reducer.state_dict()
+            reducer.close()
+            model = DDP(model.module, bucket_cap_mb=0.1)
+            reducer = sc.register_ddp_hook(model, LOW_RANK_PRESET)
+            sc.check_optimizer(opt, reducer)
+            reducer.load_state_dict(state)
+        opt.zero_grad()
+        F.cross_entropy(model(data), labels).backward()
+        opt.step()
+        modes.append(reducer.adaptive.planner.current.mode)
+    reducer.close()
+    return {"digest": digest(model.module), "modes": modes}
+
+
+def slowed(reducer):
+    for probed in (reducer.adaptive.planner.costs.throughput, reducer.adaptive.planner.costs.fp16_throughput):
+        probed.clear()
+        probed.append(1e6)
+    return reducer
+
+
+def test_under_adamw_the_warmups_steps_go_low_rank_and_under_dgcs_momentum_sparse():
+    adamw, sgd = run_local(2, warmup_modes, "adamw", 6), run_local(2, warmup_modes, "sgd", 6)
+    assert adamw[0] == adamw[1] and sgd[0] == sgd[1]  # every rank the same modes and model
+    assert adamw[0]["modes"] == [Mode.LOW_RANK] * 6
+    assert Mode.LOW_RANK not in sgd[0]["modes"]
+
+
+def test_a_run_resumed_from_a_checkpoint_in_its_low_rank_steps_continues_bit_for_bit():
+    straight, resumed = run_local(2, warmup_modes, "adamw", 6), run_local(2, warmup_modes, "adamw", 6, 3)
+    assert resumed[0]["modes"] == [Mode.LOW_RANK] * 6
+    assert straight[0]["digest"] == resumed[0]["digest"] == resumed[1]["digest"]
+
+
+def test_a_user_budget_and_the_warmup_share_turn_low_rank_steps_off():
+    from sparsecomm.adaptive.config import AdaptiveConfig
+    from sparsecomm.adaptive.planner import Planner
+    from sparsecomm.sparsify.adaptive import Adaptive
+
+    planner = Planner(Adaptive(low_rank=2, warmup=5), 2, low_rank_form=True)
+    assert [planner.low_rank_step() for planner.step in (0, 9, 10)] == [True, True, False]
+    planner.sparsifier = Adaptive(low_rank=2, warmup=5, budget=1000)
+    assert not planner.low_rank_step()
+    half = dataclasses.replace(AdaptiveConfig(), low_rank_warmup=0.5)
+    planner = Planner(Adaptive(low_rank=2, warmup=5), 2, config=half, low_rank_form=True)
+    assert [planner.low_rank_step() for planner.step in (4, 5)] == [True, False]
+    planner.sharded = True
+    assert not planner.low_rank_step()
+    with pytest.raises(sc.SparseCommError):
+        Adaptive(low_rank=-1)
+
+
+def nonfinite_low_rank(rank: int, world: int) -> dict:
+    with sc.GradientReducer(SPEC) as reducer:
+        forced_low_rank(reducer)
+        generator = torch.Generator().manual_seed(rank)
+        for step in range(3):
+            grad = torch.randn(48, 40, generator=generator)
+            if step == 2 and rank == 1:
+                grad[3, 5] = float("nan")
+            before = reducer.pipeline.states["w"].feedback["residual"].clone() if step == 2 else None
+            try:
+                reducer.allreduce_([("w", grad)])
+            except sc.SparseCommError as err:
+                after = reducer.pipeline.states["w"].feedback["residual"]
+                return {"error": str(err), "kept": torch.allclose(before, after, atol=1e-5)}
+    return {"error": "no error", "kept": False}
+
+
+def test_a_non_finite_gradient_in_a_low_rank_step_fails_every_rank_and_loses_nothing():
+    runs = run_local(2, nonfinite_low_rank)
+    assert all("non-finite" in run["error"] and run["kept"] for run in runs), runs
