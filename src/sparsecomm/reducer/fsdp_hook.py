@@ -198,7 +198,9 @@ def register_fsdp_hooks(model: nn.Module, spec_or_preset: str | PipelineSpec, me
         model: the root module, after ``fully_shard``.
         spec_or_preset: a preset name (``"adaptive"``, ``"dgc"``) or a pipeline spec string.
         mesh: the mesh the modules are sharded over, as above.
-        seed, nonfinite, dense_below: as `GradientReducer`'s (hybrid).
+        seed: as `GradientReducer`'s (hybrid).
+        nonfinite: as `GradientReducer`'s (hybrid).
+        dense_below: as `GradientReducer`'s (hybrid).
 
     Returns:
         Its ``stats``, and ``state_dict()`` / ``load_state_dict()`` for checkpoints (each rank's own).

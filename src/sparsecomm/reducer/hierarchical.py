@@ -76,7 +76,10 @@ class HierarchicalReducer(AcrossNodes):
         spec: a preset name, a pipeline spec string, or a parsed `PipelineSpec`.
         topology: ranks per node (default: torchrun's, `Topology.from_env`).
         group: the process group (default: ``model``'s if it is a DDP model, else the world).
-        seed, nonfinite, dense_below, average: as `GradientReducer`'s, for the hop between nodes.
+        seed: as `GradientReducer`'s, for the hop between nodes.
+        nonfinite: as `GradientReducer`'s, for the hop between nodes.
+        dense_below: as `GradientReducer`'s, for the hop between nodes.
+        average: as `GradientReducer`'s, for the hop between nodes.
         model: the model whose parameter names key each parameter's state (needed as a DDP hook state).
 
     Raises:
