@@ -33,6 +33,12 @@ class Mode(Name):
         return self in (Mode.FP32, Mode.FP16)
 
     @property
+    def selects(self) -> bool:
+        """Whether the step sends a selection of entries (on either route): what the density,
+        the gradient's energy and the sparse path's costs are about."""
+        return self in (Mode.SPARSE, Mode.DEVICE)
+
+    @property
     def exactness(self) -> int:
         """0 for the most exact mode: fp16 rounds what fp32 sends whole, a sparse or low-rank step
         holds back all it leaves in the feedback (on either route alike)."""

@@ -134,8 +134,8 @@ class Planner:
         self.measuring = StepMeasurement(first_submit=now, forward_start=forward_start, codec_cost=self.codec_cost)
         previous, self.current = self.current.mode, self.plan()
         self.switched = self.current.mode != previous
-        # a preferred density matters only to sparse steps, and not to a user-set budget
-        self.measuring.wants_energy = (not self.current.dense and self.current.mode is not Mode.LOW_RANK
+        # a preferred density matters only to steps that select entries, and not to a user-set budget
+        self.measuring.wants_energy = (self.current.mode.selects
                                        and self.sparse_steps % self.config.energy_every == 0
                                        and not self.sparsifier.budget)
         self.mode_steps[self.current.mode] = self.mode_steps.get(self.current.mode, 0) + 1
@@ -160,7 +160,7 @@ class Planner:
                 # the whole step: where a collective's own work competes with the backward for the
                 # processor (gloo's fp16 sums on a CPU), the compute it slowed counts against it
                 whole[mode] = compute + cost
-        elif mode is not Mode.LOW_RANK:  # a warm-up's low-rank step is planned by the step, not by its cost
+        elif mode.selects:  # not a low-rank step: the warm-up plans those by the step, not by their cost
             self.sparse_steps += 1
             if self.mode_steps.get(mode, 0) >= config.exploration_steps and costs.throughput:
                 sent = done.payload_bytes + done.fixed_bytes
