@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from sparsecomm.adaptive.config import Plan
 from sparsecomm.adaptive.controller import AdaptiveController
+from sparsecomm.errors import SparseCommError
 from sparsecomm.pipeline import Pipeline
 from sparsecomm.reducer.call import Call, Route, Summed
 from sparsecomm.reducer.config import ReducerConfig
@@ -152,6 +153,12 @@ class TransportPath(Path):
         return Summed(reduction.total, reduction.record.bytes_sent, reduction.record.decode_s,
                       owned=out is not None and reduction.total is out, carried_report=pending.carries_report,
                       sides=agreement.sides if agreement is not None else None, lost=reduction.lost)
+
+
+def non_finite_sum(key: str) -> SparseCommError:
+    """The error every rank raises where a step's sum is non-finite: a rank's NaN or Inf, or an overflow."""
+    return SparseCommError(f"a rank had a non-finite gradient (NaN or Inf) in {key!r}, or the sum overflowed; "
+                           "no rank applied it")
 
 
 def refused(request: Request, error: Exception) -> Request:

@@ -19,11 +19,10 @@ import torch
 from sparsecomm.adaptive.config import Mode, Plan
 from sparsecomm.adaptive.flat_residual import FlatResidual
 from sparsecomm.adaptive.flush import flush, update_flushed
-from sparsecomm.errors import SparseCommError
 from sparsecomm.finite import all_finite
 from sparsecomm.pipeline import screen_nonfinite
 from sparsecomm.reducer.call import Call, Route, Summed
-from sparsecomm.reducer.paths.base import Path, Pending
+from sparsecomm.reducer.paths.base import Path, Pending, non_finite_sum
 from sparsecomm.transport.collectives import on_wire
 from sparsecomm.transport.side_numbers import read_tail, tail_elements, write_tail
 
@@ -136,8 +135,7 @@ class DenseStepPath(Path):
         where the wire was scratch."""
         wire: Wire = pending.sent
         if not all_finite(summed.total):
-            raise SparseCommError(f"a rank had a non-finite gradient (NaN or Inf) in {call.key!r}, or the sum "
-                                  "overflowed; no rank applied it")
+            raise non_finite_sum(call.key)
         if wire.fp16 or wire.carrying is not None:
             return wire.home.copy_(summed.total)
         return summed.total

@@ -35,7 +35,7 @@ from sparsecomm.feedback.base import hold_in
 from sparsecomm.feedback.dgc_momentum import DGCMomentum
 from sparsecomm.pipeline import Segment, TensorState, key_hash, seeded_generator
 from sparsecomm.reducer.call import Call, Route, Summed
-from sparsecomm.reducer.paths.base import Path, Pending
+from sparsecomm.reducer.paths.base import Path, Pending, non_finite_sum
 from sparsecomm.sparsify.adaptive import Adaptive
 from sparsecomm.sparsify.base import CountedSparsifier
 from sparsecomm.spec import PipelineSpec
@@ -329,8 +329,7 @@ class DevicePath(Path):
             if not bool(sent.agreed):
                 raise SparseCommError(f"the ranks' buckets differ in {call.key!r}: every rank must build the same "
                                       "model and DDP the same buckets")
-            raise SparseCommError(f"a rank had a non-finite gradient (NaN or Inf) in {call.key!r}, or the sum "
-                                  "overflowed; no rank applied it")
+            raise non_finite_sum(call.key)
         return summed.total
 
     def measured(self, call: Call, pending: Pending, summed: Summed) -> None:

@@ -25,12 +25,11 @@ import torch
 from sparsecomm.adaptive.config import Plan
 from sparsecomm.adaptive.flat_residual import FlatResidual
 from sparsecomm.adaptive.flush import flush, update_flushed
-from sparsecomm.errors import SparseCommError
 from sparsecomm.feedback.base import held
 from sparsecomm.finite import all_finite
 from sparsecomm.pipeline import Segment, TensorState
 from sparsecomm.reducer.call import Call, Route, Summed
-from sparsecomm.reducer.paths.base import Parts, Path, Pending
+from sparsecomm.reducer.paths.base import Parts, Path, Pending, non_finite_sum
 from sparsecomm.transport.collectives import on_wire
 from sparsecomm.transport.side_numbers import read_tail, tail_elements, write_tail
 
@@ -196,8 +195,7 @@ class LowRankPath(Path):
 
     def checked(self, call: Call, pending: Pending, summed: Summed) -> torch.Tensor:
         if not summed.owned:
-            raise SparseCommError(f"a rank had a non-finite gradient (NaN or Inf) in {call.key!r}, or the sum "
-                                  "overflowed; no rank applied it")
+            raise non_finite_sum(call.key)
         return summed.total
 
     def measured(self, call: Call, pending: Pending, summed: Summed) -> None:
