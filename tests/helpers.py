@@ -48,16 +48,16 @@ def contribution(rank: int, world: int, overlap: str, numel: int = 20_000, nnz: 
 
 
 def adaptive_at_once() -> str:
-    """The ``adaptive`` preset's spec at its floor density from the first step whatever the
-    optimizer (under AdamW its least density falls from 25% over the first 20 steps): for tests of
-    what sparse steps do within a few steps."""
+    """The ``adaptive`` preset's spec sparse at its floor density from the first step whatever the
+    optimizer (under AdamW its least density falls from 25% over the first 20 steps, and its steps
+    go low-rank): for tests of what sparse steps do within a few steps."""
     from dataclasses import replace
 
     from sparsecomm.presets import resolve
     from sparsecomm.spec import format_spec
 
     preset = resolve("adaptive")
-    return format_spec(replace(preset, sparsifier=replace(preset.sparsifier, warmup=0)))
+    return format_spec(replace(preset, sparsifier=replace(preset.sparsifier, warmup=0, low_rank=0)))
 
 
 def fed_and_conserved(reducer, rank: int, world: int, numel: int, steps: int) -> dict:

@@ -35,18 +35,20 @@ def test_a_momentum_correcting_feedback_gives_way_to_an_optimizers_own_momentum(
     assert suited_feedback(Residual(), optimizer) == (Residual(), None)  # error feedback suits every optimizer
 
 
-@pytest.mark.parametrize(("optimizer", "warmup", "least"), [
-    (torch.optim.SGD(parameters(), lr=0.1, momentum=0.9), -1, 0.001),  # linear in the gradient: sparse at once
-    (torch.optim.AdamW(parameters()), 20, 0.05),  # normalizes it: a burst would stay in its second moment
-    (torch.optim.Adagrad(parameters()), 20, 0.05),
+@pytest.mark.parametrize(("optimizer", "warmup", "least", "rank"), [
+    (torch.optim.SGD(parameters(), lr=0.1, momentum=0.9), -1, 0.001, 0),  # linear in the gradient: sparse at once
+    (torch.optim.AdamW(parameters()), 20, 0.05, 8),  # normalizes it: a burst would stay in its second moment
+    (torch.optim.Adagrad(parameters()), 20, 0.05, 8),
 ])
-def test_adaptive_eases_sparsity_in_and_holds_less_back_under_an_optimizer_that_normalizes_the_gradient(
-        optimizer, warmup, least):
+def test_adaptive_eases_sparsity_in_holds_less_back_and_goes_low_rank_under_an_optimizer_that_normalizes(
+        optimizer, warmup, least, rank):
     sparsifier = suited_spec(resolve("adaptive"), optimizer)[0].sparsifier
-    assert (sparsifier.warmup, sparsifier.dense_start) == (warmup, 0)
+    assert (sparsifier.warmup, sparsifier.dense_start, sparsifier.low_rank) == (warmup, 0, 0)
+    by_optimizer = suited_spec(resolve("adaptive(low_rank=-1)+residual+rice+int8+allgather"), optimizer)[0]
+    assert max(by_optimizer.sparsifier.low_rank, 0) == rank
     assert sparsifier.least == least and sparsifier.at_density(1e-6).density == least
-    told = suited_spec(resolve("adaptive(warmup=3,floor=0.002)+residual+rice+int8+allgather"), optimizer)[0]
-    assert (told.sparsifier.warmup, told.sparsifier.least) == (3, 0.002)  # as the user set them
+    told = suited_spec(resolve("adaptive(warmup=3,floor=0.002,low_rank=0)+residual+rice+int8+allgather"), optimizer)[0]
+    assert (told.sparsifier.warmup, told.sparsifier.least, told.sparsifier.low_rank) == (3, 0.002, 0)  # as set
 
 
 def adamw_training(rank: int, world: int, preset: str) -> dict:

@@ -340,6 +340,18 @@ def test_the_verdict_names_the_fastest_preset_against_ddp_and_the_best_hook():
         "verdict on 100mbit: no sparsecomm row reached the target loss in 300 steps")
 
 
+def test_the_last_line_registers_the_row_the_verdict_names_as_that_row_reduced():
+    from sparsecomm.train.summary import usage
+
+    spec = "adaptive(low_rank=4)+residual+rice+int8+allgather"
+    assert usage(result_with({"torch-powersgd-r2": 1.5, "adaptive": 1.3, spec: 1.1})) == (
+        f'use it: sparsecomm.register_ddp_hook(ddp_model, "{spec}") on every rank, before the first step')
+    assert 'register_ddp_hook(ddp_model, "dgc", topology=sparsecomm.Topology.from_env())' in usage(
+        result_with({"adaptive": 2.0, "hier:dgc": 1.0}))
+    assert 'register_fsdp_hooks(model, "adaptive", mesh)' in usage(result_with({"fsdp:adaptive": 1.0, "dgc": 2.0}))
+    assert '(ddp_model, "adaptive")' in usage(result_with({"dense": 1.0, "dgc": None}))  # nothing reached it
+
+
 def test_the_estimate_counts_each_row_start_and_a_dense_rows_bytes_on_the_link():
     from sparsecomm.train.summary import ROW_START_S, estimate_seconds, intro
 

@@ -18,7 +18,7 @@ class Mode(Name):
     """How a step sends its gradient: every entry in fp32 or in fp16 (a *dense* step), or its
     largest entries — with the pipeline's own codecs (``sparse``) or on the device route, in its
     device form (``device``, `sparsecomm.device.support.device_form`) — or each matrix as a
-    low-rank product (``low rank``, PowerSGD: the warm-up's form where ``adaptive(low_rank=r)``
+    low-rank product (``low rank``, PowerSGD: the sparse steps' form where ``adaptive(low_rank=r)``
     asks for it, `sparsecomm.reducer.paths.low_rank`)."""
 
     FP32 = "fp32"
@@ -65,9 +65,6 @@ class AdaptiveConfig:
     """dense calls smaller than this say more about latency than throughput: not measured"""
     first_bytes_per_nnz: float = 3.0
     """bytes per entry assumed before the first sparse step (a value and a near-entropy index)"""
-    low_rank_warmup: float = 1.0
-    """the share of the warm-up's steps (its ``2·warmup``: ``warmup`` at its top density, as many
-    falling) that go low-rank where the pipeline allows it (`Planner.low_rank_step`)"""
     max_sparse_density: float = 0.25
     """a budget that buys more than this is a fast link: sparse steps stop here (their payload is
     still about 6x smaller than dense's) and the dense modes are the alternative"""
@@ -135,8 +132,6 @@ class AdaptiveConfig:
             raise SparseCommError("adaptive: max_sparse_density must be in (0, 1]")
         if self.explore_between < 0.0:
             raise SparseCommError("adaptive: explore_between must be >= 0 (0: exploring steps run on end)")
-        if not 0.0 <= self.low_rank_warmup <= 1.0:
-            raise SparseCommError("adaptive: low_rank_warmup must be in [0, 1]")
         if min(self.compute_window, self.throughput_window, self.cost_window, self.energy_every,
                self.report_every, self.density_candidates) < 1:
             raise SparseCommError("adaptive: windows, cadences and candidates must be >= 1")

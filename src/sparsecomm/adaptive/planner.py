@@ -59,8 +59,8 @@ class Planner:
     """whether the pipeline's sparse steps may take the device route in its device form
     (`sparsecomm.device.support.device_form`; a pipeline that is its own device form takes it always)"""
     low_rank_form: bool = False
-    """whether the pipeline lets the warm-up's steps go low-rank (`Mode.LOW_RANK`): its sparsifier
-    asks for a rank and its feedback is ``residual``"""
+    """whether the pipeline lets the steps whose budget does not carry even fp16 go low-rank
+    (`Mode.LOW_RANK`): its sparsifier asks for a rank and its feedback is ``residual``"""
     sharded: bool = False
     """whether the reducer's calls hold shards of buckets (between nodes, `AdaptiveController.plan_with`),
     which hold no matrices to factor: no low-rank steps"""
@@ -160,7 +160,7 @@ class Planner:
                 # the whole step: where a collective's own work competes with the backward for the
                 # processor (gloo's fp16 sums on a CPU), the compute it slowed counts against it
                 whole[mode] = compute + cost
-        elif mode.selects:  # not a low-rank step: the warm-up plans those by the step, not by their cost
+        elif mode.selects:  # not a low-rank step: those are planned by the budget alone, not by their cost
             self.sparse_steps += 1
             if self.mode_steps.get(mode, 0) >= config.exploration_steps and costs.throughput:
                 sent = done.payload_bytes + done.fixed_bytes
@@ -218,19 +218,19 @@ class Planner:
         if budget is None or budget >= dense_bytes or probing:
             return Plan(Mode.FP32)
         if self.low_rank_step():
-            return Plan(Mode.LOW_RANK)
+            if budget < dense_bytes / 2:  # not even fp16 fits: low rank
+                return Plan(Mode.LOW_RANK)
+            dense = {mode: choice for mode, choice in costs.predicted(budget).items() if mode.dense}
+            return self.trials.choose(dense, self.step, self.mode_steps)  # fp32 or fp16, by trials
         predicted = costs.predicted(budget, device=self.device_weighed())
         if not costs.sparse_overhead_s:  # the sparse path's cost unknown: learn it (cheap steps) before choosing
             return self.exploring(predicted)
         return self.trials.choose(predicted, self.step, self.mode_steps)
 
     def low_rank_step(self) -> bool:
-        """Whether this step, where the link does not carry the gradient dense, goes low-rank: the
-        warm-up's first `AdaptiveConfig.low_rank_warmup` share of its steps, where the pipeline
+        """Whether a step whose budget does not carry even fp16 goes low-rank: where the pipeline
         allows it (`low_rank_form`), the calls hold whole tensors and no user-set budget holds."""
-        warmup = self.sparsifier.warmup
-        return (self.low_rank_form and not self.sharded and not self.sparsifier.budget and warmup > 0
-                and self.step < round(self.config.low_rank_warmup * 2 * warmup))
+        return self.low_rank_form and not self.sharded and not self.sparsifier.budget
 
     def exploring(self, predicted: dict[Mode, tuple[float, Plan]]) -> Plan:
         """A step while the sparse path's cost is unknown: sparse, unless the step before was, at the

@@ -508,12 +508,8 @@ def _train(args: argparse.Namespace) -> int:
     saved = _save(args, result, runner.plot)
     if result["target_loss"] is not None:
         print(f"\n{summary.verdict(result)}")
-    print(f"use it: {USAGE}")
+    print(summary.usage(result))
     return saved
-
-
-USAGE = 'sparsecomm.register_ddp_hook(ddp_model, "adaptive") on every rank, before the first step'
-"""the line the train job ends with: how to put what it measured to work"""
 
 
 def _intro(args: argparse.Namespace, task: Any, rule: Any, rows: list[str], link: str, shaped: bool) -> str:

@@ -3,7 +3,8 @@ correction, `Feedback.applies_momentum`) must not meet an optimizer that applies
 momentum, Adam and its kin — or the momentum is applied twice. Error feedback on the gradient
 (``residual``) leaves the momentum to the optimizer, and suits every optimizer. An optimizer other
 than SGD normalizes the gradient, so under it ``adaptive`` eases sparsity in (``warmup=-1``:
-`WARMUP` steps) and holds no entry back for long (``floor=0``: `NORMALIZED_FLOOR`)."""
+`WARMUP` steps), holds no entry back for long (``floor=0``: `NORMALIZED_FLOOR`), and, asked for
+low-rank steps by the optimizer (``low_rank=-1``), sends them at rank `NORMALIZED_RANK`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from sparsecomm.feedback.base import Feedback
 from sparsecomm.feedback.residual import Residual
-from sparsecomm.sparsify.adaptive import NORMALIZED_FLOOR, WARMUP, Adaptive
+from sparsecomm.sparsify.adaptive import NORMALIZED_FLOOR, NORMALIZED_RANK, WARMUP, Adaptive
 from sparsecomm.spec import PipelineSpec
 
 
@@ -35,14 +36,15 @@ def suited_feedback(feedback: Feedback, optimizer: torch.optim.Optimizer) -> tup
 def suited_spec(spec: PipelineSpec, optimizer: torch.optim.Optimizer) -> tuple[PipelineSpec, str | None]:
     """(the spec to use with ``optimizer``, why its feedback differs, or None): `suited_feedback`,
     and, under an optimizer other than SGD, ``adaptive``'s choices left to the optimizer made:
-    ``warmup=-1`` `WARMUP`, ``floor=0`` `NORMALIZED_FLOOR`."""
+    ``warmup=-1`` `WARMUP`, ``floor=0`` `NORMALIZED_FLOOR`, ``low_rank=-1`` `NORMALIZED_RANK`."""
     feedback, why = suited_feedback(spec.feedback, optimizer)
     suited = replace(spec, feedback=feedback)
     sparsifier = spec.sparsifier
     if isinstance(sparsifier, Adaptive) and normalizes(optimizer):
         warmup = WARMUP if sparsifier.warmup == -1 else sparsifier.warmup
         floor = sparsifier.floor or NORMALIZED_FLOOR
-        suited = replace(suited, sparsifier=replace(sparsifier, warmup=warmup, floor=floor))
+        low_rank = NORMALIZED_RANK if sparsifier.low_rank == -1 else sparsifier.low_rank
+        suited = replace(suited, sparsifier=replace(sparsifier, warmup=warmup, floor=floor, low_rank=low_rank))
     return suited, why
 
 

@@ -27,6 +27,8 @@ from sparsecomm.sparsify.dgc_threshold import refined_selection, sampled_thresho
 WARMUP = 20
 """steps over which the least density falls to the floor under an optimizer that normalizes the
 gradient (``warmup=-1``)"""
+NORMALIZED_RANK = 8
+"""the rank of the low-rank steps under an optimizer that normalizes the gradient (``low_rank=-1``)"""
 FLOOR, NORMALIZED_FLOOR = 0.001, 0.05
 """the least density (``floor=0``): under SGD, and under an optimizer that normalizes the gradient,
 where an entry held back many steps arrives as a burst its second moment remembers"""
@@ -58,10 +60,13 @@ class Adaptive(Sparsifier):
     moment remembers for many steps), 0 under SGD, whose update is linear in the gradient
     (`check_optimizer` tells it; untold, 0)"""
     low_rank: int = 0
-    """with a measured budget and ``residual`` feedback, the warm-up's steps that the link cannot
-    carry dense send each matrix as a product of this rank (PowerSGD) rather than their largest
-    entries at the warm-up's density: far fewer bytes and far less selecting and coding, for a
-    model trained less far (the guide's figures); 0: none"""
+    """with a measured budget and ``residual`` feedback, the steps whose budget does not carry even
+    fp16 send each matrix as a product of this rank (PowerSGD) rather than their largest entries:
+    far fewer bytes and far less selecting and coding; 0: none; -1: by the optimizer —
+    `NORMALIZED_RANK` under one that normalizes the gradient (AdamW and its kin, under which a
+    sparse step's held-back entries arrive as bursts its second moment remembers, where a
+    low-rank step trained a transformer as far as dense: the guide's figures), none under SGD
+    (`check_optimizer` tells it; untold, none)"""
     horizon: float = 0.0
     """with a measured budget, a step's k entries are taken to deliver what the ``horizon``·k largest
     of one step's gradient hold: error feedback sends what a step leaves out some steps later
@@ -87,8 +92,8 @@ class Adaptive(Sparsifier):
             raise SparseCommError("adaptive dense_start must be >= 0 steps")
         if self.warmup < -1:
             raise SparseCommError("adaptive warmup must be >= 0 steps, or -1 (by the optimizer)")
-        if self.low_rank < 0:
-            raise SparseCommError("adaptive low_rank must be >= 1 (a matrix rank) or 0 (none)")
+        if self.low_rank < -1:
+            raise SparseCommError("adaptive low_rank must be >= 1 (a matrix rank), 0 (none) or -1 (by the optimizer)")
         if not (self.horizon == 0.0 or self.horizon >= 1.0):
             raise SparseCommError("adaptive horizon must be >= 1 step, or 0 (from the feedback)")
         if not 0.0 < self.sample <= 1.0:

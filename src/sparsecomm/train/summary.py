@@ -1,12 +1,13 @@
 """What `sparsecomm train` says around its tables: before training, one line on what it is about to
-show and about how long it takes; at the end, the one-line verdict for the link it trained on."""
+show and about how long it takes; at the end, the one-line verdict for the link it trained on and
+the line that puts its winner to work."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from sparsecomm.train.baselines import BASELINES
-from sparsecomm.train.row_names import SHARDED_BASELINES
+from sparsecomm.train.row_names import FLAT_FSDP, FSDP, HIERARCHICAL, SHARDED_BASELINES, preset_of
 
 ROW_START_S = 2.6
 """seconds a row costs beyond its steps — starting the workers, building the model and the reducer,
@@ -52,25 +53,45 @@ def verdict(result: dict[str, Any]) -> str:
     link = result["link"]
     times = {row["preset"]: _time_to_target(row) for row in result["rows"]}
     reached = {name: seconds for name, seconds in times.items() if seconds is not None}
-    ours = {name: s for name, s in reached.items() if not _pytorchs(name) and name not in DENSE_ROWS}
     hooks = {name: s for name, s in reached.items() if _pytorchs(name) and name != "torch-allreduce"}
     plain = reached.get("torch-allreduce", reached.get("dense"))
-    if not ours:
+    best = _fastest(result)
+    if best is None:
         return f"verdict on {link}: no sparsecomm row reached the target loss in {result['steps']} steps"
-    best = min(ours, key=ours.__getitem__)
     metrics = {row["preset"]: row.get("final_metric_mean", row.get("final_metric")) for row in result["rows"]}
-    said = [f"verdict on {link}: {best} reached the target loss in {ours[best]:.3g} s"]
+    said = [f"verdict on {link}: {best} reached the target loss in {reached[best]:.3g} s"]
     if plain is not None:
-        said.append(f"{plain / ours[best]:.3g}x as fast as DDP's allreduce ({plain:.3g} s)")
+        said.append(f"{plain / reached[best]:.3g}x as fast as DDP's allreduce ({plain:.3g} s)")
     if hooks:
         hook = min(hooks, key=hooks.__getitem__)
-        said.append(f"{hooks[hook] / ours[best]:.3g}x as fast as the best PyTorch hook ({hook}, {hooks[hook]:.3g} s)")
+        said.append(f"{hooks[hook] / reached[best]:.3g}x as fast as the best PyTorch hook "
+                    f"({hook}, {hooks[hook]:.3g} s)")
     name = result["rows"][0].get("metric_name", "metric")
     if metrics.get(best) is not None and metrics.get("dense") is not None:
         said.append(f"{name} {metrics[best]:.4g} against dense's {metrics['dense']:.4g}")
-    if plain is not None and plain < ours[best]:
+    if plain is not None and plain < reached[best]:
         said.append("compression does not pay on this link")
     return ", ".join(said)
+
+
+def usage(result: dict[str, Any]) -> str:
+    """The line that puts the verdict's row to work: its preset or spec, registered as its row
+    reduced (``adaptive`` through DDP's hook where no row reached the target)."""
+    best = _fastest(result) or "adaptive"
+    spec = preset_of(best)
+    if best.startswith((FSDP, FLAT_FSDP)):
+        return (f'use it: sparsecomm.register_fsdp_hooks(model, "{spec}", mesh) on every rank, after fully_shard, '
+                "before the first step")
+    topology = ", topology=sparsecomm.Topology.from_env()" if best.startswith(HIERARCHICAL) else ""
+    return f'use it: sparsecomm.register_ddp_hook(ddp_model, "{spec}"{topology}) on every rank, before the first step'
+
+
+def _fastest(result: dict[str, Any]) -> str | None:
+    """The sparsecomm row that reached the target first (None: none did)."""
+    times = {row["preset"]: _time_to_target(row) for row in result["rows"]}
+    ours = {name: seconds for name, seconds in times.items()
+            if seconds is not None and not _pytorchs(name) and name not in DENSE_ROWS}
+    return min(ours, key=ours.__getitem__) if ours else None
 
 
 def _time_to_target(row: dict[str, Any]) -> float | None:

@@ -6,11 +6,17 @@ then as Q' = Mᵀ·P̂, averaged into Q̄; every rank takes P̂·Q̄ᵀ for the 
 M − P̂·Q̄ᵀ in its residual, and Q̄ warm-starts the next low-rank step (`TensorState.low_rank`, the
 first drawn from a generator of the reducer's seed and the tensor's name, alike on every rank).
 Vectors, tensors sent whole, matrices too small for r to halve them, and tensors of unknown shape
-travel exactly in the first all_reduce, with a report the planner must hear in its tail.
+travel exactly, in fp32, beside P, with a report the planner must hear in their tail.
 
-Two all_reduces a call: the first posted at once, the second when the step finishes, on the
-thread that finishes it, in the order the calls were posted — the same on every rank. Matrices of
-one shape go through each product together (batched)."""
+P and Q travel in bf16 (`FACTORS`): half fp32's bytes, and fp32's range, which P needs (a product
+of two gradient-sized factors underflows fp16); every rank orthonormalizes and multiplies the same
+rounded sums, and each residual is measured against that average, so the rounding is fed back too.
+
+The first all_reduces (P, and what travels exactly) are posted at once, the second (Q) when the
+step finishes, on the thread that finishes it, in the order the calls were posted — the same on
+every rank. Matrices of one shape go through each product together (batched), read and written in
+place where they lie at a regular stride in the call's flat tensor (a transformer's blocks), else
+gathered by an index."""
 
 from __future__ import annotations
 
@@ -33,6 +39,9 @@ from sparsecomm.reducer.paths.base import Parts, Path, Pending, non_finite_sum
 from sparsecomm.transport.collectives import on_wire
 from sparsecomm.transport.side_numbers import read_tail, tail_elements, write_tail
 
+FACTORS = torch.bfloat16
+"""the dtype P and Q travel in"""
+
 MIN_COMPRESSION = 2.0
 """a matrix goes low-rank only where its n·m entries are at least this many times the r(n + m) it
 would send (as PyTorch's PowerSGD hook decides)"""
@@ -46,6 +55,29 @@ class Group:
     shape: tuple[int, int]
     keys: tuple[str, ...]
     index: torch.Tensor
+    stride: tuple[int, int] | None
+    """(first start, distance between starts) where the matrices lie at a regular stride"""
+
+    def of(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """The group's matrices as a (count × n × m) view of the flat contiguous ``flat``, where
+        they lie at a regular stride (None otherwise)."""
+        if self.stride is None:
+            return None
+        start, step = self.stride
+        return flat.as_strided((len(self.keys), *self.shape), (step, self.shape[1], 1), flat.storage_offset() + start)
+
+    def gathered(self, flat: torch.Tensor) -> torch.Tensor:
+        """The group's matrices of ``flat``: a view where they lie at a regular stride, else a copy."""
+        view = self.of(flat)
+        return view if view is not None else flat.index_select(0, self.index).view(len(self.keys), *self.shape)
+
+    def scatter(self, flat: torch.Tensor, values: torch.Tensor) -> None:
+        """``values`` (count × n × m) into the group's places of ``flat``."""
+        view = self.of(flat)
+        if view is not None:
+            view.copy_(values)
+        else:
+            flat.index_copy_(0, self.index, values.reshape(-1))
 
 
 @dataclass(frozen=True)
@@ -62,7 +94,7 @@ class Layout:
 
 @dataclass(frozen=True)
 class Sent:
-    """What a call's first all_reduce carried, and what its second needs."""
+    """What a call's first all_reduces carried, and what its second needs."""
 
     flat: torch.Tensor
     """the gradient plus residual (flat, scratch)"""
@@ -74,6 +106,9 @@ class Sent:
     qs: list[torch.Tensor]
     """per group: its matrices' Qs stacked (count × m × r), each state holding its view"""
     carrying: int | None
+    """where the report's tail starts in what travels exactly (None: no report)"""
+    posted: tuple[bool, bool]
+    """whether P, and what travels exactly, each had an all_reduce (a call may have none of one)"""
     nbytes: int
     raised: bool
     """this rank's own gradient was non-finite (it sent NaN, its state untouched)"""
@@ -101,52 +136,62 @@ class LowRankPath(Path):
         flat, must_raise = flush(parts.pipeline, home, call.key, call.segments, out=self._buffer(call.key, home),
                                  sum_checked=True, buckets=self._residuals)
         layout = self._layout(call, rank_r, home.device)
-        matrices = [flat.index_select(0, group.index).view(len(group.keys), *group.shape) for group in layout.groups]
+        matrices = [group.gathered(flat) for group in layout.groups]
         qs = [self._stacked_q(call.key, group, rank_r, flat) for group in layout.groups]
         side = adaptive.reports.take(needed_only=True)
         tail = tail_elements(parts.config.world_size) if side is not None else 0
-        wire = torch.cat([*(torch.bmm(m, q).reshape(-1) for m, q in zip(matrices, qs, strict=True)),
-                          flat.index_select(0, layout.exact), flat.new_zeros(tail)])
+        factors = torch.cat([torch.bmm(m, q).reshape(-1) for m, q in zip(matrices, qs, strict=True)]
+                            or [flat.new_zeros(0)]).to(FACTORS)
+        whole = torch.cat([flat.index_select(0, layout.exact), flat.new_zeros(tail)])
         carrying = None
         if side is not None:
-            carrying = wire.numel() - tail
-            write_tail(wire[carrying:], side, parts.rank)
-        if must_raise:
-            wire[:wire.numel() - tail].fill_(math.nan)  # every rank's sum is non-finite: every rank raises
-        nbytes = (wire.numel() + layout.q_numel(rank_r)) * wire.element_size()
+            carrying = whole.numel() - tail
+            write_tail(whole[carrying:], side, parts.rank)
+        if must_raise:  # every rank's sum is non-finite: every rank raises
+            factors.fill_(math.nan)
+            whole[:whole.numel() - tail].fill_(math.nan)
+        nbytes = ((factors.numel() + layout.q_numel(rank_r)) * factors.element_size()
+                  + whole.numel() * whole.element_size())
         submitted = time.perf_counter()
         budget_numel = sum(numel for _, numel in call.density_spans())
         adaptive.measuring.submitted(call.tensor.numel(), budget_numel, 0, 0, submitted - start, submitted)
-        work = parts.process_group.allreduce([on_wire(wire, parts.wire_device)])
+        posted = (factors.numel() > 0, whole.numel() > 0)
+        works = [parts.process_group.allreduce([on_wire(wire, parts.wire_device)])
+                 for wire, post in zip((factors, whole), posted, strict=True) if post]
         # the second all_reduce must come in the same order on every rank: the step's thread posts
         # it, and a call outside a step completes on this thread, before it returns
         if not call.in_step:
-            work.wait()
-        return Pending(work.get_future(), submitted, finish_with_step=call.in_step, carries_report=side is not None,
-                       sent=Sent(flat, home, layout, matrices, qs, carrying, nbytes, must_raise))
+            for work in works:
+                work.wait()
+        future = torch.futures.collect_all([work.get_future() for work in works])
+        return Pending(future, submitted, finish_with_step=call.in_step, carries_report=side is not None,
+                       sent=Sent(flat, home, layout, matrices, qs, carrying, posted, nbytes, must_raise))
 
     def summed(self, call: Call, pending: Pending, done: torch.futures.Future) -> Summed:
         sent: Sent = pending.sent
-        total = done.value()[0].to(sent.flat.device)
+        device, dtype = sent.flat.device, sent.flat.dtype
+        sums = iter(each.value()[0] for each in done.value())
+        factors, exact = (next(sums).to(device, dtype) if posted else sent.flat.new_zeros(0) for posted in sent.posted)
         sides = None
         if sent.carrying is not None:
-            sides = read_tail(total[sent.carrying:])
-            total = total[:sent.carrying]
-        refused = Summed(total, sent.nbytes, carried_report=sides is not None, sides=sides)
-        if not all_finite(total):  # the same sum on every rank: none posts the second all_reduce
+            sides = read_tail(exact[sent.carrying:])
+            exact = exact[:sent.carrying]
+        both = torch.cat([factors, exact])
+        refused = Summed(both, sent.nbytes, carried_report=sides is not None, sides=sides)
+        if not all_finite(both):  # the same sums on every rank: none posts the second all_reduce
             self._restore(call, sent)
             return refused
         world_size, offset, orthonormal = self.parts.config.world_size, 0, []
         for m, q in zip(sent.matrices, sent.qs, strict=True):
-            p = total[offset:offset + m.shape[0] * m.shape[1] * q.shape[2]].view(m.shape[0], m.shape[1], q.shape[2])
-            orthonormal.append(torch.linalg.qr(p.float()).Q.to(p.dtype))
+            p = factors[offset:offset + m.shape[0] * m.shape[1] * q.shape[2]].view(m.shape[0], m.shape[1], q.shape[2])
+            orthonormal.append(torch.linalg.qr(p.float()).Q.to(dtype))
             offset += p.numel()
-        exact = total[offset:]
         if sent.matrices:
-            q_wire = torch.cat([torch.bmm(m.transpose(1, 2), p).reshape(-1)
-                                for m, p in zip(sent.matrices, orthonormal, strict=True)])
-            self.parts.process_group.allreduce([on_wire(q_wire, self.parts.wire_device)]).wait()
-            q_wire = q_wire.to(sent.flat.device)
+            q_wire = on_wire(torch.cat([torch.bmm(m.transpose(1, 2), p).reshape(-1)
+                                        for m, p in zip(sent.matrices, orthonormal, strict=True)]).to(FACTORS),
+                             self.parts.wire_device)
+            self.parts.process_group.allreduce([q_wire]).wait()
+            q_wire = q_wire.to(device, dtype)
             if not all_finite(q_wire):  # an overflow, the same on every rank
                 self._restore(call, sent)
                 return refused
@@ -165,14 +210,16 @@ class LowRankPath(Path):
         bucket = self._residuals.get(call.key)
         for group, m, p, q in zip(sent.layout.groups, sent.matrices, orthonormal, sent.qs, strict=True):
             approx = torch.bmm(p, q.transpose(1, 2))
-            home.index_copy_(0, group.index, approx.reshape(-1))
-            missed = m.sub_(approx).reshape(-1)
-            if bucket is not None and all(states[key].feedback.get("residual") is not None and
-                                          states[key].feedback["residual"]._base is bucket.buffer
-                                          for key in group.keys):
-                bucket.buffer.index_copy_(0, group.index, missed)
+            group.scatter(home, approx)
+            if bucket is not None and all(getattr(states[key].feedback.get("residual"), "_base", None)
+                                          is bucket.buffer for key in group.keys):
+                residual = group.of(bucket.buffer)
+                if residual is not None:
+                    torch.sub(m, approx, out=residual)
+                else:
+                    bucket.buffer.index_copy_(0, group.index, m.sub_(approx).reshape(-1))
             else:
-                for key, each in zip(group.keys, missed.view(len(group.keys), -1), strict=True):
+                for key, each in zip(group.keys, m.sub_(approx).reshape(len(group.keys), -1), strict=True):
                     held(states[key].feedback, "residual", each).copy_(each)
             for key in group.keys:
                 states[key].feedback["clear"] = False
@@ -232,7 +279,8 @@ class LowRankPath(Path):
             else:
                 exact.append(torch.arange(segment.start, segment.start + segment.numel))
         groups = tuple(Group(shape, tuple(s.key for s in members),
-                             torch.cat([torch.arange(s.start, s.start + s.numel) for s in members]).to(device))
+                             torch.cat([torch.arange(s.start, s.start + s.numel) for s in members]).to(device),
+                             _stride(members))
                        for shape, members in by_shape.items())
         index = torch.cat(exact).to(device) if exact else torch.zeros(0, dtype=torch.int64, device=device)
         layout = self._layouts[cache_key] = Layout(groups, index)
@@ -260,6 +308,16 @@ class LowRankPath(Path):
             return q.to(like.device, like.dtype)
         generator = torch.Generator().manual_seed(self.parts.config.seed * 1_000_003 + zlib.crc32(key.encode()))
         return torch.randn(columns, rank_r, generator=generator).to(like.device, like.dtype)
+
+
+def _stride(segments: list[Segment]) -> tuple[int, int] | None:
+    """(first start, distance between starts) of equal-sized ``segments`` that follow one another
+    at a regular stride (None otherwise)."""
+    starts = [s.start for s in segments]
+    step = starts[1] - starts[0] if len(starts) > 1 else segments[0].numel
+    if step < segments[0].numel or any(b - a != step for a, b in zip(starts, starts[1:], strict=False)):
+        return None
+    return starts[0], step
 
 
 def _as_matrix(shape: tuple[int, ...] | None, numel: int) -> tuple[int, int] | None:
