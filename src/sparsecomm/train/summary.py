@@ -51,11 +51,10 @@ def verdict(result: dict[str, Any]) -> str:
     """One line: the fastest sparsecomm row to the target loss, against DDP's allreduce and the best
     of PyTorch's hooks, on the link trained on — or why there is no winner to name."""
     link = result["link"]
-    times = {row["preset"]: _time_to_target(row) for row in result["rows"]}
-    reached = {name: seconds for name, seconds in times.items() if seconds is not None}
+    reached = _reached(result)
     hooks = {name: s for name, s in reached.items() if _pytorchs(name) and name != "torch-allreduce"}
     plain = reached.get("torch-allreduce", reached.get("dense"))
-    best = _fastest(result)
+    best = _fastest(reached)
     if best is None:
         return f"verdict on {link}: no sparsecomm row reached the target loss in {result['steps']} steps"
     metrics = {row["preset"]: row.get("final_metric_mean", row.get("final_metric")) for row in result["rows"]}
@@ -77,7 +76,7 @@ def verdict(result: dict[str, Any]) -> str:
 def usage(result: dict[str, Any]) -> str:
     """The line that puts the verdict's row to work: its preset or spec, registered as its row
     reduced (``adaptive`` through DDP's hook where no row reached the target)."""
-    best = _fastest(result) or "adaptive"
+    best = _fastest(_reached(result)) or "adaptive"
     spec = preset_of(best)
     if best.startswith((FSDP, FLAT_FSDP)):
         return (f'use it: sparsecomm.register_fsdp_hooks(model, "{spec}", mesh) on every rank, after fully_shard, '
@@ -86,11 +85,15 @@ def usage(result: dict[str, Any]) -> str:
     return f'use it: sparsecomm.register_ddp_hook(ddp_model, "{spec}"{topology}) on every rank, before the first step'
 
 
-def _fastest(result: dict[str, Any]) -> str | None:
-    """The sparsecomm row that reached the target first (None: none did)."""
+def _reached(result: dict[str, Any]) -> dict[str, float]:
+    """Each row that reached the target, and when."""
     times = {row["preset"]: _time_to_target(row) for row in result["rows"]}
-    ours = {name: seconds for name, seconds in times.items()
-            if seconds is not None and not _pytorchs(name) and name not in DENSE_ROWS}
+    return {name: seconds for name, seconds in times.items() if seconds is not None}
+
+
+def _fastest(reached: dict[str, float]) -> str | None:
+    """The sparsecomm row that reached the target first (None: none did)."""
+    ours = {name: seconds for name, seconds in reached.items() if not _pytorchs(name) and name not in DENSE_ROWS}
     return min(ours, key=ours.__getitem__) if ours else None
 
 

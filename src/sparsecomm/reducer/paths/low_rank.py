@@ -213,11 +213,7 @@ class LowRankPath(Path):
             group.scatter(home, approx)
             if bucket is not None and all(getattr(states[key].feedback.get("residual"), "_base", None)
                                           is bucket.buffer for key in group.keys):
-                residual = group.of(bucket.buffer)
-                if residual is not None:
-                    torch.sub(m, approx, out=residual)
-                else:
-                    bucket.buffer.index_copy_(0, group.index, m.sub_(approx).reshape(-1))
+                group.scatter(bucket.buffer, m.sub_(approx))
             else:
                 for key, each in zip(group.keys, m.sub_(approx).reshape(len(group.keys), -1), strict=True):
                     held(states[key].feedback, "residual", each).copy_(each)
