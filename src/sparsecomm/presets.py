@@ -61,8 +61,8 @@ PRESETS: dict[str, Preset] = {
         "near-entropy (Rice) indices, 8-bit values and Nesterov momentum correction (no masking: at a few percent "
         "density it would discard most momentum); from measured compute time, link throughput and the gradient's "
         "own energy curve. Optimizer: SGD without momentum; for other optimizers use "
-        "adaptive+residual+rice+int8+allgather, and on a slow link under AdamW adaptive(low_rank=-1)+residual+rice+"
-        "int8+allgather (its compressed steps then go low-rank, as PowerSGD's products of rank 8)",
+        "adaptive+residual+rice+int8+allgather (check_optimizer switches to it), whose compressed steps under AdamW "
+        "and its kin go low-rank, as PowerSGD's products of rank 8",
         "ours (DGC's momentum correction, SparCML's sparse/dense switch)",
     ),
     "sparcml": Preset(

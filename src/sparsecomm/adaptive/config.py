@@ -73,8 +73,9 @@ class AdaptiveConfig:
     fp16_margin: float = 0.10
     """how much cheaper than an fp32 step an fp16 step must be to be chosen"""
     sparse_margin: float = 0.10
-    """how much cheaper than the dense modes a sparse step must be to be chosen: what it leaves in
-    the feedback arrives steps later, so a step that saves little time is not worth the delay"""
+    """how much cheaper than the dense modes a sparse or low-rank step must be to be chosen: what it
+    leaves in the feedback arrives steps later, so a step that saves little time is not worth the
+    delay"""
     warmup_steps: int = 3
     """the first steps are slow for reasons of their own (allocation, DDP's first iteration): their
     costs are not counted"""
@@ -141,8 +142,8 @@ class AdaptiveConfig:
 
     def margin(self, mode: Mode) -> float:
         """What a step in ``mode`` must save to be chosen over a more exact one."""
-        return {Mode.FP16: self.fp16_margin, Mode.SPARSE: self.sparse_margin,
-                Mode.DEVICE: self.sparse_margin}.get(mode, 0.0)
+        return {Mode.FP16: self.fp16_margin, Mode.SPARSE: self.sparse_margin, Mode.DEVICE: self.sparse_margin,
+                Mode.LOW_RANK: self.sparse_margin}.get(mode, 0.0)
 
     def win_threshold(self, challenger: Mode, incumbent: Mode) -> float:
         """The largest ratio of a challenger's step time to the incumbent's at which it wins: a less

@@ -12,6 +12,9 @@
   start-up), bytes(d) = fixed bytes + d·N·(bytes per budgeted entry); on the device route
   (`Mode.DEVICE`) O_s, the bytes per entry and the fixed bytes are its own, and κ = R/β: its
   work is fixed-size tensor ops whatever the density, so its overhead holds it;
+- a low-rank step (`Mode.LOW_RANK`): the `typical` whole time of its latest steps, and until one
+  has been timed the compute alone, so that a trial times it where the link is slow enough to
+  make it a contender;
 - the density d: the median of the last densities the ranks preferred, each the d whose entries
   carry the most of the gradient's energy per second of step, E(min(1, H·d)) / (C + O_s + κ·bytes(d))
   (`energy_density`; H the horizon within which error feedback delivers what a step leaves out);
@@ -36,7 +39,7 @@ from sparsecomm.adaptive.report import Report
 from sparsecomm.sparsify.adaptive import Adaptive
 
 WINDOWS = ("compute_s", "throughput", "fp16_throughput", "fp32_step_s", "fp16_step_s", "sparse_overhead_s",
-           "preferred_density", "device_overhead_s")
+           "preferred_density", "device_overhead_s", "low_rank_step_s")
 SCALARS = ("total_numel", "budget_numel", "bytes_per_nnz", "fixed_bytes", "encode_per_byte", "decode_per_byte",
            "max_magnitude", "device_bytes_per_nnz", "device_fixed_bytes", "host_memory")
 
@@ -64,6 +67,7 @@ class Costs:
     """the same of an fp16 all_reduce, probed at start-up: fp16's wire until its steps are timed"""
     fp32_step_s: deque[float] = field(default_factory=deque)
     fp16_step_s: deque[float] = field(default_factory=deque)
+    low_rank_step_s: deque[float] = field(default_factory=deque)
     sparse_overhead_s: deque[float] = field(default_factory=deque)
     """O_s: what a sparse step cost beyond the compute, its payloads' wire time and per-byte cost"""
     device_overhead_s: deque[float] = field(default_factory=deque)
@@ -113,7 +117,8 @@ class Costs:
             self.compute_s.append(agreed.compute_s)
         if agreed.throughput > 0:
             self.throughput.append(agreed.throughput)
-        for window, whole in ((self.fp32_step_s, agreed.fp32_step_s), (self.fp16_step_s, agreed.fp16_step_s)):
+        for window, whole in ((self.fp32_step_s, agreed.fp32_step_s), (self.fp16_step_s, agreed.fp16_step_s),
+                              (self.low_rank_step_s, agreed.low_rank_step_s)):
             if whole > 0:
                 window.append(whole)
         device = agreed.device_route > 0
@@ -185,11 +190,11 @@ class Costs:
         sparsifier's floor)."""
         return Plan(mode, self.sparsifier.at_density(max(density, self.least)).density)
 
-    def predicted(self, budget: float, device: bool = False) -> dict[Mode, tuple[float, Plan]]:
+    def predicted(self, budget: float, device: bool = False, low_rank: bool = False) -> dict[Mode, tuple[float, Plan]]:
         """Each allowed mode's predicted whole step time times one plus its margin, and the plan
         that runs it; with ``device``, a sparse step on the device route too, at the same density
         (predicted as dear as on the codecs until a trial has timed it, so it is never chosen
-        unmeasured)."""
+        unmeasured); with ``low_rank``, a low-rank step in the sparse steps' place."""
         config, dense_bytes = self.config, self.dense_bytes()
         throughput, compute = statistics.median(self.throughput), statistics.median(self.compute_s)
         fp32_cost = typical(self.fp32_step_s) if self.fp32_step_s else compute + dense_bytes / throughput
@@ -199,6 +204,10 @@ class Costs:
             fp16_cost = (typical(self.fp16_step_s) if self.fp16_step_s
                          else fp32_cost - dense_bytes / throughput + dense_bytes / 2 / fp16_throughput)
             costs[Mode.FP16] = (fp16_cost * (1 + config.fp16_margin), Plan(Mode.FP16))
+        if low_rank:
+            low_rank_cost = typical(self.low_rank_step_s) if self.low_rank_step_s else compute
+            costs[Mode.LOW_RANK] = (low_rank_cost * (1 + config.sparse_margin) + 1e-9, Plan(Mode.LOW_RANK))
+            return costs
         if not self.sparse_overhead_s:  # exploring
             density = self.sparse(self.least).density
         elif self.preferred_density:

@@ -13,10 +13,12 @@ fp32 gradient within the compute time. fp16 is allowed while the largest magnitu
 `AdaptiveConfig.fp16_headroom` of fp16's range. Where the pipeline has a device form and its
 sparsifier's ``device_route`` weighs it where the gradients are (`Planner.device_weighed`), a
 sparse step may also go on the device route (`Mode.DEVICE`): the trials put the two routes side
-by side as they do the modes. Until sparse steps have been measured their fixed
-overhead counts as 0, so a link slower than the compute gets sparse steps at the least density —
-the first warms the sparse path up and is not counted — until their cost is known, cheaply where
-sparse does not pay. Where a dense step is predicted to cost at most a few sparse ones
+by side as they do the modes. Where the pipeline asks for low-rank steps (`Planner.low_rank_step`),
+they take the sparse steps' place, weighed against fp32 and fp16 by the same trials (their time
+unknown, the compute alone: a slow link tries them at once). Until sparse steps have been
+measured their fixed overhead counts as 0, so a link slower than the compute gets sparse steps at
+the least density — the first warms the sparse path up and is not counted — until their cost is
+known, cheaply where sparse does not pay. Where a dense step is predicted to cost at most a few sparse ones
 (`AdaptiveConfig.explore_between`), a dense step follows each of them at the floor: what one held
 back then goes out with the next step.
 
@@ -59,8 +61,8 @@ class Planner:
     """whether the pipeline's sparse steps may take the device route in its device form
     (`sparsecomm.device.support.device_form`; a pipeline that is its own device form takes it always)"""
     low_rank_form: bool = False
-    """whether the pipeline lets the steps whose budget does not carry even fp16 go low-rank
-    (`Mode.LOW_RANK`): its sparsifier asks for a rank and its feedback is ``residual``"""
+    """whether the pipeline's compressed steps are low-rank ones (`Mode.LOW_RANK`) in the sparse
+    steps' place: its sparsifier asks for a rank and its feedback is ``residual``"""
     sharded: bool = False
     """whether the reducer's calls hold shards of buckets (between nodes, `AdaptiveController.plan_with`),
     which hold no matrices to factor: no low-rank steps"""
@@ -155,12 +157,12 @@ class Planner:
         compute = done.forward_backward_s() if done.forward_start is not None else self.last_compute_s
         mode = self.current.mode
         whole = dict.fromkeys(Mode, 0.0)
-        if mode.dense:
+        if not mode.selects:  # a dense or low-rank step
             if self.step > config.warmup_steps:
                 # the whole step: where a collective's own work competes with the backward for the
                 # processor (gloo's fp16 sums on a CPU), the compute it slowed counts against it
                 whole[mode] = compute + cost
-        elif mode.selects:  # not a low-rank step: those are planned by the budget alone, not by their cost
+        else:
             self.sparse_steps += 1
             if self.mode_steps.get(mode, 0) >= config.exploration_steps and costs.throughput:
                 sent = done.payload_bytes + done.fixed_bytes
@@ -173,7 +175,8 @@ class Planner:
                      else costs.energy_density(done.energy_samples, mode))
         return Report(compute, throughput, whole[Mode.FP32], whole[Mode.FP16], whole[Mode.SPARSE] + whole[Mode.DEVICE],
                       per_budgeted, fixed, done.max_magnitude, *done.codec_cost, preferred,
-                      device_route=float(mode is Mode.DEVICE), host_memory=float(done.host_memory))
+                      device_route=float(mode is Mode.DEVICE), host_memory=float(done.host_memory),
+                      low_rank_step_s=whole[Mode.LOW_RANK])
 
     def observe(self, agreed: Report, step: int | None = None) -> None:
         """Every rank's report of one step (``step``, when known), agreed."""
@@ -183,8 +186,9 @@ class Planner:
         running = self.trials.running(step) if step is not None else None
         if running is not None:
             mode, density = running
-            whole = {Mode.FP32: agreed.fp32_step_s, Mode.FP16: agreed.fp16_step_s}.get(mode, agreed.sparse_step_s)
-            if whole > 0 and not mode.dense and costs.throughput:  # its payloads' wire and codec time back in
+            whole = {Mode.FP32: agreed.fp32_step_s, Mode.FP16: agreed.fp16_step_s,
+                     Mode.LOW_RANK: agreed.low_rank_step_s}.get(mode, agreed.sparse_step_s)
+            if whole > 0 and mode.selects and costs.throughput:  # its payloads' wire and codec time back in
                 whole += (costs.per_byte_s(statistics.median(costs.throughput), mode)
                           * costs.step_bytes(density, mode))
             self.trials.reported(step, whole)  # type: ignore[arg-type]
@@ -215,21 +219,23 @@ class Planner:
             return Plan(Mode.FP16) if costs.fp16_allowed() and fixed >= dense_bytes / 2 else costs.sparse_at(fixed)
         budget = costs.step_budget()
         probing = sparsifier.probe and self.step > 0 and self.step % sparsifier.probe == 0
-        if budget is None or budget >= dense_bytes or probing:
+        if budget is None or probing:
             return Plan(Mode.FP32)
         if self.low_rank_step():
-            if budget < dense_bytes / 2:  # not even fp16 fits: low rank
-                return Plan(Mode.LOW_RANK)
-            dense = {mode: choice for mode, choice in costs.predicted(budget).items() if mode.dense}
-            return self.trials.choose(dense, self.step, self.mode_steps)  # fp32 or fp16, by trials
+            # low-rank steps in the sparse steps' place, weighed against fp32 and fp16 by trials even
+            # where the link carries fp32 while the step computes: where the collectives share the
+            # processors with the backward (gloo on CPUs), a dense step still costs more than its wire
+            return self.trials.choose(costs.predicted(budget, low_rank=True), self.step, self.mode_steps)
+        if budget >= dense_bytes:
+            return Plan(Mode.FP32)
         predicted = costs.predicted(budget, device=self.device_weighed())
         if not costs.sparse_overhead_s:  # the sparse path's cost unknown: learn it (cheap steps) before choosing
             return self.exploring(predicted)
         return self.trials.choose(predicted, self.step, self.mode_steps)
 
     def low_rank_step(self) -> bool:
-        """Whether a step whose budget does not carry even fp16 goes low-rank: where the pipeline
-        allows it (`low_rank_form`), the calls hold whole tensors and no user-set budget holds."""
+        """Whether low-rank steps take the sparse steps' place: where the pipeline allows it
+        (`low_rank_form`), the calls hold whole tensors and no user-set budget holds."""
         return self.low_rank_form and not self.sharded and not self.sparsifier.budget
 
     def exploring(self, predicted: dict[Mode, tuple[float, Plan]]) -> Plan:

@@ -45,6 +45,9 @@ class Report:
     """1 where the step was a ``device`` one: its sparse step's fields are the device route's"""
     host_memory: float = 0.0
     """1 where this rank's gradients were in host memory (agreed: where any rank's were)"""
+    low_rank_step_s: float = 0.0
+    """a low-rank step's whole time: compute and communicating (the fields travel in this order,
+    and format-0 checkpoints held them so: a new field goes last)"""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.throughput < math.inf:  # no throughput was measured, or none that means one

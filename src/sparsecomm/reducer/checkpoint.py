@@ -3,8 +3,8 @@
 
 Format 0 (no ``"format"`` key) named the adaptive modes ``dense``/``half``/``sparse``, held the
 planner's numbers flat and its reports as positional tensors, and left out keys added later (their
-defaults below). Format 1 held no costs of the device route's sparse steps (`Mode.DEVICE`): they
-start unmeasured."""
+defaults below). Format 1 held no costs of the device route's sparse steps (`Mode.DEVICE`), and
+format 2 none of the low-rank steps (`Mode.LOW_RANK`): they start unmeasured."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ from sparsecomm.adaptive.config import AdaptiveConfig
 from sparsecomm.adaptive.report import Report
 from sparsecomm.errors import SparseCommError
 
-FORMAT = 2
+FORMAT = 3
 DEVICE_COSTS_1 = {"device_overhead_s": [], "device_bytes_per_nnz": AdaptiveConfig().first_bytes_per_nnz,
                   "device_fixed_bytes": 0.0, "host_memory": 1.0}
+LOW_RANK_COSTS_2: dict[str, Any] = {"low_rank_step_s": []}
 MODES_0 = {"dense": "fp32", "half": "fp16", "sparse": "sparse"}
 COSTS_0 = {"compute_s": "compute_s", "throughput": "throughput", "half_throughput": "fp16_throughput",
            "dense_cost_s": "fp32_step_s", "half_cost_s": "fp16_step_s", "sparse_overhead_s": "sparse_overhead_s",
@@ -34,13 +35,19 @@ def migrate(state: dict[str, Any]) -> dict[str, Any]:
         raise SparseCommError(f"this checkpoint has format {version}; this sparsecomm reads formats 0 to {FORMAT}")
     if version == 0:
         state = _from_0(state)
-    if state["format"] == 1:
-        adaptive = state["adaptive"]
-        if adaptive is not None:
-            planner = adaptive["planner"]
-            adaptive = {**adaptive, "planner": {**planner, "costs": {**DEVICE_COSTS_1, **planner["costs"]}}}
-        state = {**state, "format": 2, "adaptive": adaptive}
+    for version, added in ((1, DEVICE_COSTS_1), (2, LOW_RANK_COSTS_2)):
+        if state["format"] == version:
+            state = _with_costs(state, added, version + 1)
     return state
+
+
+def _with_costs(state: dict[str, Any], added: dict[str, Any], version: int) -> dict[str, Any]:
+    """``state`` in format ``version``: its planner's costs with the ``added`` ones, unmeasured."""
+    adaptive = state["adaptive"]
+    if adaptive is not None:
+        planner = adaptive["planner"]
+        adaptive = {**adaptive, "planner": {**planner, "costs": {**added, **planner["costs"]}}}
+    return {**state, "format": version, "adaptive": adaptive}
 
 
 def _from_0(state: dict[str, Any]) -> dict[str, Any]:

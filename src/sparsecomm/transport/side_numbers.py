@@ -21,7 +21,7 @@ import torch
 
 from sparsecomm.errors import SparseCommError
 
-SIDE_FIELDS = 13
+SIDE_FIELDS = 14
 """values per rank a call can carry"""
 _SIDE_BYTES = SIDE_FIELDS * 8
 
