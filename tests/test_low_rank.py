@@ -1,5 +1,5 @@
-"""``adaptive``'s low-rank steps (PowerSGD, `sparsecomm.reducer.paths.low_rank`): the steps the link
-does not carry dense, under an optimizer that normalizes the gradient. Every rank gets the same
+"""``adaptive``'s low-rank steps (PowerSGD, `sparsecomm.reducer.paths.low_rank`): its compressed
+steps under an optimizer that normalizes the gradient, weighed against dense ones by trials. Every rank gets the same
 average, each matrix's of the step's rank and every vector's exact; what the average missed stays
 in the residual, so nothing is lost; a gradient of the step's rank arrives whole (to bf16's
 rounding); a checkpoint (each matrix's warm-started Q) resumes bit for bit; a non-finite gradient
@@ -233,6 +233,18 @@ def test_where_the_link_carries_fp16_the_trials_weigh_low_rank_steps_against_the
     assert planner.trials.incumbent == winner and set(modes[-8:]) == {winner}
     if winner is Mode.FP32:  # a close call: decided by paired steps, not by the steps' typical times
         assert planner.trials.pair_ratios[Mode.FP32, Mode.LOW_RANK]
+
+
+def test_the_first_low_rank_step_builds_its_layout_and_is_not_timed():
+    planner = Planner(Adaptive(low_rank=2, probe=0), 2, low_rank_form=True)
+    planner.plan = lambda: Plan(Mode.LOW_RANK)
+    planner.step = 10  # past the warm-up
+    timed = []
+    for _ in range(3):
+        planner.begin_step(now=0.0)
+        planner.last_compute_s = 0.1
+        timed.append(planner.end_step().low_rank_step_s)
+    assert timed == [0.0, 0.1, 0.1]
 
 
 def test_a_format_2_checkpoint_starts_the_low_rank_steps_costs_unmeasured():

@@ -51,6 +51,7 @@ def test_a_summed_tail_gives_back_every_ranks_numbers_bit_for_bit_in_any_wire_dt
 def test_more_side_numbers_than_a_call_carries_are_refused():
     with pytest.raises(sc.SparseCommError, match="at most"):
         side_words(tuple(range(SIDE_FIELDS + 1)))
+    assert len(Report().numbers()) <= SIDE_FIELDS  # every report fits a call
 
 
 TRANSPORTS = ["dense", "allgather", "sparse_allreduce(algorithm=ssar_rd)", "sparse_allreduce(algorithm=ssar_sa)",

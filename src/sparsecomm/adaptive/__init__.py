@@ -1,6 +1,7 @@
 """The ``adaptive`` pipeline's controller: every step it measures the compute, the link and the
-gradient, and chooses what is worth sending — every entry in fp32 or fp16, or the largest entries at
-the density that moves the most gradient energy per second of step.
+gradient, and chooses what is worth sending — every entry in fp32 or fp16, the largest entries at
+the density that moves the most gradient energy per second of step, or each matrix as a low-rank
+product.
 
 config.py (`Mode`, `Plan`, `AdaptiveConfig`) · measurement.py (one rank's step) · report.py (what
 a rank tells every rank) · report_exchange.py (reports riding on the next step's calls) ·

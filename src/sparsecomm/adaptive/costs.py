@@ -68,6 +68,7 @@ class Costs:
     fp32_step_s: deque[float] = field(default_factory=deque)
     fp16_step_s: deque[float] = field(default_factory=deque)
     low_rank_step_s: deque[float] = field(default_factory=deque)
+    """a low-rank step's whole time"""
     sparse_overhead_s: deque[float] = field(default_factory=deque)
     """O_s: what a sparse step cost beyond the compute, its payloads' wire time and per-byte cost"""
     device_overhead_s: deque[float] = field(default_factory=deque)

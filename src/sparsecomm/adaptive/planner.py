@@ -1,26 +1,26 @@
 """`Planner`: what each step of an ``adaptive`` pipeline sends — the whole gradient where the link
 carries it while the step computes, otherwise its largest entries at the density that moves the
-most gradient energy per second of step — and in which `Mode`: fp32 or fp16 (dense steps) or
-sparse.
+most gradient energy per second of step, or each matrix as a low-rank product — and in which
+`Mode`: fp32 or fp16 (dense steps), sparse, or low rank.
 
 Every rank measures its step (`StepMeasurement`) and reports it (`Report`); every rank plans from
 the agreed reports alone (`Costs`, `Trials`), so every rank's plan is the same. The first step runs
-sparse at the least density when the link was timed at start-up (`link_probe`), fp32 otherwise (to
-measure it). The least density is the ``floor``, or during the ``warmup`` steps higher: it falls
-geometrically from `AdaptiveConfig.max_sparse_density` to the floor, as DGC eases sparsity in. A
-step is fp32 on every ``probe``-th step (to measure again), and whenever the link carries the whole
-fp32 gradient within the compute time. fp16 is allowed while the largest magnitude sent leaves
-`AdaptiveConfig.fp16_headroom` of fp16's range. Where the pipeline has a device form and its
-sparsifier's ``device_route`` weighs it where the gradients are (`Planner.device_weighed`), a
-sparse step may also go on the device route (`Mode.DEVICE`): the trials put the two routes side
-by side as they do the modes. Where the pipeline asks for low-rank steps (`Planner.low_rank_step`),
-they take the sparse steps' place, weighed against fp32 and fp16 by the same trials (their time
-unknown, the compute alone: a slow link tries them at once). Until sparse steps have been
-measured their fixed overhead counts as 0, so a link slower than the compute gets sparse steps at
-the least density — the first warms the sparse path up and is not counted — until their cost is
-known, cheaply where sparse does not pay. Where a dense step is predicted to cost at most a few sparse ones
-(`AdaptiveConfig.explore_between`), a dense step follows each of them at the floor: what one held
-back then goes out with the next step.
+sparse at the least density (or low-rank) when the link was timed at start-up (`link_probe`), fp32
+otherwise (to measure it). The least density is the ``floor``, or during the ``warmup`` steps
+higher: it falls geometrically from `AdaptiveConfig.max_sparse_density` to the floor, as DGC eases
+sparsity in. A step is fp32 on every ``probe``-th step (to measure again), and, unless its
+compressed steps are low-rank ones, whenever the link carries the whole fp32 gradient within the
+compute time. fp16 is allowed while the largest magnitude sent leaves `AdaptiveConfig.fp16_headroom`
+of fp16's range. Where the pipeline has a device form and its sparsifier's ``device_route`` weighs
+it where the gradients are (`Planner.device_weighed`), a sparse step may also go on the device route
+(`Mode.DEVICE`): the trials put the two routes side by side as they do the modes. Where the pipeline
+asks for low-rank steps (`Planner.low_rank_step`), they take the sparse steps' place, weighed
+against fp32 and fp16 by the same trials (their time unknown, the compute alone: a slow link tries
+them at once). Until sparse steps have been measured their fixed overhead counts as 0, so a link
+slower than the compute gets sparse steps at the least density — the first warms the sparse path up
+and is not counted — until their cost is known, cheaply where sparse does not pay. Where a dense
+step is predicted to cost at most a few sparse ones (`AdaptiveConfig.explore_between`), a dense step
+follows each of them at the floor: what one held back then goes out with the next step.
 
 A user-set ``budget`` (bytes per step) replaces the measured one and the preferred density, and
 turns the probes off: bytes alone decide the mode (fp32, fp16 or sparse, whichever the budget
@@ -157,8 +157,9 @@ class Planner:
         compute = done.forward_backward_s() if done.forward_start is not None else self.last_compute_s
         mode = self.current.mode
         whole = dict.fromkeys(Mode, 0.0)
-        if not mode.selects:  # a dense or low-rank step
-            if self.step > config.warmup_steps:
+        if not mode.selects:  # a dense or low-rank step (the first low-rank one builds its layout: not timed)
+            warm = mode.dense or self.mode_steps.get(mode, 0) >= config.exploration_steps
+            if self.step > config.warmup_steps and warm:
                 # the whole step: where a collective's own work competes with the backward for the
                 # processor (gloo's fp16 sums on a CPU), the compute it slowed counts against it
                 whole[mode] = compute + cost

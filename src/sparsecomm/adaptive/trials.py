@@ -117,8 +117,9 @@ class Trials:
             self.trial.costs[step] = (mode, whole_s)
 
     def _due(self, predicted: Predicted, step: int, runs: dict[Mode, int]) -> Trial | None:
-        """A trial of the cheapest predicted mode whose turn has come; a sparse route not yet warmed
-        up (``runs``: the steps each mode has run) gets one untimed step first."""
+        """A trial of the cheapest predicted mode whose turn has come; a compressed mode (either
+        sparse route, low rank) not yet warmed up (``runs``: the steps each mode has run) gets one
+        untimed step first."""
         config = self.config
         assert self.incumbent is not None
         if step <= config.warmup_steps:  # dense steps this early are not timed

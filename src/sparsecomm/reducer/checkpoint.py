@@ -35,9 +35,9 @@ def migrate(state: dict[str, Any]) -> dict[str, Any]:
         raise SparseCommError(f"this checkpoint has format {version}; this sparsecomm reads formats 0 to {FORMAT}")
     if version == 0:
         state = _from_0(state)
-    for version, added in ((1, DEVICE_COSTS_1), (2, LOW_RANK_COSTS_2)):
-        if state["format"] == version:
-            state = _with_costs(state, added, version + 1)
+    for older, added in ((1, DEVICE_COSTS_1), (2, LOW_RANK_COSTS_2)):
+        if state["format"] == older:
+            state = _with_costs(state, added, older + 1)
     return state
 
 
