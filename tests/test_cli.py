@@ -89,7 +89,8 @@ def test_bench_ddp_step_counts_each_rows_ops_and_host_syncs_per_step(tmp_path, c
     out = tmp_path / "count.json"
     assert main(["bench", "ddp-step", "--numel", "99840", "--width", "64", "--presets", "dgc",
                  "--baselines", "fp16", "--workers", "2", "--repeat", "3", "--count", "--json", str(out)]) == 0
-    assert "syncs_per_step" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "syncs_per_step" in printed and "host_device_bytes_per_step" in printed
     result = json.loads(out.read_text())
     assert result["tensors"] == 2 * 24  # 24 layers of width 64: their weights and biases
     rows = {row["preset"]: row for row in result["rows"]}
@@ -98,6 +99,7 @@ def test_bench_ddp_step_counts_each_rows_ops_and_host_syncs_per_step(tmp_path, c
     assert rows["dgc"]["syncs_per_step"] > 0
     assert all(row["ops_per_step"] > 0 for row in rows.values())
     assert rows["dgc"]["ops_per_step"] > rows["ddp-allreduce"]["ops_per_step"]
+    assert all(row["host_device_bytes_per_step"] == 0 for row in rows.values())  # no device here
 
 
 def test_benches_say_which_device_they_ran_on(tmp_path):

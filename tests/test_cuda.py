@@ -337,6 +337,20 @@ def test_one_threshold_over_the_bucket_is_the_same_on_a_gpu_as_in_host_memory_wi
     assert float(share) == pytest.approx(on_host[2], rel=1e-4)
 
 
+def test_the_counters_read_the_bytes_copied_between_host_and_device():
+    from sparsecomm.bench.op_counts import count_ops
+
+    on_gpu = torch.ones(1 << 18, device="cuda")  # 1 MiB
+    pinned = torch.empty(1 << 18, pin_memory=True)
+
+    def step() -> None:
+        pinned.copy_(on_gpu, non_blocking=True)  # down, then up again; a copy within the device is not counted
+        on_gpu.copy_(pinned, non_blocking=True)
+        on_gpu.clone()
+
+    assert count_ops(step, 3, "cuda").host_device_bytes == 2 * on_gpu.nbytes
+
+
 def test_steps_that_move_between_the_codecs_and_the_device_route_lose_nothing_on_a_gpu():
     """`adaptive`'s sparse steps on the host codecs and on the device route by turns, gloo carrying
     CUDA gradients: ranks alike, nothing lost, each step on the route its plan named."""

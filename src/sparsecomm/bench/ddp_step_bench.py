@@ -6,7 +6,8 @@ remains is each hook's own cost — sparsify, feedback, the device-to-host copy,
 CPU, gloo. The model is a stack of square linear layers of ``width`` holding about ``numel``
 parameters (25.6M of width 2048 by default, ResNet-50's size), batch 64. PyTorch's own hooks
 (``baselines``: fp16, PowerSGD) run as rows too. With ``count``, each row's steps are also counted
-(`sparsecomm.bench.op_counts`): aten ops and host syncs per step, after the timed steps."""
+(`sparsecomm.bench.op_counts`): aten ops, host syncs and (on a GPU) host↔device bytes per step,
+after the timed steps."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def model_of(numel: int, device: str, width: int = WIDTH) -> nn.Module:
 def run(presets: list[str], numel: int, device: str = "cpu", repeat: int = 10, workers: int = 1,
         width: int = WIDTH, baselines: tuple[str, ...] = (), count: bool = False) -> dict[str, Any]:
     """Median step time of each preset's hook, of PyTorch's ``baselines`` and of DDP's allreduce,
-    side by side in one run; with ``count``, their ops and host syncs per step too."""
+    side by side in one run; with ``count``, their ops, host syncs and host↔device bytes per step too."""
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     results = run_local(workers, _steps, [*baselines, *presets], numel, device, repeat, width, count,
                         backend=backend, timeout=1800)
@@ -84,8 +85,9 @@ def _steps(rank: int, world: int, presets: list[str], numel: int, device: str, r
         row = {"preset": preset, "ms": ms, "parameters": sum(p.numel() for p in model.parameters()),
                "tensors": len(list(model.parameters()))}
         if count:
-            counted = count_ops(step, repeat)
-            row |= {"ops_per_step": counted.ops, "syncs_per_step": counted.syncs}
+            counted = count_ops(step, repeat, device)
+            row |= {"ops_per_step": counted.ops, "syncs_per_step": counted.syncs,
+                    "host_device_bytes_per_step": counted.host_device_bytes}
         rows.append(row)
         if reducer is not None:
             reducer.close()

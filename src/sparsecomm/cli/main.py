@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     ddp_step.add_argument("--baselines", default="",
                           help="PyTorch's hooks to run as rows too, comma-separated: fp16, powersgd-r1, powersgd-r2")
     ddp_step.add_argument("--count", action="store_true",
-                          help="also count each row's aten ops and host syncs per step (torch's profiler)")
+                          help="also count each row's aten ops, host syncs and (on a GPU) bytes copied between "
+                               "host and device per step (torch's profiler)")
     ddp_step.add_argument("--json", metavar="PATH", help="write the results as JSON")
 
     collectives = benches.add_parser("collectives", help="every transport next to dense all_reduce and allgather")
@@ -320,8 +321,10 @@ def _bench_ddp_step(args: argparse.Namespace) -> int:
                                 tuple(SHORT_NAMES[name] for name in names), args.count)
     print(f"\nddp-step: {result['parameters']:,} parameters in {result['tensors']} tensors, batch {result['batch']}, "
           f"{args.workers} rank(s) on {result['device']} ({result['backend']}); ms: median of {args.repeat} steps, "
-          "slowest rank" + ("; ops and syncs per step, rank 0, all its threads" if args.count else "") + "\n")
-    columns = ["preset", "ms", "vs_allreduce"] + (["ops_per_step", "syncs_per_step"] if args.count else [])
+          "slowest rank" + ("; ops, syncs and host↔device bytes per step, rank 0, all its threads"
+                            if args.count else "") + "\n")
+    counted = ["ops_per_step", "syncs_per_step", "host_device_bytes_per_step"]
+    columns = ["preset", "ms", "vs_allreduce"] + (counted if args.count else [])
     print(format_table(result["rows"], columns))
     if args.json:
         write_json(args.json, result)
