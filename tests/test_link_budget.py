@@ -292,8 +292,29 @@ def test_sparse_steps_run_at_the_density_the_ranks_gradients_preferred():
     assert list(plan.costs.preferred_density) == [0.004, 0.020, 0.005]
 
 
+def sampling(plan: Planner, steps: int) -> list[tuple[int, bool]]:
+    """For each of ``plan``'s next ``steps`` (all sparse): the sparse steps before it, and whether it
+    samples the gradient for its energy curve."""
+    seen = []
+    for _ in range(steps):
+        before = plan.sparse_steps
+        assert plan.begin_step(now=0.0).mode == SPARSE
+        seen.append((before, plan.measuring.wants_energy))
+        plan.measuring.total_numel = plan.measuring.budget_numel = N
+        plan.end_step()
+    return seen
+
+
+def test_every_sparse_step_samples_until_the_first_preferred_density_then_every_few():
+    plan = measured(budget(probe=0), **COSTS)
+    assert all(wants for _, wants in sampling(plan, 2 * ENERGY_EVERY))  # the first choices need one soon
+    plan.observe(report(preferred=0.01))
+    assert all(wants == (before % ENERGY_EVERY == 0) for before, wants in sampling(plan, 2 * ENERGY_EVERY))
+
+
 def test_each_rank_reports_the_density_its_own_sampled_gradient_prefers():
     plan = measured(budget(horizon=1.0), **COSTS)
+    plan.observe(report(preferred=0.01))  # one known: the sparse steps sample every few
     while plan.sparse_steps % ENERGY_EVERY:  # the sparse steps between sample nothing
         plan.begin_step(now=0.0)
         assert not plan.measuring.wants_energy

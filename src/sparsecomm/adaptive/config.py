@@ -108,7 +108,7 @@ class AdaptiveConfig:
     """about this many entries of a step's gradient are sampled for its energy curve"""
     energy_every: int = 4
     """on every this many sparse steps (a curve changes slowly, and reading one costs a tenth of a
-    small model's step)"""
+    small model's step), and on each until the first preferred density is known"""
     density_candidates: int = 64
     """the densities between the floor and `max_sparse_density` (log-spaced) a rank picks from"""
     compute_window: int = 9

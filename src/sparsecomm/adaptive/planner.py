@@ -136,9 +136,12 @@ class Planner:
         self.measuring = StepMeasurement(first_submit=now, forward_start=forward_start, codec_cost=self.codec_cost)
         previous, self.current = self.current.mode, self.plan()
         self.switched = self.current.mode != previous
-        # a preferred density matters only to steps that select entries, and not to a user-set budget
+        # a preferred density matters only to steps that select entries, and not to a user-set budget;
+        # until the first is known every sparse step samples, so that the first choice between the
+        # modes weighs sparse steps at the density they will run at, not at what the link carries
         self.measuring.wants_energy = (self.current.mode.selects
-                                       and self.sparse_steps % self.config.energy_every == 0
+                                       and (self.sparse_steps % self.config.energy_every == 0
+                                            or not self.costs.preferred_density)
                                        and not self.sparsifier.budget)
         self.mode_steps[self.current.mode] = self.mode_steps.get(self.current.mode, 0) + 1
         return self.current
