@@ -4,6 +4,7 @@ and their bytes (the counting of ops and syncs is exercised by the benches' and 
 from types import SimpleNamespace
 
 import pytest
+import torch
 from torch.autograd import DeviceType
 
 from sparsecomm.bench.op_counts import count_ops, host_device_bytes
@@ -35,8 +36,6 @@ def test_a_torch_without_structured_metadata_gives_the_bytes_in_its_text():
 
 
 def test_a_step_on_the_host_copies_nothing_between_host_and_device():
-    import torch
-
     values = torch.ones(1000)
     counted = count_ops(lambda: values.clone().cpu(), 2)
     assert counted.host_device_bytes == 0 and counted.ops >= 1
