@@ -1,9 +1,9 @@
 """``adaptive``'s low-rank steps (PowerSGD, `sparsecomm.reducer.paths.low_rank`): its compressed
-steps under an optimizer that normalizes the gradient, weighed against dense ones by trials. Every rank gets the same
-average, each matrix's of the step's rank and every vector's exact; what the average missed stays
-in the residual, so nothing is lost; a gradient of the step's rank arrives whole (to bf16's
-rounding); a checkpoint (each matrix's warm-started Q) resumes bit for bit; a non-finite gradient
-fails every rank and loses nothing."""
+steps under an optimizer that normalizes the gradient, weighed against dense ones by trials. Every
+rank gets the same average, each matrix's of the step's rank and every vector's exact; what the
+average missed stays in the residual, so nothing is lost; a gradient of the step's rank arrives
+whole (to bf16's rounding); a checkpoint (each matrix's warm-started Q) resumes bit for bit; a
+non-finite gradient fails every rank and loses nothing."""
 
 import pytest
 import torch
