@@ -431,11 +431,16 @@ def test_what_int8_rounds_off_the_entries_sent_whole_goes_with_their_next_step()
         sent_in_all += gradient[layout.whole]
         delivered_in_all += delivered
     # each parameter's state is its view of the kept error, under the host path's name
-    assert error.current() and states[0].codec_error is None
+    assert all(state.codec_error is view for state, view in error.views[0]) and states[0].codec_error is None
     assert states[1].codec_error.data_ptr() == error.held.data_ptr() and torch.equal(states[3].codec_error,
                                                                                    error.held[5:])
     assert float(error.held.abs().max()) > 0  # int8 rounded something off
     torch.testing.assert_close(delivered_in_all + error.held, sent_in_all)  # nothing lost, only late
+    # another route's steps: a dense one leaves no error, one on the codecs its own tensor
+    states[1].codec_error, states[3].codec_error = None, torch.arange(3.0)
+    error.reclaim()
+    assert all(state.codec_error is view for state, view in error.views[0])
+    assert torch.equal(error.held, torch.tensor([0.0] * 5 + [0.0, 1.0, 2.0]))
 
 
 def test_a_sum_that_overflows_is_flagged_from_the_values_received_alone():

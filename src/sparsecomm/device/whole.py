@@ -99,9 +99,19 @@ class WholeError:
             views[1].append((state, spare_view))
         return cls(layout.whole, held, spare, views)
 
-    def current(self) -> bool:
-        """Whether every parameter's state still is this buffer's view."""
-        return all(state.codec_error is view for state, view in self.views[0])
+    def reclaim(self) -> None:
+        """Each parameter's state holds its view again, with what it holds: another route's steps
+        keep the error in place where they find it, but a dense step sends it along and leaves
+        none, and a step on the codecs after that makes its own (copied in here)."""
+        for state, view in self.views[0]:
+            error = state.codec_error
+            if error is view:
+                continue
+            if error is None or error.numel() != view.numel():
+                view.zero_()
+            else:
+                view.copy_(error.reshape(-1))
+            state.codec_error = view
 
     def sent(self, gradient: torch.Tensor) -> torch.Tensor:
         """The whole entries of ``gradient`` (flat) with what the codec rounded off them before."""

@@ -88,12 +88,12 @@ class Bucket:
     def current(self, states: dict[str, TensorState], uncompressed: dict[str, dict[str, Any]]) -> bool:
         """Whether every parameter's state still is this bucket's view: the pipeline's (``states``)
         and the uncompressed feedback's are the ones it was built on (not after a checkpoint was
-        loaded) and hold its views (not after the parameter moved to another bucket)."""
+        loaded) and hold its views (not after the parameter moved to another bucket). The codec's
+        error of the entries sent whole is reclaimed instead (`WholeError.reclaim`)."""
         return (all(states.get(segment.key) is state for segment, state in zip(self.layout.segments, self.states,
                                                                                 strict=True))
                 and all(state.feedback.get(name) is view for state, name, view in self.held.views)
-                and (self.whole_momentum is None or self.whole_momentum.current(uncompressed))
-                and (self.whole_error is None or self.whole_error.current()))
+                and (self.whole_momentum is None or self.whole_momentum.current(uncompressed)))
 
     def own_momentum(self) -> None:
         """DGC's momentum buffers are this rank's own from this step on (a dense step made them the
@@ -264,6 +264,8 @@ class DevicePath(Path):
         bucket = self._buckets.get(key)
         if bucket is None or not bucket.current(self.parts.pipeline.states, self.parts.uncompressed.states):
             bucket = self._buckets[key] = self._build(segments, flat)
+        elif bucket.whole_error is not None:  # the entries sent whole: their error, where another route left it
+            bucket.whole_error.reclaim()
         return bucket
 
     def _build(self, segments: tuple[Segment, ...], flat: torch.Tensor) -> Bucket:
