@@ -276,7 +276,7 @@ def test_lightnings_ddp_strategy_registers_a_reducer_built_before_torch_distribu
     import subprocess
     import sys
 
-    pytest.importorskip("lightning")  # the GPU machine's image may lack it: carry its wheels (scripts/gpu)
+    pytest.importorskip("lightning")  # the GPU machine's image may lack it: carry its wheels (scripts/gpu-wheels)
     script = tmp_path / "lightning_gpu.py"
     script.write_text(LIGHTNING_ON_A_GPU)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", str(script)]

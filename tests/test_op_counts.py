@@ -33,6 +33,9 @@ def test_a_torch_without_structured_metadata_gives_the_bytes_in_its_text():
                             metadata_json='"device": 0, "stream": 7, "bytes": 1024, "memory bandwidth (GB/s)": 2.5')
     assert host_device_bytes(event) == 1024
     assert host_device_bytes(SimpleNamespace(name=event.name, device_type=DeviceType.CUDA, metadata_json="")) == 0
+    # structured metadata that left this event's bytes out: the text still has them
+    event.event_metadata = SimpleNamespace(bytes=None)
+    assert host_device_bytes(event) == 1024
 
 
 def test_a_step_on_the_host_copies_nothing_between_host_and_device():

@@ -60,8 +60,11 @@ def host_device_bytes(event: Any) -> int:
     says (0 for every other event)."""
     if event.device_type != DeviceType.CUDA or not event.name.startswith(HOST_DEVICE_COPIES):
         return 0
-    if hasattr(event, "event_metadata"):
-        return int(event.event_metadata.bytes or 0) if event.event_metadata is not None else 0
-    found = COPIED_BYTES.search(event.metadata_json or "")  # a torch before the structured metadata
+    metadata = getattr(event, "event_metadata", None)
+    copied = getattr(metadata, "bytes", None)
+    if copied is not None:
+        return int(copied)
+    # a torch before the structured metadata, or one that left it empty for this event
+    found = COPIED_BYTES.search(getattr(event, "metadata_json", None) or "")
     return int(found.group(1)) if found else 0
 

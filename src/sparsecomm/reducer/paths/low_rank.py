@@ -47,6 +47,13 @@ MIN_COMPRESSION = 2.0
 would send (as PyTorch's PowerSGD hook decides)"""
 
 
+def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The batched product a·b of a thin result (r columns), as (bᵀ·aᵀ)ᵀ: the same numbers, as a
+    view. On a processor torch's batched product runs several times faster this way round (gpt's
+    matrices at rank 8, one thread: M·Q and Mᵀ·P 6.5 ms a step against 1.2)."""
+    return torch.bmm(b.transpose(1, 2), a.transpose(1, 2)).transpose(1, 2)
+
+
 @dataclass(frozen=True)
 class Group:
     """The call's matrices of one shape (n × m): their segments' keys and an index of their
@@ -140,7 +147,7 @@ class LowRankPath(Path):
         qs = [self._stacked_q(call.key, group, rank_r, flat) for group in layout.groups]
         side = adaptive.reports.take(needed_only=True)
         tail = tail_elements(parts.config.world_size) if side is not None else 0
-        factors = torch.cat([torch.bmm(m, q).reshape(-1) for m, q in zip(matrices, qs, strict=True)]
+        factors = torch.cat([product(m, q).reshape(-1) for m, q in zip(matrices, qs, strict=True)]
                             or [flat.new_zeros(0)]).to(FACTORS)
         whole = torch.cat([flat.index_select(0, layout.exact), flat.new_zeros(tail)])
         carrying = None
@@ -187,7 +194,7 @@ class LowRankPath(Path):
             orthonormal.append(torch.linalg.qr(p.float()).Q.to(dtype))
             offset += p.numel()
         if sent.matrices:
-            q_wire = on_wire(torch.cat([torch.bmm(m.transpose(1, 2), p).reshape(-1)
+            q_wire = on_wire(torch.cat([product(m.transpose(1, 2), p).reshape(-1)
                                         for m, p in zip(sent.matrices, orthonormal, strict=True)]).to(FACTORS),
                              self.parts.wire_device)
             self.parts.process_group.allreduce([q_wire]).wait()
