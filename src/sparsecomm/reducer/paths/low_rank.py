@@ -216,17 +216,18 @@ class LowRankPath(Path):
         states, home = self.parts.pipeline.states, sent.home
         bucket = self._residuals.get(call.key)
         for group, m, p, q in zip(sent.layout.groups, sent.matrices, orthonormal, sent.qs, strict=True):
-            in_bucket = bucket is not None and all(getattr(states[key].feedback.get("residual"), "_base", None)
-                                                   is bucket.buffer for key in group.keys)
+            residuals = bucket.buffer if bucket is not None and all(
+                getattr(states[key].feedback.get("residual"), "_base", None) is bucket.buffer
+                for key in group.keys) else None
             average = group.of(home)
-            if in_bucket and average is not None:  # written where they go: two passes, no copies
+            if residuals is not None and average is not None:  # written where they go: two passes, no copies
                 torch.bmm(p, q.transpose(1, 2), out=average)
-                torch.sub(m, average, out=group.of(bucket.buffer))
+                torch.sub(m, average, out=group.of(residuals))
             else:
                 approx = torch.bmm(p, q.transpose(1, 2))
                 group.scatter(home, approx)
-                if in_bucket:
-                    group.scatter(bucket.buffer, m.sub_(approx))
+                if residuals is not None:
+                    group.scatter(residuals, m.sub_(approx))
                 else:
                     for key, each in zip(group.keys, m.sub_(approx).reshape(len(group.keys), -1), strict=True):
                         held(states[key].feedback, "residual", each).copy_(each)
