@@ -63,11 +63,11 @@ class FlatResidual:
             torch.mul(grad, scale, out=out)  # rounded to out's dtype as it is written
             torch.sub(grad, out, alpha=1.0 / scale, out=residual)
         else:
-            residual.add_(grad)
             if exact:
-                out.copy_(residual)
+                torch.add(residual, grad, out=out)
                 residual.zero_()
                 return True
+            residual.add_(grad)
             torch.mul(residual, scale, out=out)
             residual.sub_(out, alpha=1.0 / scale)
         if self.whole is not None:
