@@ -268,7 +268,7 @@ class Pipeline:
             if not segment.whole:
                 spec.feedback.update(acc, part, state.feedback)
             else:
-                state.codec_error = codec_error(acc, part, state.codec_error) if lossy else None
+                state.codec_error = codec_error(acc, part) if lossy else None
             state.step += 1
             state.last = StepReport(part.nnz, target if not segment.whole else part.nnz, segment.numel,
                                     len(payload) if payload is not None else 0)
@@ -379,15 +379,9 @@ def with_codec_error(piece: torch.Tensor, state: TensorState) -> torch.Tensor:
     return piece + state.codec_error.view(piece.shape)
 
 
-def codec_error(sent: torch.Tensor, received: SparseGradient, held: torch.Tensor | None = None) -> torch.Tensor:
-    """What receivers miss of ``sent`` (a tensor sent whole) given what they decode of it, flat: in
-    ``held`` (the error the state holds) where it has the size, dtype and device, so that a view
-    the device route's bucket holds stays the state's own."""
-    flat = sent.reshape(-1)
-    if held is not None and held.shape == flat.shape and held.dtype == flat.dtype and held.device == flat.device:
-        error = held.copy_(flat)
-    else:
-        error = flat.clone()
+def codec_error(sent: torch.Tensor, received: SparseGradient) -> torch.Tensor:
+    """What receivers miss of ``sent`` (a tensor sent whole) given what they decode of it, flat."""
+    error = sent.reshape(-1).clone()
     error.index_add_(0, received.indices.to(error.device), received.values.to(error.dtype), alpha=-1)
     return error
 

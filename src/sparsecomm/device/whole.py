@@ -100,9 +100,9 @@ class WholeError:
         return cls(layout.whole, held, spare, views)
 
     def reclaim(self) -> None:
-        """Each parameter's state holds its view again, with what it holds: another route's steps
-        keep the error in place where they find it, but a dense step sends it along and leaves
-        none, and a step on the codecs after that makes its own (copied in here)."""
+        """Each parameter's state holds its view again, with the error the state holds: another
+        route replaces it (a dense step sends it along and leaves none, zeroed here; a step on the
+        codecs makes its own, copied in here). A bucket then outlives the other routes' steps."""
         for state, view in self.views[0]:
             error = state.codec_error
             if error is view:
