@@ -168,3 +168,20 @@ def coalesced_transfers(rank: int, world: int) -> bool:
 
 def test_a_backend_that_returns_one_work_per_batch_still_delivers_every_message():
     assert run_local(3, coalesced_transfers) == [True, True, True]
+
+
+def wire_of_a_device_mapped_group(rank: int, world: int) -> tuple[str, str, bool]:
+    group = dist.new_group(backend="cpu:gloo,cuda:gloo")
+    return str(dist.get_backend(group)), str(collectives.wire_device(group)), collectives.takes_short_messages(group)
+
+
+def test_a_group_with_a_device_map_puts_its_wire_where_its_cuda_backend_says():
+    """A group of ``cpu:gloo,cuda:nccl`` gives CUDA tensors to NCCL, so its wire is on the GPU; a
+    device map of gloo alone keeps the wire on the host, as plain gloo does."""
+    assert collectives.cuda_backend("cpu:gloo,cuda:nccl") == "nccl"
+    assert collectives.cuda_backend("cuda:nccl,cpu:gloo") == "nccl"
+    assert collectives.cuda_backend("nccl") == "nccl" and collectives.cuda_backend("gloo") == "gloo"
+    assert collectives.cuda_backend("cpu:gloo") == "gloo"
+    for backend, wire, short in run_local(2, wire_of_a_device_mapped_group):
+        assert ":" in backend, backend  # torch names the map, not one backend
+        assert (wire, short) == ("cpu", True)

@@ -218,6 +218,42 @@ def test_a_non_finite_gradient_on_the_device_route_keeps_every_state_and_raises_
         assert results[1]["kept"] and not results[0]["kept"]  # only the rank with NaN keeps its old state
 
 
+def train_half(rank: int, world: int, spec: str, dtype: torch.dtype, steps: int) -> dict:
+    model = DDP(mlp(0).to(dtype))
+    reducer = sc.register_ddp_hook(model, spec, seed=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    data, labels = next(batches(0, 1, 1, batch=256))
+
+    def loss() -> float:
+        with torch.no_grad():
+            return float(F.cross_entropy(model(data.to(dtype)).float(), labels))
+
+    before = loss()
+    for batch, targets in batches(rank, world, steps):
+        optimizer.zero_grad()
+        F.cross_entropy(model(batch.to(dtype)).float(), targets).backward()
+        optimizer.step()
+    routes = {stats.route for stats in reducer.stats.tensors.values()}
+    reducer.close()
+    return {"before": before, "after": loss(), "routes": routes,
+            "weights": [p.detach().float() for p in model.parameters()]}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("codecs", ["packed+int8", "packed+bf16"])
+def test_half_precision_gradients_train_through_the_device_routes_lossy_codecs(dtype, codecs):
+    """The codecs take fp32 values; the feedback keeps the gradient's own dtype. The run tracks the
+    same run in fp32."""
+    spec = DEVICE_SPEC.replace("raw+fp32", codecs)
+    results = run_local(2, train_half, spec, dtype, 20)
+    reference = run_local(2, train_half, spec, torch.float32, 20)[0]
+    assert results[0]["routes"] == {"device"}
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["weights"], results[1]["weights"], strict=True))
+    assert all(bool(torch.isfinite(w).all()) for w in results[0]["weights"])
+    assert results[0]["after"] < reference["before"] - 0.2, (results[0]["after"], reference)
+    assert results[0]["after"] == pytest.approx(reference["after"], abs=0.02)
+
+
 def deep_mlp(layers: int) -> nn.Module:
     with torch.random.fork_rng():
         torch.manual_seed(0)
@@ -245,6 +281,33 @@ def test_host_syncs_per_step_on_the_device_route_do_not_grow_with_the_number_of_
     few = run_local(2, syncs_per_step, 6, spec)  # 12 tensors
     many = run_local(2, syncs_per_step, 24, spec)  # 48 tensors
     assert few[0][0] == many[0][0] == 1, (few, many)  # one bucket, one read
+
+
+def syncs_of_sampling_steps(rank: int, world: int) -> tuple[list[float], bool]:
+    model = DDP(deep_mlp(6), bucket_cap_mb=100)
+    # no budget: every 4th sparse step samples the gradient's energy, and its last call computes the
+    # density that energy prefers
+    reducer = sc.register_ddp_hook(model, "adaptive(device_route=any)+dgc_momentum(masking=false,nesterov=true)"
+                                          "+packed+int8+allgather")
+    reducer.adaptive.planner.plan = lambda: Plan(Mode.DEVICE, 0.05)
+    data = torch.randn(16, 64, generator=torch.Generator().manual_seed(rank))
+
+    def step() -> None:
+        model.zero_grad()
+        model(data).square().mean().backward()
+
+    for _ in range(6):  # DDP's bucket rebuild, and the costs the preference needs
+        step()
+    syncs = [count_ops(step, 1).syncs for _ in range(4)]
+    costs = reducer.adaptive.planner.costs
+    reducer.close()
+    return syncs, bool(costs.compute_s and costs.throughput)
+
+
+def test_a_step_that_weighs_the_gradients_energy_on_the_device_route_reads_the_device_once_too():
+    for syncs, measured in run_local(2, syncs_of_sampling_steps):
+        assert measured  # the preferred density is computed, not skipped for want of costs
+        assert syncs == [1.0] * 4, syncs  # one bucket, one read, the sampling step's included
 
 
 def train_budgeted(rank: int, world: int, spec: str, steps: int) -> dict:

@@ -376,6 +376,8 @@ def with_codec_error(piece: torch.Tensor, state: TensorState) -> torch.Tensor:
     """A tensor sent whole plus what codecs lost of it before (``piece`` itself when nothing was)."""
     if state.codec_error is None:
         return piece
+    if state.codec_error.device != piece.device:  # a checkpoint loaded elsewhere
+        state.codec_error = state.codec_error.to(piece.device)
     return piece + state.codec_error.view(piece.shape)
 
 

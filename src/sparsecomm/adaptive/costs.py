@@ -249,7 +249,9 @@ class Costs:
         overhead = typical(self.overhead_s(mode)) if self.overhead_s(mode) else 0.0
         seconds = (statistics.median(self.compute_s) + overhead
                    + self.per_byte_s(statistics.median(self.throughput), mode) * self.step_bytes(densities, mode))
-        return torch.where(energy[-1] > 0, densities[(energy / seconds).argmax()], 0.0)
+        # a 0-d index would be read on the host: the best density taken by a 1-d one
+        best = densities.index_select(0, (energy / seconds).argmax().view(1)).squeeze(0)
+        return torch.where(energy[-1] > 0, best, 0.0)
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

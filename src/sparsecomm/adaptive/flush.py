@@ -90,7 +90,7 @@ def _sends_gradient(pipeline: Pipeline, segments: Sequence[Segment], states: lis
         if segment.whole:
             if state.codec_error is not None:
                 return False
-        elif not feedback.flush_sends_gradient(segment.numel, screened.dtype, state.feedback):
+        elif not feedback.flush_sends_gradient(segment.numel, screened, state.feedback):
             return False
     return True
 

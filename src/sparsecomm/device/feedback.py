@@ -81,7 +81,7 @@ def commit(feedback: Feedback, proposal: Proposal, sent: torch.Tensor, whole: to
     if delivered is None:
         proposal.accumulated.index_fill_(0, sent, 0.0)
     else:  # what a lossy value codec rounded off stays, and goes with a later step
-        proposal.accumulated.index_add_(0, sent, delivered, alpha=-1.0)
+        proposal.accumulated.index_add_(0, sent, delivered.to(proposal.accumulated.dtype), alpha=-1.0)
     if isinstance(feedback, DGCMomentum) and feedback.masking:
         state["momentum_buffer"].index_fill_(0, sent, 0.0)
     if whole is not None:

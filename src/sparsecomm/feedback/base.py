@@ -53,10 +53,10 @@ class Feedback(Component):
         default flush moves what it held into the wire."""
         return False
 
-    def flush_sends_gradient(self, numel: int, dtype: torch.dtype, state: dict[str, Any]) -> bool:
-        """Whether `flush` of a gradient of ``numel`` entries of ``dtype`` would write the gradient
-        alone times its scale and change nothing (no rounding kept): then a bucket of such tensors
-        flushes in one pass over the whole bucket. Not by default."""
+    def flush_sends_gradient(self, numel: int, like: torch.Tensor, state: dict[str, Any]) -> bool:
+        """Whether `flush` of a gradient of ``numel`` entries of ``like``'s dtype and device would
+        write the gradient alone times its scale and change nothing (no rounding kept): then a
+        bucket of such tensors flushes in one pass over the whole bucket. Not by default."""
         return False
 
     def delay_horizon(self) -> float:

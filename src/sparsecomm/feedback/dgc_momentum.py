@@ -113,11 +113,12 @@ class DGCMomentum(Feedback):
         elif out.data_ptr() != flat.data_ptr():
             out.copy_(flat)
 
-    def flush_sends_gradient(self, numel: int, dtype: torch.dtype, state: dict[str, Any]) -> bool:
-        """Once the momentum is the ranks' common one (after a dense step) and without clipping."""
+    def flush_sends_gradient(self, numel: int, like: torch.Tensor, state: dict[str, Any]) -> bool:
+        """Once the momentum is the ranks' common one (after a dense step) and without clipping,
+        its buffer where the gradient is (not a checkpoint's loaded elsewhere)."""
         buffer = state.get("momentum_buffer")
         return (bool(state.get("averaged")) and self.clip == 0 and isinstance(buffer, torch.Tensor)
-                and buffer.numel() == numel and buffer.dtype == dtype)
+                and buffer.numel() == numel and buffer.dtype == like.dtype and buffer.device == like.device)
 
     def flush_reads_only(self, grad: torch.Tensor, state: dict[str, Any], wire_dtype: torch.dtype,
                          scale: float = 1.0) -> bool:

@@ -53,6 +53,8 @@ class SparseReduceScatter(ReduceScatter):
         ranges = input_tensor.view(ranks, numel)
         if self.residual is None or self.residual.shape != ranges.shape:
             self.residual = torch.zeros_like(ranges)
+        elif self.residual.device != ranges.device or self.residual.dtype != ranges.dtype:  # loaded elsewhere
+            self.residual = self.residual.to(ranges)
         corrected = self.residual.add_(ranges)
         k = max(1, min(numel, round(self.ratio * numel)))
         picked = corrected.abs().topk(k, dim=1, sorted=False).indices

@@ -5,9 +5,12 @@ worker thread, in submission order, so they never interleave with the caller's c
 step's last call on the caller's thread once the calls before it are done (nothing is left to
 overlap it with). Payload calls expected to send few entries, and sparse gradients' rows, wait for
 the step's last call and travel with it in one exchange (`AllgatherTransport.reduce_fused`): each
-would cost mostly an exchange's fixed cost. A dense step's all_reduce on a CPU is finished when the
-step is (`finish`), on the thread that waits for it, not in a callback on gloo's threads, where
-Python would hold the interpreter while later buckets' collectives are still in flight.
+would cost mostly an exchange's fixed cost. The collectives a path posts itself (a dense step's
+all_reduce, the device route's all_gather, a low-rank step's) are finished when the step is
+(`finish`), on the thread that waits for it: not in a callback on gloo's threads, where Python
+would hold the interpreter while later buckets' collectives are still in flight, nor inline where
+NCCL's future is complete as soon as its work is queued, where the call's read of the device would
+make the host wait for each bucket's collective before the backward pass goes on.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ class StepCalls:
         self._deferred: list[tuple[FusedCall, torch.futures.Future]] = []
         """small calls waiting to travel with the step's last"""
         self._unfinished: list[tuple[torch.futures.Future, Finish]] = []
-        """dense all_reduces (the collective's future, what completes the call) finished with the step"""
+        """the collectives paths posted themselves (each future, and what completes its call), finished
+        with the step"""
 
     def post(self, transport: Transport, contribution: SparseGradient | torch.Tensor, request: Request,
              out: torch.Tensor | None, last: bool, fuses: bool, waits: bool) -> torch.futures.Future[Reduction]:
@@ -67,8 +71,9 @@ class StepCalls:
         self._unfinished.append((done, finish))
 
     def finish(self) -> list[BaseException]:
-        """Wait for every call of the step: the calls still waiting to be fused go now, the dense
-        all_reduces are finished in the order they were posted. Returns the errors the calls met."""
+        """Wait for every call of the step: the calls still waiting to be fused go now, the collectives
+        paths posted themselves are finished in the order they were posted. Returns the errors the
+        calls met."""
         if self._deferred:  # no last call took them (a dense step's last bucket, a resumed run's reordered one)
             self.session.drain()
             self._exchange_deferred()

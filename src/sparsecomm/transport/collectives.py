@@ -30,18 +30,28 @@ def world(group: Group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def cuda_backend(backend: str) -> str:
+    """The backend that carries CUDA tensors in a group of ``backend`` (`dist.get_backend`'s name):
+    itself, or the one its device map names for CUDA (``"cpu:gloo,cuda:nccl"``: NCCL)."""
+    if ":" not in backend:
+        return backend
+    by_device = dict(pair.split(":", 1) for pair in backend.split(","))
+    return by_device.get("cuda", by_device.get("cpu", backend))
+
+
 def wire_device(group: Group) -> torch.device:
-    """Where ``group``'s collectives take their tensors: NCCL's current CUDA device; the CPU for
-    gloo (which takes CUDA tensors too, but would copy them itself) and every other backend."""
-    if dist.get_backend(group) == "nccl":
+    """Where ``group``'s collectives take their tensors: NCCL's current CUDA device where NCCL carries
+    the group's CUDA tensors; the CPU for gloo (which takes CUDA tensors too, but would copy them
+    itself) and every other backend."""
+    if cuda_backend(str(dist.get_backend(group))) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
 def takes_short_messages(group: Group) -> bool:
     """Whether a point-to-point receive may be posted larger than the message it gets: gloo's may,
-    NCCL's counts must match."""
-    return dist.get_backend(group) == "gloo"
+    NCCL's counts must match (on the wire device, `wire_device`)."""
+    return cuda_backend(str(dist.get_backend(group))) == "gloo"
 
 
 def on_wire(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

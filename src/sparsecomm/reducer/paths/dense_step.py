@@ -70,7 +70,7 @@ class DenseStepPath(Path):
         # stream and thread, where a copy to the wire device here would hold up the backward pass
         posted = wire.tensor if wire.tensor.device.type == "cuda" else on_wire(wire.tensor, parts.wire_device)
         work = parts.process_group.allreduce([posted])
-        return Pending(work.get_future(), submitted, finish_with_step=call.in_step and call.tensor.device.type == "cpu",
+        return Pending(work.get_future(), submitted, finish_with_step=call.in_step,
                        carries_report=wire.carrying is not None, sent=wire)
 
     def _wire(self, call: Call, plan: Plan, side: tuple[float, ...] | None) -> Wire:
@@ -122,7 +122,7 @@ class DenseStepPath(Path):
 
     def summed(self, call: Call, pending: Pending, done: torch.futures.Future) -> Summed:
         wire: Wire = pending.sent
-        total = done.value()[0].to(call.tensor.device)  # itself, unless gloo carried a CUDA gradient
+        total = done.wait()[0].to(call.tensor.device)  # itself, unless gloo carried a CUDA gradient
         sides = None
         if wire.carrying is not None:
             sides = read_tail(total[wire.carrying:])

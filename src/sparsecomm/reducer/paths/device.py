@@ -201,7 +201,8 @@ class DevicePath(Path):
                           packed=isinstance(spec.index_codec, PackedIndices))
         # a new buffer per call: a stream's earlier call (reduce_async) may still be on the wire
         wire = torch.empty(form.words, dtype=torch.int32, device=flat.device)
-        delivered = form.pack(wire, layout.digest, indices, values, proposed)
+        # the codecs take fp32 (a half-precision gradient's feedback stays in its own dtype)
+        delivered = form.pack(wire, layout.digest, indices, values.float(), proposed)
         if bucket.whole_error is not None:
             bucket.whole_error.propose(values[form.capacity:], delivered[form.capacity:])
         posted = on_wire(wire, parts.wire_device)
@@ -217,8 +218,7 @@ class DevicePath(Path):
             # planned: the floors' count, so that a share's bytes count as the cost of a planned entry
             adaptive.measuring.submitted(flat.numel(), layout.sparsified_numel, layout.at_ratio(ratio).capacity, 0,
                                          submitted - start, submitted)
-        return Pending(work.get_future(), submitted,
-                       finish_with_step=call.in_step and flat.device.type == "cpu", sent=sent)
+        return Pending(work.get_future(), submitted, finish_with_step=call.in_step, sent=sent)
 
     def _share(self, bucket: Bucket, within: bool) -> float:
         """The bucket's share of the density for this step (`sparsecomm.device.shares`): this rank's
@@ -262,7 +262,8 @@ class DevicePath(Path):
 
     def _bucket(self, key: str, segments: tuple[Segment, ...], flat: torch.Tensor) -> Bucket:
         bucket = self._buckets.get(key)
-        if bucket is None or not bucket.current(self.parts.pipeline.states, self.parts.uncompressed.states):
+        if bucket is None or bucket.layout.device != flat.device or not bucket.current(
+                self.parts.pipeline.states, self.parts.uncompressed.states):
             bucket = self._buckets[key] = self._build(segments, flat)
         elif bucket.whole_error is not None:  # the entries sent whole: their error, where another route left it
             bucket.whole_error.reclaim()

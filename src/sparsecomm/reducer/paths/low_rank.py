@@ -177,7 +177,9 @@ class LowRankPath(Path):
     def summed(self, call: Call, pending: Pending, done: torch.futures.Future) -> Summed:
         sent: Sent = pending.sent
         device, dtype = sent.flat.device, sent.flat.dtype
-        sums = iter(each.value()[0] for each in done.value())
+        # each collective's own future: waiting on it makes a CUDA stream wait for NCCL's
+        # (collect_all's future knows no devices, and value() waits for nothing)
+        sums = iter(each.wait()[0] for each in done.value())
         factors, exact = (next(sums).to(device, dtype) if posted else sent.flat.new_zeros(0) for posted in sent.posted)
         sides = None
         if sent.carrying is not None:
