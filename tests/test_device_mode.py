@@ -22,6 +22,7 @@ from sparsecomm.pipeline import Segment
 from sparsecomm.presets import resolve
 from sparsecomm.reducer.call import Route
 from sparsecomm.reducer.checkpoint import FORMAT, migrate
+from sparsecomm.reducer.config import ReducerConfig
 from test_link_budget import TRIAL_PAIRS, WARMUP_STEPS, N, budget, measured, next_plan
 from test_training import batches, digest, mlp
 
@@ -40,8 +41,21 @@ def test_an_adaptive_pipeline_on_the_host_codecs_has_a_device_form_with_packed_i
                  "adaptive+residual+rice+qsgd+allgather",  # values without a device form
                  "adaptive+residual+rice+fp32+sparse_allreduce",  # a transport without one
                  "adaptive+residual+packed+int8+allgather",  # the device route's own: always on it
-                 "dgc(ratio=0.01)+residual+rice+fp32+allgather"):  # not adaptive: no plan to choose
+                 "topk(ratio=0.01)+residual+rice+fp32+allgather"):  # a sparsifier without one
         assert device_form(resolve(spec)) is None, spec
+
+
+def test_dgc_on_its_codecs_has_a_device_form_that_accelerators_take_without_a_plan():
+    dgc = resolve("dgc")
+    form = device_form(dgc)
+    assert form is not None and form.index_codec == PackedIndices()
+    assert (form.sparsifier, form.feedback, form.value_codec, form.transport) == (
+        dgc.sparsifier, dgc.feedback, dgc.value_codec, dgc.transport)
+    assert ReducerConfig(dgc).accelerators_take_device_form
+    for spec in ("adaptive", "dgc(ratio=0.001)+dgc_momentum(momentum=0.9)+packed+fp32+allgather",
+                 "dgc(ratio=0.001)+dgc_momentum(momentum=0.9,clip=1.0)+rle+fp32+allgather", "sparcml"):
+        # adaptive's trials weigh the routes; the device route's own; local clipping has no device form; nor SparCML
+        assert not ReducerConfig(resolve(spec)).accelerators_take_device_form, spec
     with pytest.raises(sc.SparseCommError, match="device_route"):
         resolve("adaptive(device_route=gpu)+residual+rice+int8+allgather")
 

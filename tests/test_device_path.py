@@ -60,6 +60,30 @@ def test_ddp_trains_through_the_device_route_with_ranks_alike_and_the_bytes_its_
     assert device[0]["bytes"] == steps * buffer_bytes(mlp(0), 0.01)
 
 
+def train_with_gradients_on(rank: int, world: int, accelerated: tuple[int, ...], spec: str, steps: int) -> dict:
+    """`train`, with the ranks in ``accelerated`` taking their gradients for an accelerator's."""
+    from sparsecomm.reducer import runtime
+
+    here = rank in accelerated
+    runtime.on_accelerator = lambda tensor: here
+    return train(rank, world, spec, steps)
+
+
+def test_dgc_takes_its_device_form_only_where_every_ranks_gradients_are_on_an_accelerator():
+    """There its codecs' copies and reads of the device would cost per tensor: the preset's calls
+    take its device form (packed indices in place of rle), as the spec that names it does."""
+    steps = 12
+    accelerated = run_local(2, train_with_gradients_on, (0, 1), "dgc", steps)
+    named = run_local(2, train, "dgc(ratio=0.001)+dgc_momentum(momentum=0.9)+packed+fp32+allgather", steps)
+    assert accelerated[0]["routes"] == named[0]["routes"] == {"device"}
+    assert accelerated[0]["digest"] == accelerated[1]["digest"] == named[0]["digest"]
+    assert accelerated[0]["bytes"] == named[0]["bytes"]
+    one_of_two = run_local(2, train_with_gradients_on, (0,), "dgc", steps)  # the ranks agree: the codecs
+    on_host = run_local(2, train, "dgc", steps)
+    assert one_of_two[0]["routes"] == one_of_two[1]["routes"] == on_host[0]["routes"] == {"compressed"}
+    assert one_of_two[0]["digest"] == one_of_two[1]["digest"] == on_host[0]["digest"]
+
+
 @pytest.mark.parametrize("codecs", ["packed+fp16", "packed+int8"])
 def test_packed_indices_and_narrow_values_train_as_raw_fp32_does_in_fewer_bytes(codecs):
     steps = 60

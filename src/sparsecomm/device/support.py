@@ -1,5 +1,7 @@
-"""Which pipelines the device path runs: every stage with a form in fixed-size tensor ops; and an
-``adaptive`` pipeline's device form, which its sparse steps may take instead of its codecs."""
+"""Which pipelines the device path runs: every stage with a form in fixed-size tensor ops; and a
+pipeline's device form, which takes the place of its host codecs — for ``adaptive``'s sparse steps
+where its trials find it faster, for another pipeline where every rank's gradients are on an
+accelerator."""
 
 from __future__ import annotations
 
@@ -42,12 +44,13 @@ def device_native(spec: PipelineSpec) -> str | None:
 
 
 def device_form(spec: PipelineSpec) -> PipelineSpec | None:
-    """The pipeline an ``adaptive`` ``spec``'s sparse steps run on the device route: the same
-    sparsifier, feedback, value codec and transport, with ``packed`` indices (near the entropy
-    codecs' size at the densities ``adaptive`` plans, in tensor ops) where its index codec has no
-    device form. None where another stage has none, where the sparsifier's ``device_route`` is
-    ``never``, or where ``spec`` runs on the device path already."""
-    if not isinstance(spec.sparsifier, Adaptive) or spec.sparsifier.device_route == "never":
+    """The pipeline ``spec``'s compressed calls run on the device route in place of its codecs: the
+    same sparsifier, feedback, value codec and transport, with ``packed`` indices (near the entropy
+    codecs' size at ``adaptive``'s densities, fewer bytes than ``rle`` at DGC's, in tensor ops)
+    where its index codec has no device form. None where another stage has none, where an
+    ``adaptive`` sparsifier's ``device_route`` is ``never``, or where ``spec`` runs on the device
+    path already."""
+    if isinstance(spec.sparsifier, Adaptive) and spec.sparsifier.device_route == "never":
         return None
     if device_native(spec) is None:
         return None

@@ -29,7 +29,7 @@ from sparsecomm.reducer.paths.rows import RowsPath
 from sparsecomm.reducer.stats import ReducerStats, TensorStats
 from sparsecomm.reducer.step_calls import StepCalls
 from sparsecomm.reducer.uncompressed import UncompressedFeedback
-from sparsecomm.transport.collectives import wire_device
+from sparsecomm.transport.collectives import on_wire, wire_device
 from sparsecomm.transport.session import TransportSession
 
 
@@ -58,6 +58,9 @@ class Runtime:
         self.calls = StepCalls(self.async_group, self.session)
         self.counts: dict[str, int] = {}
         """per stream key: calls so far (the agreement step checks every rank is at the same call)"""
+        self.device_form: bool | None = None
+        """whether the compressed calls take the pipeline's device form in place of its host codecs
+        (`ReducerConfig.accelerators_take_device_form`): decided at the first call, alike on every rank"""
         self._build_paths()
 
     def _build_paths(self) -> None:
@@ -88,7 +91,9 @@ class Runtime:
         stats.dense_bytes += tensor.numel() * 4
         start = time.perf_counter()
         plan = self.adaptive.plan_call(start, tensor.device) if self.adaptive is not None else None
-        route = route_of(tensor, segments, self.config, plan)
+        if self.device_form is None:
+            self.device_form = self.config.accelerators_take_device_form and self._all_on_accelerators(tensor)
+        route = route_of(tensor, segments, self.config, plan, self.device_form)
         if route is Route.COMPRESSED and segments is None and self.config.sends_whole(tensor.shape):
             segments = (Segment(key, 0, tensor.numel(), whole=True),)  # a large vector under DGC's rule
         sparse_dim = tensor.sparse_dim() if tensor.is_sparse else 0
@@ -102,6 +107,16 @@ class Runtime:
         stats.route = route.value
         stats.select_s += pending.submitted - start
         return attach(self.parts, call, path, pending, stats)
+
+    def _all_on_accelerators(self, tensor: torch.Tensor) -> bool:
+        """Whether every rank's gradient is on an accelerator (one all_reduce, at the first call)."""
+        here = on_accelerator(tensor)
+        if self.config.world_size == 1:
+            return here
+        self.calls.session.drain()  # after the worker thread's collectives, in order
+        flag = on_wire(torch.tensor([float(here)]), self.wire_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.process_group)
+        return bool(flag.item() > 0)
 
     def close(self) -> None:
         if self.adaptive is not None:
@@ -124,6 +139,11 @@ class Runtime:
         self.buckets.load_state_dict(state["bucket_orders"])
         if self.adaptive is not None and state["adaptive"] is not None:
             self.adaptive.load_state_dict(state["adaptive"])
+
+
+def on_accelerator(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is in an accelerator's memory (not the host's)."""
+    return tensor.device.type != "cpu"
 
 
 def _default_group() -> dist.ProcessGroup:
