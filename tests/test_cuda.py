@@ -340,6 +340,33 @@ def test_one_threshold_over_the_bucket_is_the_same_on_a_gpu_as_in_host_memory_wi
     assert float(share) == pytest.approx(on_host[2], rel=1e-4)
 
 
+def test_adaptive_weighs_cuda_gradients_under_deterministic_algorithms_as_without():
+    """torch refuses a floating-point cumsum on CUDA under deterministic algorithms: the energy
+    curve and the bucket's shared threshold then sum on the host, to the same numbers."""
+    from sparsecomm.device import selection, shares
+    from sparsecomm.device.cumulative import cumulative
+    from sparsecomm.device.layout import BucketLayout
+    from sparsecomm.pipeline import Segment
+
+    squares = torch.randn(16_384, generator=torch.Generator().manual_seed(5)).pow(6).cuda()
+    fractions = torch.logspace(-3, 0, 64, dtype=torch.float64)
+    layout = BucketLayout.of([Segment("a", 0, 50_000), Segment("b", 50_000, 9_000)], 59_000, torch.device("cuda"))
+    grid = layout.at_ratio(0.01).grid
+    values = torch.randn(59_001, generator=torch.Generator().manual_seed(6)).cuda()
+    samples = selection._sampled(values, grid, torch.Generator().manual_seed(3))
+    both = selection._at_ranks(samples, grid, grid.both_ranks).unbind(1)
+    free = energy_share(squares, fractions), shares.lowered(samples, grid, *both)
+    torch.use_deterministic_algorithms(True)
+    try:
+        held = energy_share(squares, fractions), shares.lowered(samples, grid, *both)
+        assert cumulative(squares).device.type == "cuda"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    torch.testing.assert_close(held[0], free[0], rtol=1e-9, atol=1e-12)
+    for got, expected in zip(held[1], free[1], strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
 def test_the_counters_read_the_bytes_copied_between_host_and_device():
     from sparsecomm.bench.op_counts import count_ops
 

@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from sparsecomm.device.cumulative import cumulative
+
 BINS_PER_OCTAVE = 8
 """magnitude bins per factor of two of the squares: within one bin they differ by at most 9%"""
 OCTAVES = 64
@@ -38,7 +40,7 @@ def energy_share(squares: torch.Tensor, fractions: torch.Tensor) -> torch.Tensor
     bins = torch.where(positive, (top - octave).clamp_(0, size - 1), size - 1).long()  # bin 0 holds the largest
     counts = squares.new_zeros(size).scatter_add_(0, bins, positive.to(torch.float64))
     energy = squares.new_zeros(size).scatter_add_(0, bins, squares)
-    counted, held = counts.cumsum(0), energy.cumsum(0)
+    counted, held = cumulative(counts), cumulative(energy)
     taken = fractions * squares.numel()
     last = torch.searchsorted(counted, taken).clamp_(max=size - 1)  # the bin the top `taken` end in
     within = ((taken - (counted[last] - counts[last])) / counts[last].clamp(min=1)).clamp_(0.0, 1.0)

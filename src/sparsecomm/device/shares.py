@@ -23,6 +23,7 @@ import math
 import numpy as np
 import torch
 
+from sparsecomm.device.cumulative import cumulative
 from sparsecomm.device.layout import TINY, BucketLayout, SampleGrid
 
 MAX_SHARE = 2.0
@@ -56,7 +57,7 @@ def lowered(samples: torch.Tensor, grid: SampleGrid, candidates: torch.Tensor,
     over the floors' count. ``samples``: the segments' sampled magnitudes, -1 where padded."""
     pool = samples[:, ::grid.pooled_step]
     order = pool.reshape(-1).sort(descending=True, stable=True)
-    reach = grid.pooled_weights.view(-1)[order.indices].cumsum(0)  # the bucket's entries at or above each
+    reach = cumulative(grid.pooled_weights.view(-1)[order.indices])  # the bucket's entries at or above each
     # a 0-d index would be read on the host: the magnitudes at both reaches, gathered as a pair
     at_floors, for_candidates = order.values.index_select(
         0, torch.searchsorted(reach, grid.reaches).clamp_(max=reach.numel() - 1)).clamp_(min=TINY).unbind()
