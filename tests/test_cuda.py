@@ -341,12 +341,14 @@ def test_one_threshold_over_the_bucket_is_the_same_on_a_gpu_as_in_host_memory_wi
 
 
 def test_adaptive_weighs_cuda_gradients_under_deterministic_algorithms_as_without():
-    """torch refuses a floating-point cumsum on CUDA under deterministic algorithms: the energy
-    curve and the bucket's shared threshold then sum on the host, to the same numbers."""
+    """torch's documentation lists a floating-point cumsum on CUDA among what deterministic
+    algorithms refuse: the energy curve, the bucket's shared threshold and the host path's shares
+    give the same numbers with them on."""
     from sparsecomm.device import selection, shares
     from sparsecomm.device.cumulative import cumulative
     from sparsecomm.device.layout import BucketLayout
     from sparsecomm.pipeline import Segment
+    from sparsecomm.sparsify.shared_threshold import density_shares
 
     squares = torch.randn(16_384, generator=torch.Generator().manual_seed(5)).pow(6).cuda()
     fractions = torch.logspace(-3, 0, 64, dtype=torch.float64)
@@ -355,16 +357,18 @@ def test_adaptive_weighs_cuda_gradients_under_deterministic_algorithms_as_withou
     values = torch.randn(59_001, generator=torch.Generator().manual_seed(6)).cuda()
     samples = selection._sampled(values, grid, torch.Generator().manual_seed(3))
     both = selection._at_ranks(samples, grid, grid.both_ranks).unbind(1)
-    free = energy_share(squares, fractions), shares.lowered(samples, grid, *both)
+    sampled = {"a": (50_000, values[:4096].abs()), "b": (9_000, values[-4096:].abs() * 3)}
+    free = energy_share(squares, fractions), shares.lowered(samples, grid, *both), density_shares(sampled, 0.01)
     torch.use_deterministic_algorithms(True)
     try:
-        held = energy_share(squares, fractions), shares.lowered(samples, grid, *both)
+        held = energy_share(squares, fractions), shares.lowered(samples, grid, *both), density_shares(sampled, 0.01)
         assert cumulative(squares).device.type == "cuda"
     finally:
         torch.use_deterministic_algorithms(False)
     torch.testing.assert_close(held[0], free[0], rtol=1e-9, atol=1e-12)
     for got, expected in zip(held[1], free[1], strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+    assert held[2] == pytest.approx(free[2], rel=1e-9)
 
 
 def test_the_counters_read_the_bytes_copied_between_host_and_device():

@@ -45,17 +45,19 @@ def test_an_adaptive_pipeline_on_the_host_codecs_has_a_device_form_with_packed_i
         assert device_form(resolve(spec)) is None, spec
 
 
-def test_dgc_on_its_codecs_has_a_device_form_that_accelerators_take_without_a_plan():
+def test_dgc_on_its_codecs_has_a_device_form_that_gpus_take_without_a_plan():
     dgc = resolve("dgc")
     form = device_form(dgc)
     assert form is not None and form.index_codec == PackedIndices()
     assert (form.sparsifier, form.feedback, form.value_codec, form.transport) == (
         dgc.sparsifier, dgc.feedback, dgc.value_codec, dgc.transport)
-    assert ReducerConfig(dgc).accelerators_take_device_form
+    assert ReducerConfig(dgc).gpus_take_device_form
     for spec in ("adaptive", "dgc(ratio=0.001)+dgc_momentum(momentum=0.9)+packed+fp32+allgather",
+                 "dgc(ratio=0.001)+dgc_momentum(momentum=0.9)+rice+fp32+allgather",
                  "dgc(ratio=0.001)+dgc_momentum(momentum=0.9,clip=1.0)+rle+fp32+allgather", "sparcml"):
-        # adaptive's trials weigh the routes; the device route's own; local clipping has no device form; nor SparCML
-        assert not ReducerConfig(resolve(spec)).accelerators_take_device_form, spec
+        # adaptive's trials weigh the routes; the device route's own; an entropy codec sends fewer bytes
+        # than packed; local clipping has no device form; nor SparCML's sparsifier
+        assert not ReducerConfig(resolve(spec)).gpus_take_device_form, spec
     with pytest.raises(sc.SparseCommError, match="device_route"):
         resolve("adaptive(device_route=gpu)+residual+rice+int8+allgather")
 

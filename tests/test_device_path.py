@@ -65,7 +65,7 @@ def train_with_gradients_on(rank: int, world: int, accelerated: tuple[int, ...],
     from sparsecomm.reducer import runtime
 
     here = rank in accelerated
-    runtime.on_accelerator = lambda tensor: here
+    runtime.on_gpu = lambda tensor: here
     return train(rank, world, spec, steps)
 
 

@@ -23,3 +23,19 @@ def test_pipeline_keeps_state_on_the_gradient_device(device, spec):
         assert received.values.device.type == device and received.shape == grad.shape
     residual = pipe.states["w"].feedback.get("residual")
     assert residual is None or residual.device.type == device
+
+
+def test_state_a_checkpoint_left_on_another_device_moves_to_the_gradients():
+    """A checkpoint loaded onto the CPU, resumed where the gradients are elsewhere (here torch's meta
+    device stands for a GPU): the codec's error of a tensor sent whole moves to the gradient's
+    device, and DGC's momentum buffer elsewhere does not count as one a bucket's flush can use."""
+    from sparsecomm.feedback.dgc_momentum import DGCMomentum
+    from sparsecomm.pipeline import TensorState, with_codec_error
+
+    state = TensorState(codec_error=torch.ones(6))
+    piece = torch.zeros(2, 3, device="meta")
+    assert with_codec_error(piece, state).device.type == "meta"
+    assert state.codec_error.device.type == "meta"  # moved once, kept there
+    momentum = {"averaged": True, "momentum_buffer": torch.zeros(6)}
+    assert DGCMomentum().flush_sends_gradient(6, torch.zeros(6), momentum)
+    assert not DGCMomentum().flush_sends_gradient(6, torch.zeros(6, device="meta"), momentum)

@@ -75,11 +75,11 @@ class Call:
 
 
 def route_of(tensor: torch.Tensor, segments: tuple[Segment, ...] | None, config: ReducerConfig,
-             plan: Plan | None, device_form: bool = False) -> Route:
+             plan: Plan | None, takes_device_form: bool = False) -> Route:
     """The route a gradient (a bucket's: ``segments``) takes this step: ones the sparsifier sends
     whole take the plain route where the pipeline's codecs would not send them in fewer bytes;
-    ``device_form``: the compressed calls take the pipeline's device form
-    (`ReducerConfig.accelerators_take_device_form`)."""
+    ``takes_device_form``: the compressed calls take the pipeline's device form
+    (`ReducerConfig.gpus_take_device_form`)."""
     if tensor.is_sparse and not config.spec.sparsifier.selects_rows():
         return Route.ROWS
     if plan is not None and plan.dense:
@@ -90,7 +90,7 @@ def route_of(tensor: torch.Tensor, segments: tuple[Segment, ...] | None, config:
     if config.spec.transport.name == "dense" or (whole and (tensor.numel() < config.dense_below
                                                              or config.codecs_exact)):
         return Route.PLAIN
-    if config.on_device or device_form or plan is not None and plan.mode is Mode.DEVICE:
+    if config.on_device or takes_device_form or plan is not None and plan.mode is Mode.DEVICE:
         return Route.PLAIN if whole else Route.DEVICE  # every entry of a tensor sent whole goes cheapest as it is
     return Route.COMPRESSED
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from sparsecomm.device.support import device_form, device_native
 from sparsecomm.encode.base import codecs_lossless
+from sparsecomm.encode.index.rle import RunLengthIndices
 from sparsecomm.errors import SparseCommError
 from sparsecomm.pipeline import NONFINITE_POLICIES
 from sparsecomm.sparsify.adaptive import Adaptive
@@ -60,16 +61,19 @@ class ReducerConfig:
     def device_spec(self) -> PipelineSpec | None:
         """The pipeline the device route runs: the spec where it is device-native, else its device
         form (``adaptive``'s sparse steps may take it, `Mode.DEVICE`; another pipeline's calls take
-        it on accelerators, `accelerators_take_device_form`), else None."""
+        it on GPUs, `gpus_take_device_form`), else None."""
         return self.spec if self.on_device else device_form(self.spec)
 
     @cached_property
-    def accelerators_take_device_form(self) -> bool:
-        """Whether the compressed calls take the device form where every rank's gradients are on an
-        accelerator: a pipeline on host codecs that has one, and no ``adaptive`` planner to weigh
-        the two (there the host codecs would cost copies and reads of the device per tensor, and
-        send more bytes than ``packed`` indices at DGC's densities; on a CPU they are as fast)."""
-        return not self.on_device and not isinstance(self.spec.sparsifier, Adaptive) and self.device_spec is not None
+    def gpus_take_device_form(self) -> bool:
+        """Whether the compressed calls take the device form where every rank's gradients are on a
+        GPU: a pipeline with no ``adaptive`` planner to weigh the two routes, whose only stage
+        without a device form is ``rle`` indices. On a GPU that codec costs a copy to the host and
+        reads of the device per tensor, and sends more bytes than ``packed`` at DGC's densities;
+        an entropy codec (``rice``, ``huffman``) sends fewer, and keeps the host path. On CPUs the
+        codecs stay: there the device route was faster on digits and slower on lm."""
+        return (not self.on_device and not isinstance(self.spec.sparsifier, Adaptive)
+                and isinstance(self.spec.index_codec, RunLengthIndices) and self.device_spec is not None)
 
     def agree(self, group: dist.ProcessGroup | None) -> None:
         """Raise on every rank unless every rank of ``group`` has this configuration."""

@@ -58,9 +58,10 @@ class Runtime:
         self.calls = StepCalls(self.async_group, self.session)
         self.counts: dict[str, int] = {}
         """per stream key: calls so far (the agreement step checks every rank is at the same call)"""
-        self.device_form: bool | None = None
+        self.takes_device_form: bool | None = None
         """whether the compressed calls take the pipeline's device form in place of its host codecs
-        (`ReducerConfig.accelerators_take_device_form`): decided at the first call, alike on every rank"""
+        (`ReducerConfig.gpus_take_device_form`): decided at the first compressed call, alike on every
+        rank (None: not yet)"""
         self._build_paths()
 
     def _build_paths(self) -> None:
@@ -76,6 +77,7 @@ class Runtime:
         """Take ``config``'s pipeline (before the first step; every rank alike, which it checks)."""
         config.agree(self.group)
         self.config = config
+        self.takes_device_form = None
         self.pipeline = Pipeline(config.spec, seed=config.seed, nonfinite=config.nonfinite,
                                  world_size=config.world_size)
         if self.adaptive is not None:
@@ -91,9 +93,10 @@ class Runtime:
         stats.dense_bytes += tensor.numel() * 4
         start = time.perf_counter()
         plan = self.adaptive.plan_call(start, tensor.device) if self.adaptive is not None else None
-        if self.device_form is None:
-            self.device_form = self.config.accelerators_take_device_form and self._all_on_accelerators(tensor)
-        route = route_of(tensor, segments, self.config, plan, self.device_form)
+        route = route_of(tensor, segments, self.config, plan, bool(self.takes_device_form))
+        if route is Route.COMPRESSED and self.takes_device_form is None:  # the same call on every rank
+            self.takes_device_form = self.config.gpus_take_device_form and self._all_on_gpus(tensor)
+            route = route_of(tensor, segments, self.config, plan, self.takes_device_form)
         if route is Route.COMPRESSED and segments is None and self.config.sends_whole(tensor.shape):
             segments = (Segment(key, 0, tensor.numel(), whole=True),)  # a large vector under DGC's rule
         sparse_dim = tensor.sparse_dim() if tensor.is_sparse else 0
@@ -108,9 +111,9 @@ class Runtime:
         stats.select_s += pending.submitted - start
         return attach(self.parts, call, path, pending, stats)
 
-    def _all_on_accelerators(self, tensor: torch.Tensor) -> bool:
-        """Whether every rank's gradient is on an accelerator (one all_reduce, at the first call)."""
-        here = on_accelerator(tensor)
+    def _all_on_gpus(self, tensor: torch.Tensor) -> bool:
+        """Whether every rank's gradient is on a GPU (one all_reduce)."""
+        here = on_gpu(tensor)
         if self.config.world_size == 1:
             return here
         self.calls.session.drain()  # after the worker thread's collectives, in order
@@ -141,9 +144,9 @@ class Runtime:
             self.adaptive.load_state_dict(state["adaptive"])
 
 
-def on_accelerator(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is in an accelerator's memory (not the host's)."""
-    return tensor.device.type != "cpu"
+def on_gpu(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is in a CUDA GPU's memory."""
+    return tensor.is_cuda
 
 
 def _default_group() -> dist.ProcessGroup:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from sparsecomm.device.cumulative import cumulative
+
 SAMPLE_STRIDE = 100
 """every this-many-th entry of a tensor's accumulated gradient is sampled (at least `MIN_SAMPLED`)"""
 MIN_SAMPLED = 256
@@ -57,7 +59,8 @@ def density_shares(sampled: dict[str, tuple[int, torch.Tensor]], density: float)
     bins = {key: top - o for key, o in octaves.items()}  # 0: the largest magnitudes
     length = max(int(b.max()) for b in bins.values()) + 1
     reach = torch.stack([torch.bincount(b, minlength=length).to(torch.float64) * (sampled[key][0] / b.numel())
-                         for key, b in bins.items()]).sum(0).cumsum(0)  # the model's entries at or above each bin
+                         for key, b in bins.items()]).sum(0)
+    reach = cumulative(reach)  # the model's entries at or above each bin
     last = min(int(torch.searchsorted(reach, torch.tensor(kept, dtype=torch.float64, device=reach.device))),
                length - 1)
     before = float(reach[last - 1]) if last > 0 else 0.0

@@ -30,20 +30,27 @@ def world(group: Group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def cuda_backend(backend: str) -> str:
-    """The backend that carries CUDA tensors in a group of ``backend`` (`dist.get_backend`'s name):
-    itself, or the one its device map names for CUDA (``"cpu:gloo,cuda:nccl"``: NCCL)."""
-    if ":" not in backend:
-        return backend
-    by_device = dict(pair.split(":", 1) for pair in backend.split(","))
-    return by_device.get("cuda", by_device.get("cpu", backend))
+def cuda_backend(config: str) -> str:
+    """The backend a group of backend ``config`` (a name, or a device map such as
+    ``"cpu:gloo,cuda:nccl"``, as `dist.get_backend_config` gives it) hands CUDA tensors to; its
+    processor's where it names none for CUDA."""
+    if ":" not in config:
+        return config
+    by_device = dict(pair.split(":", 1) for pair in config.split(","))
+    return by_device.get("cuda", by_device.get("cpu", config))
+
+
+def backend_of(group: Group) -> str:
+    """``group``'s backend for the tensors a collective takes on the wire device: its CUDA backend
+    (one made without a backend named maps CUDA to NCCL where there is a GPU, as torch does)."""
+    return cuda_backend(str(dist.get_backend_config(group)))
 
 
 def wire_device(group: Group) -> torch.device:
     """Where ``group``'s collectives take their tensors: NCCL's current CUDA device where NCCL carries
     the group's CUDA tensors; the CPU for gloo (which takes CUDA tensors too, but would copy them
     itself) and every other backend."""
-    if cuda_backend(str(dist.get_backend(group))) == "nccl":
+    if backend_of(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -51,7 +58,7 @@ def wire_device(group: Group) -> torch.device:
 def takes_short_messages(group: Group) -> bool:
     """Whether a point-to-point receive may be posted larger than the message it gets: gloo's may,
     NCCL's counts must match (on the wire device, `wire_device`)."""
-    return cuda_backend(str(dist.get_backend(group))) == "gloo"
+    return backend_of(group) == "gloo"
 
 
 def on_wire(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -234,7 +241,7 @@ def recv_bytes(peer: int, group: Group) -> torch.Tensor:
 def all_reduce_or(bitmap: torch.Tensor, group: Group) -> torch.Tensor:
     """The bitwise OR of a uint8 tensor over the group, in place: gloo's BOR; NCCL has no bitwise
     reductions, so there every rank's bitmap is gathered and folded."""
-    if dist.get_backend(group) != "nccl":
+    if backend_of(group) != "nccl":
         dist.all_reduce(bitmap, op=dist.ReduceOp.BOR, group=group)
         return bitmap
     _, size = world(group)

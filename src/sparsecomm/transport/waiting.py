@@ -11,8 +11,9 @@ link, a rank held up) holds a core no longer than that.
 Only for what C++ threads complete: gloo's collectives (its worker threads run them) and their
 futures. Not for gloo's point-to-point works, which complete only inside ``wait`` (polled, they
 never report done, so every poll would run the whole `POLL_S`), nor for futures that Python
-callbacks complete (the poller would hold the interpreter lock they need), nor for a CUDA
-collective, whose ``wait`` makes the stream wait, not the processor.
+callbacks complete (the poller would hold the interpreter lock they need). A CUDA collective's
+``wait`` makes the stream wait, not the processor: NCCL's future is done once its work is queued,
+so it goes straight to its ``wait``.
 Nor on the transport's worker thread (`WORKER_THREAD_PREFIX`), whose waits overlap the backward
 pass: there a poller would take processor and interpreter from the computation.
 """
