@@ -31,35 +31,34 @@ SPEC = "adaptive(device_route=any)+residual+rice+fp32+allgather"
 """lossless values on both routes: what a step does not send stays in the residual, exactly"""
 
 
-def test_an_adaptive_pipeline_on_the_host_codecs_has_a_device_form_with_packed_indices():
-    preset = resolve("adaptive")
-    form = device_form(preset)
+@pytest.mark.parametrize("preset", ["adaptive", "dgc"])
+def test_a_pipeline_on_the_host_codecs_has_a_device_form_with_packed_indices(preset):
+    spec = resolve(preset)
+    form = device_form(spec)
     assert form is not None and form.index_codec == PackedIndices()
     assert (form.sparsifier, form.feedback, form.value_codec, form.transport) == (
-        preset.sparsifier, preset.feedback, preset.value_codec, preset.transport)
+        spec.sparsifier, spec.feedback, spec.value_codec, spec.transport)
+
+
+def test_a_pipeline_without_a_device_form_says_so():
     for spec in ("adaptive(device_route=never)+residual+rice+int8+allgather",  # the user said no
                  "adaptive+residual+rice+qsgd+allgather",  # values without a device form
                  "adaptive+residual+rice+fp32+sparse_allreduce",  # a transport without one
                  "adaptive+residual+packed+int8+allgather",  # the device route's own: always on it
                  "topk(ratio=0.01)+residual+rice+fp32+allgather"):  # a sparsifier without one
         assert device_form(resolve(spec)) is None, spec
+    with pytest.raises(sc.SparseCommError, match="device_route"):
+        resolve("adaptive(device_route=gpu)+residual+rice+int8+allgather")
 
 
-def test_dgc_on_its_codecs_has_a_device_form_that_gpus_take_without_a_plan():
-    dgc = resolve("dgc")
-    form = device_form(dgc)
-    assert form is not None and form.index_codec == PackedIndices()
-    assert (form.sparsifier, form.feedback, form.value_codec, form.transport) == (
-        dgc.sparsifier, dgc.feedback, dgc.value_codec, dgc.transport)
-    assert ReducerConfig(dgc).gpus_take_device_form
+def test_gpus_take_dgcs_device_form_in_place_of_rle_only():
+    assert ReducerConfig(resolve("dgc")).gpus_take_device_form
     for spec in ("adaptive", "dgc(ratio=0.001)+dgc_momentum(momentum=0.9)+packed+fp32+allgather",
                  "dgc(ratio=0.001)+dgc_momentum(momentum=0.9)+rice+fp32+allgather",
                  "dgc(ratio=0.001)+dgc_momentum(momentum=0.9,clip=1.0)+rle+fp32+allgather", "sparcml"):
         # adaptive's trials weigh the routes; the device route's own; an entropy codec sends fewer bytes
         # than packed; local clipping has no device form; nor SparCML's sparsifier
         assert not ReducerConfig(resolve(spec)).gpus_take_device_form, spec
-    with pytest.raises(sc.SparseCommError, match="device_route"):
-        resolve("adaptive(device_route=gpu)+residual+rice+int8+allgather")
 
 
 # -- the planner ---------------------------------------------------------------------------------
