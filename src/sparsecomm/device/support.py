@@ -1,7 +1,7 @@
 """Which pipelines the device path runs: every stage with a form in fixed-size tensor ops; and a
 pipeline's device form, which takes the place of its host codecs — for ``adaptive``'s sparse steps
-where its trials find it faster, for another pipeline where every rank's gradients are on an
-accelerator."""
+where its trials find it faster, for a pipeline on ``rle`` indices where every rank's gradients are
+on a GPU (`sparsecomm.reducer.config.ReducerConfig.gpus_take_device_form`)."""
 
 from __future__ import annotations
 
