@@ -371,6 +371,25 @@ def test_adaptive_weighs_cuda_gradients_under_deterministic_algorithms_as_withou
     assert held[2] == pytest.approx(free[2], rel=1e-9)
 
 
+def test_a_sketch_on_the_gpu_peels_to_the_bits_the_host_peels_it_to():
+    """Every rank peels the same summed sketch on its own: a GPU's atomic additions would take a
+    cell's repeated entries in no fixed order, so the ranks could reach different bits."""
+    from sparsecomm.transport.sketch_allreduce import peel
+
+    generator = torch.Generator().manual_seed(7)
+    rows, columns, count = 3, 26_000, 20_000
+    buckets = torch.randint(columns, (rows, count), generator=generator)
+    signs = torch.randint(2, (rows, count), generator=generator).float().mul_(2).sub_(1)
+    values = torch.randn(count, generator=generator)
+    sketch = torch.zeros(rows, columns)
+    for row in range(rows):
+        sketch[row].index_add_(0, buckets[row], signs[row] * values)
+    on_host = peel(sketch, buckets, signs)
+    on_gpu = peel(sketch.cuda(), buckets.cuda(), signs.cuda())
+    assert on_gpu[0].device.type == "cuda"
+    assert torch.equal(on_gpu[0].cpu(), on_host[0]) and torch.equal(on_gpu[1].cpu(), on_host[1])
+
+
 def test_the_counters_read_the_bytes_copied_between_host_and_device():
     from sparsecomm.bench.op_counts import count_ops
 

@@ -39,3 +39,25 @@ def test_state_a_checkpoint_left_on_another_device_moves_to_the_gradients():
     momentum = {"averaged": True, "momentum_buffer": torch.zeros(6)}
     assert DGCMomentum().flush_sends_gradient(6, torch.zeros(6), momentum)
     assert not DGCMomentum().flush_sends_gradient(6, torch.zeros(6, device="meta"), momentum)
+
+
+def test_rows_rounding_errors_a_checkpoint_left_on_another_device_move_to_the_rows():
+    from sparsecomm.reducer.paths.rows import RowsPath
+
+    path = RowsPath(None)  # its parts are not read here
+    path.load_state_dict({"embedding.weight": torch.ones(8)})
+    assert path._errors("embedding.weight", torch.device("meta")).device.type == "meta"
+    assert path.errors["embedding.weight"].device.type == "meta"  # moved once, kept there
+    assert path._errors("other", torch.device("meta")) is None
+
+
+@pytest.mark.parametrize("rows", [2, 3, 4])
+def test_a_sketchs_median_read_is_torchs_lower_median(rows):
+    from sparsecomm.transport.sketch_allreduce import median_read
+
+    generator = torch.Generator().manual_seed(rows)
+    sketch = torch.randn(rows, 64, generator=generator)
+    buckets = torch.randint(64, (rows, 500), generator=generator)
+    signs = torch.randint(2, (rows, 500), generator=generator).float().mul_(2).sub_(1)
+    expected = (torch.gather(sketch, 1, buckets) * signs).median(dim=0).values
+    assert torch.equal(median_read(sketch, buckets, signs), expected)

@@ -206,7 +206,9 @@ def hash_seed(*words: int) -> int:
 def median_read(sketch: torch.Tensor, buckets: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """Each entry's value read from ``sketch``: the median over rows of s_j(i)·S[j, h_j(i)]."""
     estimates = torch.gather(sketch, 1, buckets) * signs
-    return estimates.median(dim=0).values if estimates.shape[0] > 1 else estimates[0]
+    # the lower median, as torch.median's, by a sort: a median with indices on CUDA is one of the
+    # operations deterministic algorithms refuse
+    return estimates.sort(dim=0).values[(estimates.shape[0] - 1) // 2] if estimates.shape[0] > 1 else estimates[0]
 
 
 def peel(sketch: torch.Tensor, buckets: torch.Tensor, signs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -214,7 +216,12 @@ def peel(sketch: torch.Tensor, buckets: torch.Tensor, signs: torch.Tensor) -> tu
     hashed to ``buckets`` with ``signs`` (rows × entries): every round reads each unsolved entry
     that sits alone in one of its cells and takes it out of all its cells. Returns (values, solved),
     unsolved entries at zero. One host read per round; each round works on the entries still
-    unsolved, and most are solved in the first few."""
+    unsolved, and most are solved in the first few. A sketch off the host is peeled on the host: a
+    GPU's atomic additions take a cell's repeated entries in no fixed order, and every rank, peeling
+    the same sketch on its own, must reach the same bits."""
+    if sketch.device.type != "cpu":
+        values, solved = peel(sketch.cpu(), buckets.cpu(), signs.cpu())
+        return values.to(sketch.device), solved.to(sketch.device)
     rows, count = buckets.shape
     remaining = sketch.clone().view(-1)
     # entries × rows: an entry's flat cell ids and signs side by side

@@ -56,7 +56,7 @@ class RowsPath(TransportPath):
         if values is None:
             return transport, nothing, request
         if not rounds:
-            errors = self.errors.get(call.parameter) if raw else None
+            errors = self._errors(call.parameter, sparse.indices.device) if raw else None
             if errors is not None:  # the rows' held rounding errors go with them, and are gone
                 values = values + errors[sparse.indices]
                 errors[sparse.indices] = 0
@@ -72,7 +72,7 @@ class RowsPath(TransportPath):
         Each entry's values go with the error it was last sent with, and the new error is held until
         its row is sent again. A value the format cannot carry raises and changes nothing."""
         assert request.index_codec is not None and request.value_codec is not None
-        errors = self.errors.get(call.parameter)
+        errors = self._errors(call.parameter, rows.indices.device)
         sent = rows.values if errors is None else rows.values + errors[rows.indices]
         received = request.value_codec.as_decoded(sent)
         assert received is not None
@@ -83,6 +83,14 @@ class RowsPath(TransportPath):
                                                                device=sent.device)
         errors[rows.indices] = sent - received
         return SparseGradient(rows.indices, received, rows.shape), payload
+
+    def _errors(self, parameter: str, device: torch.device) -> torch.Tensor | None:
+        """The parameter's held rounding errors, where its rows are (a checkpoint loaded elsewhere
+        moves once)."""
+        errors = self.errors.get(parameter)
+        if errors is not None and errors.device != device:
+            errors = self.errors[parameter] = errors.to(device)
+        return errors
 
     def expected_entries(self, call: Call, plan: Plan | None) -> int | None:
         """None, it always waits: an embedding's rows are ready as the backward pass ends, with little left to
