@@ -46,14 +46,18 @@ class TransportSession:
 
     def submit(self, task: Callable[[], None]) -> None:
         """Run ``task`` on the session's worker thread, after every task submitted before it, with
-        the submitting thread's current CUDA device (a new thread's is device 0, whatever rank)."""
+        the submitting thread's current CUDA device (a new thread's is device 0, whatever rank),
+        its stream waiting for what the submitting thread's stream had queued by then (the
+        gradient a task reads, where the backward pass runs on a stream of its own)."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=WORKER_THREAD_PREFIX)
         if torch.cuda.is_initialized():
             device = torch.cuda.current_device()
+            queued = torch.cuda.current_stream(device).record_event()
 
             def on_device() -> None:
                 with torch.cuda.device(device):
+                    torch.cuda.current_stream(device).wait_event(queued)
                     task()
 
             self._executor.submit(on_device)
