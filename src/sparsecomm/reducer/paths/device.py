@@ -85,13 +85,16 @@ class Bucket:
     the density one (None: not since it was built). The host path leaves each rank its own share:
     a checkpoint it wrote holds them, and so do the parameters after its steps (`Mode.SPARSE`)."""
 
-    def current(self, states: dict[str, TensorState], uncompressed: dict[str, dict[str, Any]]) -> bool:
-        """Whether every parameter's state still is this bucket's view: the pipeline's (``states``)
-        and the uncompressed feedback's are the ones it was built on (not after a checkpoint was
-        loaded) and hold its views (not after the parameter moved to another bucket). The codec's
-        error of the entries sent whole is reclaimed instead (`WholeError.reclaim`)."""
-        return (all(states.get(segment.key) is state for segment, state in zip(self.layout.segments, self.states,
-                                                                                strict=True))
+    def current(self, states: dict[str, TensorState], uncompressed: dict[str, dict[str, Any]],
+                device: torch.device) -> bool:
+        """Whether the bucket still serves gradients on ``device`` (not after the model moved) and
+        every parameter's state still is this bucket's view: the pipeline's (``states``) and the
+        uncompressed feedback's are the ones it was built on (not after a checkpoint was loaded) and
+        hold its views (not after the parameter moved to another bucket). The codec's error of the
+        entries sent whole is reclaimed instead (`WholeError.reclaim`)."""
+        segments = zip(self.layout.segments, self.states, strict=True)
+        return (self.layout.device == device
+                and all(states.get(segment.key) is state for segment, state in segments)
                 and all(state.feedback.get(name) is view for state, name, view in self.held.views)
                 and (self.whole_momentum is None or self.whole_momentum.current(uncompressed)))
 
@@ -262,8 +265,8 @@ class DevicePath(Path):
 
     def _bucket(self, key: str, segments: tuple[Segment, ...], flat: torch.Tensor) -> Bucket:
         bucket = self._buckets.get(key)
-        if bucket is None or bucket.layout.device != flat.device or not bucket.current(
-                self.parts.pipeline.states, self.parts.uncompressed.states):
+        if bucket is None or not bucket.current(self.parts.pipeline.states, self.parts.uncompressed.states,
+                                                flat.device):
             bucket = self._buckets[key] = self._build(segments, flat)
         elif bucket.whole_error is not None:  # the entries sent whole: their error, where another route left it
             bucket.whole_error.reclaim()
