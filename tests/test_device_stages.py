@@ -185,6 +185,28 @@ def test_a_processor_chooses_what_the_device_form_chooses_under_one_threshold_ov
     assert torch.equal(on_device, chosen) and in_memory == pytest.approx(float(proposed), rel=1e-5)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_processor_sorts_only_the_pools_head_and_finds_the_thresholds_a_full_sort_does(seed):
+    from sparsecomm.device.shares import _descending_head
+
+    rng = np.random.default_rng(seed)
+    rows, width = int(rng.integers(1, 9)), int(rng.integers(4, 400))
+    # few distinct magnitudes (ties across rows) and padding at -1, which weighs nothing
+    pool = rng.integers(0, 12, size=(rows, width)).astype(np.float32) / 4
+    counts = rng.integers(1, width + 1, size=rows)
+    padded = np.arange(width)[None, :] >= counts[:, None]
+    pool[padded] = -1.0
+    weights = np.where(padded, 0.0, rng.integers(1, 40, size=(rows, 1))).astype(np.float32).reshape(-1)
+    flat = pool.reshape(-1)
+    full = np.argsort(-flat, kind="stable")
+    total = float(weights.sum())
+    for reach in (1.0, 0.1 * total, 0.5 * total, total, 2 * total):
+        head = _descending_head(flat, weights, reach)
+        assert np.array_equal(head, full[:head.size])  # a prefix of the full order
+        if reach <= total:  # which reaches the weight asked for
+            assert np.cumsum(weights[head], dtype=np.float64)[-1] >= reach * (1 - 1e-6)
+
+
 def test_the_wire_carries_each_ranks_proposed_share_and_every_receiver_reads_the_largest():
     form = WireFormat(100, 4, 0, VALUE_CODECS.parse("fp32"), packed=True)
     buffers = []
@@ -355,6 +377,52 @@ def test_padded_packed_indices_carry_any_number_of_unused_slots_row_by_row(space
                          for row in rows])
     back, sound = packed_indices.decode(words, space, capacity, padded=True)
     assert torch.equal(back, torch.stack(rows)) and bool(sound.all())
+
+
+@pytest.mark.parametrize(("space", "capacity"), [(169_834, 8300), (1000, 600), (64, 64), (100_000, 3)])
+def test_packed_indices_with_their_fields_placed_once_are_the_same_bits(space, capacity):
+    """A buffer of fixed sizes places its fields once (`Stream`) and reuses them: the stream is the
+    same, bit for bit, for every selection, as one whose fields are placed on the call."""
+    generator = torch.Generator().manual_seed(capacity)
+    stream = packed_indices.Stream.of(space, capacity, True, torch.device("cpu"))
+    for used in (capacity, capacity // 3, 0):
+        chosen = torch.randperm(space, generator=generator)[:used].sort().values
+        row = torch.cat([chosen, torch.full((capacity - used,), space)])
+        size = packed_indices.nwords(space, capacity, True)
+        placed = packed_indices.encode(row, space, torch.empty(size, dtype=torch.int32), True, stream=stream)
+        assert torch.equal(placed, packed_indices.encode(row, space, torch.empty(size, dtype=torch.int32), True))
+        back, sound = packed_indices.decode(placed[None], space, capacity, True, stream=stream)
+        assert torch.equal(back[0], row) and bool(sound.all())
+    # a stream of other sizes is not used for these
+    other = packed_indices.Stream.of(space, capacity + 1, True, torch.device("cpu"))
+    row = torch.full((capacity,), space)
+    words = packed_indices.encode(row, space, torch.empty(packed_indices.nwords(space, capacity, True),
+                                                          dtype=torch.int32), True, stream=other)
+    assert torch.equal(packed_indices.decode(words, space, capacity, True, stream=other)[0], row)
+
+
+def test_a_wire_format_places_its_fields_once_and_packs_in_fewer_ops_so():
+    codec = VALUE_CODECS.parse("int8")
+    numel, capacity = 50_000, 2000
+    kept = WireFormat(numel, capacity, 10, codec, packed=True)
+    assert kept.stream(torch.device("cpu")) is kept.stream(torch.device("cpu"))
+    indices = torch.randperm(numel - 10, generator=torch.Generator().manual_seed(2))[:capacity].sort().values
+    values, out = torch.randn(capacity + 10), torch.empty(kept.words, dtype=torch.int32)
+    kept.pack(out, 5, indices, values)
+    each_call = count_ops(lambda: WireFormat(numel, capacity, 10, codec, packed=True).pack(out, 5, indices, values), 3)
+    assert count_ops(lambda: kept.pack(out, 5, indices, values), 3).ops < each_call.ops
+
+
+def test_a_bucket_keeps_its_latest_wire_formats_by_capacity():
+    from sparsecomm.reducer.paths.device import FORMS_KEPT, Bucket, BufferSet
+
+    spec = parse_spec("adaptive+residual+packed+int8+allgather")
+    bucket = Bucket(layout_of([3000, 17, 5000], whole=frozenset({1})), (), BufferSet({}, []))
+    first = bucket.form(40, spec)
+    assert bucket.form(40, spec) is first and (first.capacity, first.whole, first.packed) == (40, 17, True)
+    for capacity in range(41, 41 + FORMS_KEPT):
+        bucket.form(capacity, spec)
+    assert len(bucket.forms) == FORMS_KEPT and 40 not in bucket.forms  # the least recently used went
 
 
 def test_packed_indices_whose_counts_do_not_add_up_are_flagged():

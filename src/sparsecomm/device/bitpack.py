@@ -9,6 +9,7 @@ shift are arithmetic on its position, and fields never share a bit, so adding th
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -44,11 +45,33 @@ def pack_fields(values: torch.Tensor, width: int, out: torch.Tensor, start: int 
 def pack_at(values: torch.Tensor, places: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``values`` (int64, each field at most 32 bits) at stream bits ``places`` (fields never
     overlap) into ``out`` (int32); the rest of ``out`` is zero."""
-    shifted = values.to(torch.int64) << (places & 31)  # below 2**63: width + shift <= 63
-    word = places >> 5
+    return pack_placed(values, Placed.at(places), out)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Fields at fixed stream bits, each as `pack_placed` and `unpack_placed` need it: the word
+    it starts in, the next word (where it may spill), its shift in the word and its mask. Fixed
+    by the fields' places and widths, so a stream of fixed sizes builds it once."""
+
+    word: torch.Tensor
+    next_word: torch.Tensor
+    shift: torch.Tensor
+    mask: torch.Tensor | None
+
+    @classmethod
+    def at(cls, places: torch.Tensor, widths: torch.Tensor | None = None) -> Placed:
+        """Fields at stream bits ``places`` (int64), of ``widths`` bits each (None: pack only)."""
+        word = places >> 5
+        return cls(word, word + 1, places & 31, None if widths is None else (1 << widths) - 1)
+
+
+def pack_placed(values: torch.Tensor, placed: Placed, out: torch.Tensor) -> torch.Tensor:
+    """`pack_at` with the fields' places resolved beforehand."""
+    shifted = values.to(torch.int64) << placed.shift  # below 2**63: width + shift <= 63
     words = torch.zeros(out.numel() + 1, dtype=torch.int64, device=values.device)
-    words.index_add_(0, word, shifted & LOW_WORD)
-    words.index_add_(0, word + 1, shifted >> 32)  # the part that spills into the next word
+    words.index_add_(0, placed.word, shifted & LOW_WORD)
+    words.index_add_(0, placed.next_word, shifted >> 32)  # the part that spills into the next word
     words = words[:-1]
     return out.copy_(words - ((words >> 31) << 32))  # as int32, bit for bit
 
@@ -84,10 +107,16 @@ def unpack_fields(words: torch.Tensor, width: int, count: int, start: int = 0) -
     if width == 1 and BYTES_IN_STREAM_ORDER:
         return unpack_bits(words, count, start).long()
     places = start + torch.arange(count, dtype=torch.int64, device=words.device) * width
-    word, shift = places >> 5, places & 31
+    return unpack_placed(words, Placed.at(places, torch.full_like(places, width)))
+
+
+def unpack_placed(words: torch.Tensor, placed: Placed) -> torch.Tensor:
+    """The fields (int64) at ``placed``'s places of ``words`` (int32; a row of fields per row of a
+    2-D ``words``)."""
+    assert placed.mask is not None, "fields placed to be packed only"
     wide = torch.nn.functional.pad(words.to(torch.int64) & LOW_WORD, (0, 1))  # a zero word past the end
-    joined = (_gathered(wide, word + 1) << 32) | _gathered(wide, word)  # the sign bit only ever lands above the field
-    return (joined >> shift) & ((1 << width) - 1)
+    joined = (_gathered(wide, placed.next_word) << 32) | _gathered(wide, placed.word)  # the sign bit lands above
+    return (joined >> placed.shift) & placed.mask
 
 
 def _gathered(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -13,11 +13,21 @@ where few are (one block), and at every density within 1.5x of the information b
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
-from sparsecomm.device.bitpack import pack_at, pack_bits, unpack_bits, unpack_fields, width_for, words_for
+from sparsecomm.device.bitpack import (
+    Placed,
+    pack_bits,
+    pack_placed,
+    unpack_bits,
+    unpack_fields,
+    unpack_placed,
+    width_for,
+    words_for,
+)
 
 STATIC_NONZERO_ON_CUDA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 6)
 """torch.nonzero_static runs on CUDA from PyTorch 2.6"""
@@ -49,26 +59,64 @@ def _unused_width(count: int) -> int:
     return width_for(count + 1)
 
 
-def encode(indices: torch.Tensor, space: int, out: torch.Tensor, padded: bool = False) -> torch.Tensor:
+@dataclass(frozen=True)
+class Stream:
+    """Where the fields of a stream of ``count`` indices into ``space`` lie (`encode`, `decode`):
+    the number of unused slots in the first ``start`` bits where ``padded``, each block's count,
+    then each index's offset in its block, in that order (`Placed`; None for a bitmap). Fixed by
+    the sizes: a buffer of fixed sizes builds it once and passes it to every call."""
+
+    space: int
+    count: int
+    padded: bool
+    b: int
+    blocks: int
+    width: int
+    start: int
+    placed: Placed | None
+    slots: torch.Tensor
+    """0, 1, … count - 1"""
+
+    @classmethod
+    def of(cls, space: int, count: int, padded: bool, device: torch.device) -> Stream:
+        b = block_bits(space, count)
+        blocks, width = ((space - 1) >> b) + 1, _count_width(count, b)
+        start = _unused_width(count) if padded else 0
+        slots = torch.arange(count, dtype=torch.int64, device=device)
+        placed = None
+        if b:
+            head = 1 if padded else 0  # the unused slots' number, at bit 0
+            places = torch.cat([torch.zeros(head, dtype=torch.int64, device=device),
+                                start + torch.arange(blocks, dtype=torch.int64, device=device) * width,
+                                start + blocks * width + slots * b])
+            widths = torch.full_like(places, b)
+            widths[:head], widths[head:head + blocks] = start, width
+            placed = Placed.at(places, widths)
+        return cls(space, count, padded, b, blocks, width, start, placed, slots)
+
+    def fits(self, space: int, count: int, padded: bool, device: torch.device) -> bool:
+        return (self.space, self.count, self.padded) == (space, count, padded) and self.slots.device == device
+
+
+def encode(indices: torch.Tensor, space: int, out: torch.Tensor, padded: bool = False,
+           stream: Stream | None = None) -> torch.Tensor:
     """``indices`` (int64, ascending, in ``[0, space)``) into ``out`` (int32, `nwords` long). With
     ``padded``, slots holding ``space`` after the others are unused: the stream starts with their
-    number, and the blocks count the used ones only (so no block's count outgrows its field)."""
+    number, and the blocks count the used ones only (so no block's count outgrows its field).
+    ``stream``: the fields' places for these sizes, where the caller keeps them (`Stream.of`)."""
     count = indices.numel()
-    b = block_bits(space, count)
-    blocks, width = ((space - 1) >> b) + 1, _count_width(count, b)
-    start = _unused_width(count) if padded else 0
+    if stream is None or not stream.fits(space, count, padded, indices.device):
+        stream = Stream.of(space, count, padded, indices.device)
+    b, blocks = stream.b, stream.blocks
     used = indices < space
-    if not b:  # a bitmap
-        return pack_bits(_bitmap_stream(indices, space, start, count - used.sum()), out)
+    if stream.placed is None:  # a bitmap
+        return pack_bits(_bitmap_stream(indices, space, stream.start, count - used.sum()), out)
     counts = torch.zeros(blocks, dtype=torch.int64, device=indices.device)
     counts.scatter_add_(0, (indices >> b).clamp_(max=blocks - 1), used.long())
     fields = [counts, indices & ((1 << b) - 1)]
-    places = [start + torch.arange(blocks, dtype=torch.int64, device=indices.device) * width,
-              start + blocks * width + torch.arange(count, dtype=torch.int64, device=indices.device) * b]
     if padded:
-        fields.append((count - used.sum()).view(1))
-        places.append(torch.zeros(1, dtype=torch.int64, device=indices.device))
-    return pack_at(torch.cat(fields), torch.cat(places), out)
+        fields.insert(0, (count - used.sum()).view(1))
+    return pack_placed(torch.cat(fields), stream.placed, out)
 
 
 def _bitmap_stream(indices: torch.Tensor, space: int, start: int, unused: torch.Tensor) -> torch.Tensor:
@@ -80,27 +128,34 @@ def _bitmap_stream(indices: torch.Tensor, space: int, start: int, unused: torch.
     return torch.cat([head.to(torch.uint8), marks[:space]])
 
 
-def decode(words: torch.Tensor, space: int, count: int, padded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def decode(words: torch.Tensor, space: int, count: int, padded: bool = False,
+           stream: Stream | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``count`` indices (int64, ascending where the stream is sound; ``space`` in unused slots
     where ``padded``) that ``words`` hold, and a bool: whether the blocks' counts add up to the
     used slots (else the indices are garbage, though below ``space`` rounded up to a whole block).
-    A 2-D ``words`` holds a stream per row, and gives a row of indices and a bool per row."""
-    b = block_bits(space, count)
-    blocks, width = ((space - 1) >> b) + 1, _count_width(count, b)
-    start = _unused_width(count) if padded else 0
-    used = count - unpack_fields(words, start, 1)[..., 0] if padded else torch.tensor(count, device=words.device)
-    if not b:  # a bitmap
+    A 2-D ``words`` holds a stream per row, and gives a row of indices and a bool per row.
+    ``stream``: as for `encode`."""
+    if stream is None or not stream.fits(space, count, padded, words.device):
+        stream = Stream.of(space, count, padded, words.device)
+    b, blocks, start = stream.b, stream.blocks, stream.start
+    if stream.placed is None:  # a bitmap
+        used = count - unpack_fields(words, start, 1)[..., 0] if padded \
+            else torch.tensor(count, device=words.device)
         return _bitmap_positions(unpack_bits(words, blocks, start).bool(), count, used, padded)
-    wanted = torch.arange(count, device=words.device)
-    counts = unpack_fields(words, width, blocks, start=start)
+    fields = unpack_placed(words, stream.placed)
+    if padded:
+        used, fields = count - fields[..., 0], fields[..., 1:]
+    else:
+        used = torch.tensor(count, device=words.device)
+    counts, offsets = fields[..., :blocks], fields[..., blocks:]
     ends = counts.cumsum(-1)
     sound = ends[..., -1] == used
     # slot j's block: how many blocks end at or before it (a histogram of the ends, summed up)
     block = torch.zeros(*ends.shape[:-1], count + 1, dtype=torch.int64, device=words.device)
     block = block.scatter_add_(-1, ends.clamp(max=count), torch.ones_like(ends)).cumsum(-1)[..., :count]
-    indices = (block.clamp_(max=blocks - 1) << b) | unpack_fields(words, b, count, start=start + blocks * width)
+    indices = (block.clamp_(max=blocks - 1) << b) | offsets
     if padded:
-        indices = torch.where(wanted < used[..., None], indices, space)
+        indices = torch.where(stream.slots < used[..., None], indices, space)
     return indices, sound
 
 

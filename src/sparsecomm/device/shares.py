@@ -69,13 +69,33 @@ def lowered(samples: torch.Tensor, grid: SampleGrid, candidates: torch.Tensor,
 def lowered_in_host_memory(samples: np.ndarray, grid: SampleGrid, candidates: np.ndarray,
                            members: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
     """`lowered` on a processor, the same thresholds by numpy: there each tensor op of the device
-    form would cost more than its work."""
+    form would cost more than its work. Only the pool's head is sorted (`_descending_head`)."""
     pool = samples[:, ::grid.pooled_step]
     weights, reaches, floors = grid.in_host_memory
-    order = np.argsort(-pool, axis=None, kind="stable")
+    flat = pool.reshape(-1)
+    order = _descending_head(flat, weights.reshape(-1), float(reaches[-1]))
     reach = np.cumsum(weights.reshape(-1)[order], dtype=np.float32)
-    at = np.minimum(np.searchsorted(reach, reaches), reach.size - 1)
-    at_floors, for_candidates = np.maximum(pool.reshape(-1)[order[at]], TINY)
+    at = np.searchsorted(reach, reaches)
+    if at[-1] >= reach.size:  # the head fell short (it never does unless the whole pool is short): all of it
+        order = np.argsort(-flat, kind="stable")
+        reach = np.cumsum(weights.reshape(-1)[order], dtype=np.float32)
+        at = np.searchsorted(reach, reaches)
+    at = np.minimum(at, reach.size - 1)
+    at_floors, for_candidates = np.maximum(flat[order[at]], TINY)
     above = (weights * (pool >= at_floors)).sum(1, dtype=np.float32)
     share = float(np.maximum(above, floors).sum(dtype=np.float32)) / grid.floor_count
     return np.minimum(candidates, for_candidates), np.minimum(members, at_floors), share
+
+
+def _descending_head(pool: np.ndarray, weights: np.ndarray, reach: float) -> np.ndarray:
+    """The first places of ``pool``'s stable descending order (largest first, ties in place
+    order) whose ``weights`` add up to ``reach``, and perhaps a few more: every entry at or above
+    the value at the place that many of the lightest weight would take. A partition finds that
+    value, and only those entries are sorted: the same places a full sort starts with."""
+    lightest = weights[weights > 0].min(initial=np.inf)
+    head = int(math.ceil(reach / lightest)) + 1 if math.isfinite(lightest) else pool.size
+    if head >= pool.size:
+        return np.argsort(-pool, kind="stable")
+    least = np.partition(pool, pool.size - head)[pool.size - head]  # the head-th largest
+    places = np.flatnonzero(pool >= least)
+    return places[np.argsort(-pool[places], kind="stable")]

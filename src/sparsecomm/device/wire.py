@@ -10,7 +10,7 @@ everywhere)."""
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -46,6 +46,17 @@ class WireFormat:
     values: ValueCodec
     packed: bool = False
     """indices as `sparsecomm.device.indices` packs them, else one 32-bit word each"""
+    streams: dict[torch.device, packed_indices.Stream] = field(default_factory=dict, compare=False, repr=False)
+    """the packed indices' fields, placed once per device (`stream`)"""
+
+    def stream(self, device: torch.device) -> packed_indices.Stream | None:
+        """Where the packed indices' fields lie in a buffer on ``device`` (None: not packed)."""
+        if not self.packed:
+            return None
+        stream = self.streams.get(device)
+        if stream is None:
+            stream = self.streams[device] = packed_indices.Stream.of(self.numel, self.capacity, True, device)
+        return stream
 
     @property
     def index_words(self) -> int:
@@ -79,7 +90,8 @@ class WireFormat:
             out[:HEADER].view(torch.int64).fill_(struct.unpack("=q", struct.pack("=iI", digest, bits))[0])
         index_end = HEADER + self.index_words
         if self.packed:
-            packed_indices.encode(indices, self.numel, out[HEADER:index_end], padded=True)
+            packed_indices.encode(indices, self.numel, out[HEADER:index_end], padded=True,
+                                  stream=self.stream(indices.device))
         else:
             out[HEADER:index_end].copy_(indices)
         return device_values.encode(self.values, values, out[index_end:])
@@ -104,7 +116,8 @@ class WireFormat:
         values, whole_values = values[:, :self.capacity], values[:, self.capacity:]
         total = clear_(out) if out is not None else torch.zeros(self.numel, dtype=torch.float32, device=device)
         if self.packed:
-            indices, sound = packed_indices.decode(rows[:, HEADER:index_end], self.numel, self.capacity, padded=True)
+            indices, sound = packed_indices.decode(rows[:, HEADER:index_end], self.numel, self.capacity, padded=True,
+                                                  stream=self.stream(rows.device))
             agreed = agreed & sound.all()
         else:
             indices = rows[:, HEADER:index_end].long()

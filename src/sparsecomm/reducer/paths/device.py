@@ -25,7 +25,7 @@ from sparsecomm.device import values as device_values
 from sparsecomm.device.feedback import Proposal, buffer_names, commit, kept_flags, propose
 from sparsecomm.device.layout import BucketLayout
 from sparsecomm.device.selection import select, select_shared
-from sparsecomm.device.shares import rounded
+from sparsecomm.device.shares import SHARE_STEPS, rounded
 from sparsecomm.device.status import GOOD, OWN_FINITE, read
 from sparsecomm.device.whole import WholeError, WholeMomentum
 from sparsecomm.device.wire import WireFormat
@@ -62,6 +62,10 @@ def offset(view: torch.Tensor, buffer: torch.Tensor) -> int:
     return int(view.storage_offset() - buffer.storage_offset())
 
 
+FORMS_KEPT = 2 * SHARE_STEPS
+"""a bucket's buffer formats kept: as many capacities as two densities' shares make"""
+
+
 @dataclass
 class Bucket:
     """One stream's fixed parts: its layout, the feedback's buffers each parameter's state is a
@@ -84,6 +88,20 @@ class Bucket:
     """the pipeline's own sparse steps run when the ranks last made their parameters' shares of
     the density one (None: not since it was built). The host path leaves each rank its own share:
     a checkpoint it wrote holds them, and so do the parameters after its steps (`Mode.SPARSE`)."""
+    forms: dict[int, WireFormat] = field(default_factory=dict)
+    """the buffer's format by capacity, the latest `FORMS_KEPT`: each places its fields once"""
+
+    def form(self, capacity: int, spec: PipelineSpec) -> WireFormat:
+        """The buffer's format for ``capacity`` selected entries and the entries sent whole."""
+        form = self.forms.pop(capacity, None)
+        if form is None:
+            whole = self.layout.whole.numel() if self.layout.whole is not None else 0
+            form = WireFormat(self.layout.numel, capacity, whole, spec.value_codec,
+                              packed=isinstance(spec.index_codec, PackedIndices))
+            if len(self.forms) >= FORMS_KEPT:
+                self.forms.pop(next(iter(self.forms)))  # the least recently used
+        self.forms[capacity] = form
+        return form
 
     def current(self, states: dict[str, TensorState], uncompressed: dict[str, dict[str, Any]],
                 device: torch.device) -> bool:
@@ -200,8 +218,7 @@ class DevicePath(Path):
         magnitude = None  # the largest sent, where adaptive's report needs it: read with the sum's check
         if adaptive is not None and adaptive.report_needed(parts.stats.steps):
             magnitude = torch.linalg.vector_norm(values, math.inf) if values.numel() else values.new_zeros(())
-        form = WireFormat(layout.numel, indices.numel(), values.numel() - indices.numel(), spec.value_codec,
-                          packed=isinstance(spec.index_codec, PackedIndices))
+        form = bucket.form(indices.numel(), spec)
         # a new buffer per call: a stream's earlier call (reduce_async) may still be on the wire
         wire = torch.empty(form.words, dtype=torch.int32, device=flat.device)
         # the codecs take fp32 (a half-precision gradient's feedback stays in its own dtype)
