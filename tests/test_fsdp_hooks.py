@@ -148,6 +148,8 @@ def flat(rank: int, world: int, tmp: str) -> dict:
         compression.load_state_dict({**saved, "residuals": {}})
     with pytest.raises(sc.SparseCommError, match="topk"):
         sc.register_fsdp_hooks(sharded(mesh), "dgc", mesh)
+    with pytest.raises(sc.SparseCommError, match="no other transport"):  # rice would not be used: refused
+        sc.register_fsdp_hooks(sharded(mesh), "topk(ratio=0.1)+residual+rice+fp32", mesh)
     return {"ratio": compression.stats.compression_ratio}
 
 
@@ -186,3 +188,109 @@ def transformer_rows(rank: int, world: int) -> int:
 
 def test_the_train_jobs_fsdp_rows_shard_each_block_of_a_transformer():
     assert run_local(2, transformer_rows)[0] == 9  # its 8 blocks, and the root with the (tied) embeddings
+
+
+def frozen(rank: int, world: int) -> dict:
+    """Two nodes of one rank: a frozen bias, then a layer frozen whole, then the bias trained again."""
+    mesh = sc.Topology(1).device_mesh("cpu")
+    model, reference = sharded(mesh["node"]), layers()
+    model[0].bias.requires_grad_(False)
+    compression = sc.register_fsdp_hooks(model, "dense", mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = []
+    for number in range(4):
+        if number == 1:
+            for parameter in model[2].parameters():
+                parameter.requires_grad_(False)
+        if number == 3:
+            model[0].bias.requires_grad_(True)
+        with torch.no_grad():
+            for mine, theirs in zip(reference.parameters(), model.parameters(), strict=True):
+                mine.copy_(theirs.full_tensor())
+        optimizer.zero_grad()
+        model(batch(rank, number)).square().mean().backward()
+        reference.zero_grad()
+        reference(batch(rank, number)).square().mean().backward()
+        for mine, theirs in zip(reference.parameters(), model.parameters(), strict=True):
+            if theirs.requires_grad:  # DDP's average over both ranks, as FSDP with HSDP would give
+                expected = mine.grad.clone()
+                dist.all_reduce(expected)
+                torch.testing.assert_close(theirs.grad.full_tensor(), expected / world)
+            else:
+                assert theirs.grad is None
+        optimizer.step()
+        steps.append(compression.stats.steps)
+    compression.finish_step()  # the step ended with its last module: nothing more to end
+    assert compression.stats.steps == 4
+    compression.close()
+
+    # a parameter that requires a gradient gets none: the error says so
+    two = Branches()
+    fully_shard(two, mesh=mesh["node"])
+    sc.register_fsdp_hooks(two, "dense", mesh)
+    with pytest.raises(sc.SparseCommError, match="got none this step"):
+        two(torch.randn(4, 8), False).square().mean().backward()
+    return {"steps": steps}
+
+
+class Branches(torch.nn.Module):
+    """A weight, and a bias only one branch adds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(8, 8))
+        self.bias = torch.nn.Parameter(torch.zeros(8))
+
+    def forward(self, x: torch.Tensor, biased: bool) -> torch.Tensor:
+        return x @ self.weight + self.bias if biased else x @ self.weight
+
+
+def test_hybrid_fsdp_reduces_only_the_parameters_that_require_a_gradient_and_counts_steps_by_them():
+    for result in run_local(2, frozen):
+        assert result["steps"] == [1, 2, 3, 4]  # each step ends when every module that reduces has reported
+
+
+def half_reduced(rank: int, world: int) -> list[torch.dtype]:
+    """Gradients reduced in bf16 (FSDP's mixed precision): what each path holds back is fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    kept = []
+    for mesh in (init_device_mesh("cpu", (world,)), sc.Topology(1).device_mesh("cpu")):
+        model = layers()
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh if mesh.ndim == 1 else mesh["node"], mp_policy=policy)
+        fully_shard(model, mesh=mesh if mesh.ndim == 1 else mesh["node"], mp_policy=policy)
+        compression = sc.register_fsdp_hooks(model, "topk(ratio=0.1)+residual+raw+bf16", mesh)
+        model(batch(rank, 0)).square().mean().backward()
+        if mesh.ndim == 1:
+            kept += [comm.residual.dtype for comm in compression.comms.values()]
+        else:
+            kept += [state.feedback["residual"].dtype for state in compression.across.pipeline.states.values()
+                     if "residual" in state.feedback]
+        compression.close()
+    return kept
+
+
+def test_a_gradient_reduced_in_half_precision_is_held_back_in_fp32():
+    for kept in run_local(2, half_reduced):
+        assert kept and set(kept) == {torch.float32}, kept
+
+
+def flat_refrozen(rank: int, world: int) -> bool:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = sharded(mesh)
+    sc.register_fsdp_hooks(model, "topk(ratio=0.1)+residual+raw+fp32", mesh)
+    model(batch(rank, 0)).square().mean().backward()
+    model[0].bias.requires_grad_(False)
+    with pytest.warns(UserWarning, match="dropped"):
+        model(batch(rank, 1)).square().mean().backward()
+    return True
+
+
+def test_a_flat_fsdp_module_whose_layout_changes_says_what_it_drops():
+    assert all(run_local(2, flat_refrozen))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsecomm.feedback.base import hold_in
+from sparsecomm.feedback.base import hold_in, state_dtype
 from sparsecomm.pipeline import Segment, TensorState
 
 NAME = "residual"
@@ -31,9 +31,10 @@ class FlatResidual:
     def of(cls, states: Sequence[TensorState], segments: Sequence[Segment], like: torch.Tensor,
            kept: FlatResidual | None = None) -> FlatResidual:
         """``kept`` where the sparsified segments' ``states`` still hold its views, else their
-        residuals as one buffer of ``like``'s dtype and device: the one their views share where
-        they share one at their segments' places (the device route's), or a new one their
-        residuals are copied into (zeros where a state holds none) and whose views they then hold."""
+        residuals as one buffer on ``like``'s device, in the dtype a feedback keeps ``like``'s in
+        (`state_dtype`): the one their views share where they share one at their segments' places
+        (the device route's), or a new one their residuals are copied into (zeros where a state
+        holds none) and whose views they then hold."""
         sparsified = [(state, segment) for state, segment in zip(states, segments, strict=True) if not segment.whole]
         if kept is not None and len(kept.views) == len(sparsified) and all(
                 state.feedback.get(NAME) is view for (state, _), view in zip(sparsified, kept.views, strict=True)):
@@ -43,7 +44,7 @@ class FlatResidual:
         shared = _shared(sparsified, like)
         if shared is not None:
             return cls(shared, tuple(state.feedback[NAME] for state, _ in sparsified), whole_index)
-        buffer = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
+        buffer = torch.zeros(like.numel(), dtype=state_dtype(like.dtype), device=like.device)
         views = hold_in(buffer, NAME, [(state.feedback, segment.start, segment.numel) for state, segment in sparsified])
         return cls(buffer, tuple(views), whole_index)
 
@@ -54,16 +55,15 @@ class FlatResidual:
         residuals are known to be zero, and are not read. Returns whether they are zero now (the
         same dtype, no scaling)."""
         residual = self.buffer[:grad.numel()]
-        exact = scale == 1.0 and out.dtype == grad.dtype
         if clear:
-            if exact:
+            if scale == 1.0 and out.dtype == grad.dtype:
                 if out.data_ptr() != grad.data_ptr():
                     out.copy_(grad)
                 return True
             torch.mul(grad, scale, out=out)  # rounded to out's dtype as it is written
             torch.sub(grad, out, alpha=1.0 / scale, out=residual)
         else:
-            if exact:
+            if scale == 1.0 and out.dtype == residual.dtype:  # (a half-precision gradient's residual is fp32)
                 torch.add(residual, grad, out=out)
                 residual.zero_()
                 return True
@@ -77,12 +77,13 @@ class FlatResidual:
 
 def _shared(sparsified: list[tuple[TensorState, Segment]], like: torch.Tensor) -> torch.Tensor | None:
     """The buffer every sparsified state's residual is a view of, at its segment's place, where
-    they all share one of ``like``'s dtype and device that covers the bucket (None otherwise)."""
+    they all share one in the dtype a feedback keeps ``like``'s in, on its device, that covers the
+    bucket (None otherwise)."""
     if not sparsified:
         return None
     first = sparsified[0][0].feedback.get(NAME)
     base = first._base if isinstance(first, torch.Tensor) else None
-    if (base is None or base.dtype != like.dtype or base.device != like.device or base.dim() != 1
+    if (base is None or base.dtype != state_dtype(like.dtype) or base.device != like.device or base.dim() != 1
             or base.numel() < like.numel()):
         return None
     for state, segment in sparsified:

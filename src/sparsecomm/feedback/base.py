@@ -90,16 +90,24 @@ class Feedback(Component):
                 tensor.copy_(updated)
 
 
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a feedback keeps a gradient of ``dtype`` in: fp32 for half precision, whose 8 or
+    11 bits of mantissa would round away a small gradient added to a large held-back one (each
+    step's, for good), else the gradient's own."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def held(state: dict[str, Any], name: str, like: torch.Tensor) -> torch.Tensor:
-    """The state's buffer ``name`` in ``like``'s shape, on its device, made (zeros) where it holds
-    none of ``like``'s size and dtype. A view of the one buffer a tensor keeps, whichever route
-    last made it: a tensor in its own shape (a custom loop's sparse step) or a flat slice (a
-    bucket, a dense step's flush) — a route must never find another's state of another shape and
-    start over."""
-    if not holds(state, name, like):
-        state[name] = torch.zeros_like(like, memory_format=torch.contiguous_format)
-    elif state[name].device != like.device or not state[name].is_contiguous():  # a checkpoint loaded elsewhere
-        state[name] = state[name].to(like.device, memory_format=torch.contiguous_format)
+    """The state's buffer ``name`` in ``like``'s shape, on its device, made (zeros, in
+    `state_dtype`) where it holds none of ``like``'s size and that dtype. A view of the one buffer a
+    tensor keeps, whichever route last made it: a tensor in its own shape (a custom loop's sparse
+    step) or a flat slice (a bucket, a dense step's flush) — a route must never find another's
+    state of another shape and start over."""
+    dtype, kept = state_dtype(like.dtype), state.get(name)
+    if not isinstance(kept, torch.Tensor) or kept.numel() != like.numel():
+        state[name] = torch.zeros_like(like, dtype=dtype, memory_format=torch.contiguous_format)
+    elif kept.device != like.device or kept.dtype != dtype or not kept.is_contiguous():  # loaded elsewhere
+        state[name] = kept.to(like.device, dtype, memory_format=torch.contiguous_format)
     buffer: torch.Tensor = state[name]
     return buffer.view(like.shape)
 
@@ -120,9 +128,11 @@ def hold_in(buffer: torch.Tensor, name: str, parts: Sequence[tuple[dict[str, Any
 
 
 def holds(state: dict[str, Any], name: str, like: torch.Tensor) -> bool:
-    """Whether the state keeps a buffer ``name`` of ``like``'s size and dtype (`held`)."""
+    """Whether the state keeps a buffer ``name`` of ``like``'s size, in the dtype it keeps
+    ``like``'s in (`held`)."""
     buffer = state.get(name)
-    return isinstance(buffer, torch.Tensor) and buffer.numel() == like.numel() and buffer.dtype == like.dtype
+    return (isinstance(buffer, torch.Tensor) and buffer.numel() == like.numel()
+            and buffer.dtype == state_dtype(like.dtype))
 
 
 def flush_into(whole: torch.Tensor, out: torch.Tensor, scale: float) -> bool:

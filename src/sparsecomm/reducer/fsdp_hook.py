@@ -15,13 +15,16 @@ would run over the slow link::
 Each FSDP module's all-reduce hook (``FSDPModule.set_all_reduce_hook``) gets its reduce-scatter
 output — this rank's shard, averaged over its node — and replaces it by the average over nodes
 (`GradientReducer.reduce` over the ranks holding the same shard on every node, keyed by the
-module's name: its error feedback holds this rank's shard, 1/``local_size`` of the module). A step
-ends when every module has reported once (or one reports again).
+module's name: its error feedback holds this rank's shard, 1/``local_size`` of the module). FSDP
+reduces only the parameters that require a gradient, so a shard's layout is read from them at
+each call: a parameter frozen or unfrozen mid-run changes it. A step ends when every module holding
+such a parameter has reported once (or one reports again).
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -84,26 +87,47 @@ class FSDPCompression(AcrossNodes, CheckpointsPerRank):
                                       dense_below=dense_below, model=model)
         """averages each shard over the nodes (the model's forward starts ``adaptive``'s clock)"""
         self.modules = sorted(name or "<root>" for name in modules)
+        self._parameters = {name or "<root>": parameters for name, (_, parameters) in modules.items()}
         self._reported: set[str] = set()
+        self._expected: set[str] = set()
+        """the modules holding a parameter that requires a gradient when the step began"""
         self._node_ranks = mesh[NODE].size()
         if self.across.adaptive is not None and self._node_ranks > 1:  # the node's shards share its link
             self.across.adaptive.plan_with(dist.new_subgroups_by_enumeration(mesh.mesh.tolist())[0])
-        for name, (module, parameters) in modules.items():
-            segments = _segments(parameters, self._node_ranks, self.across.config.sends_whole)
-            module.set_all_reduce_hook(self._hook_for(name or "<root>", segments))
+        for name, (module, _) in modules.items():
+            module.set_all_reduce_hook(self._hook_for(name or "<root>"))
 
-    def _hook_for(self, name: str, segments: tuple[Segment, ...]) -> Any:
-        numel = sum(segment.numel for segment in segments)
+    def _trainable(self, name: str) -> list[tuple[str, nn.Parameter]]:
+        """The module's parameters FSDP reduces: those that require a gradient, as they do now."""
+        return [(key, parameter) for key, parameter in self._parameters[name] if parameter.requires_grad]
+
+    def _hook_for(self, name: str) -> Any:
+        layouts: dict[tuple[str, ...], tuple[str, tuple[Segment, ...]]] = {}
+        """per set of parameters that require a gradient: the call's key and the shard's layout"""
 
         def average_over_nodes(shard: torch.Tensor) -> None:
+            trainable = self._trainable(name)
+            keys = tuple(key for key, _ in trainable)
+            if keys not in layouts:  # the module's name, or with some parameters frozen, which ones are not
+                every = len(self._parameters[name])
+                key = name if len(keys) == every else \
+                    f"{name} [{len(keys)} of {every} parameters, layout {zlib.crc32(chr(0).join(keys).encode()):08x}]"
+                layouts[keys] = key, _segments(trainable, self._node_ranks, self.across.config.sends_whole)
+            key, segments = layouts[keys]
+            numel = sum(segment.numel for segment in segments)
             if shard.numel() != numel:
-                raise SparseCommError(f"FSDP module {name!r} reduced {shard.numel()} elements where its parameters' "
-                                      f"shards hold {numel}: a sharding this hook does not know")
+                raise SparseCommError(
+                    f"FSDP module {name!r} reduced {shard.numel()} elements where the shards of its parameters that "
+                    f"require a gradient hold {numel}: a parameter that requires one got none this step (a branch "
+                    "not taken), which this hook cannot place; give it a gradient (add 0 * parameter.sum() to the "
+                    "loss) or set requires_grad=False while it is unused")
             if name in self._reported:  # a step that did not reach every module: it ends here
                 self.finish_step()
+            if not self._reported:  # a step begins: the modules that will report in it
+                self._expected = {other for other in self.modules if self._trainable(other)}
             averaged, error = shard, None
             try:
-                averaged = self.across.reduce(name, shard, segments)
+                averaged = self.across.reduce(key, shard, segments)
             except SparseCommError as err:
                 error = err
             failed = error is not None
@@ -114,13 +138,16 @@ class FSDPCompression(AcrossNodes, CheckpointsPerRank):
                                                "between nodes (its error says why)")
             shard.copy_(averaged)
             self._reported.add(name)
-            if len(self._reported) == len(self.modules):
+            if self._reported >= self._expected:
                 self.finish_step()
 
         return average_over_nodes
 
     def finish_step(self) -> None:
-        """End the step (the hooks call it once every module has reported)."""
+        """End the step (the hooks call it once every module that reduces has reported; after
+        that, a call ends nothing more)."""
+        if not self._reported:
+            return
         self._reported.clear()
         self.across.finish_step()
 
@@ -191,8 +218,8 @@ def register_fsdp_hooks(model: nn.Module, spec_or_preset: str | PipelineSpec, me
       nodes through the pipeline.
     - Flat, ``mesh`` one-dimensional or None (modules sharded over every rank): each module's
       reduce-scatter sends each owner only the largest entries of its range
-      (`sparsecomm.reducer.sparse_reduce_scatter`); the spec is ``topk(ratio=R)+residual`` with
-      ``fp32``, ``fp16`` or ``bf16`` values.
+      (`sparsecomm.reducer.sparse_reduce_scatter`); the spec is ``topk(ratio=R)+residual+raw``
+      with ``fp32``, ``fp16`` or ``bf16`` values.
 
     Args:
         model: the root module, after ``fully_shard``.

@@ -6,12 +6,14 @@ largest magnitude in every range (a fixed ``k`` = ``ratio`` × range: fixed size
 and sends each owner only its range's picks — indices in 32 bits, values in the spec's value
 dtype — with one ``all_to_all_single`` each; the owner sums what it receives into its shard. What
 was not sent, and what the values' rounding lost, stays in the error feedback: as large as the
-module's unsharded gradient, on every rank (FSDP itself holds that only during the backward pass).
+module's unsharded gradient (in fp32 for a half-precision one), on every rank (FSDP itself holds that
+only during the backward pass).
 A non-finite entry is sent as it is (the optimizer or a gradient scaler sees it) and never kept.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -19,13 +21,16 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # set_custom_reduce_scatter's type
 
+from sparsecomm.encode.index.raw import RawIndices
 from sparsecomm.encode.value.floats import FloatValues
 from sparsecomm.errors import SparseCommError
+from sparsecomm.feedback.base import state_dtype
 from sparsecomm.feedback.residual import Residual
 from sparsecomm.reducer.rank_state import CheckpointsPerRank
 from sparsecomm.reducer.stats import ReducerStats, TensorStats
 from sparsecomm.sparsify.topk import TopK
 from sparsecomm.spec import PipelineSpec, format_spec
+from sparsecomm.transport.allgather import AllgatherTransport
 
 FORMAT = 1
 """the format of `FlatFSDPCompression.state_dict`"""
@@ -36,8 +41,8 @@ class SparseReduceScatter(ReduceScatter):
     ``ratio`` of largest entries of each rank's range, values sent as ``values``; it counts into its
     own ``stats`` and the model's step count (``totals``: the calls of the module called most)."""
 
-    def __init__(self, ratio: float, values: torch.dtype, stats: TensorStats, totals: ReducerStats) -> None:
-        self.ratio, self.values, self.stats, self.totals = ratio, values, stats, totals
+    def __init__(self, name: str, ratio: float, values: torch.dtype, stats: TensorStats, totals: ReducerStats) -> None:
+        self.name, self.ratio, self.values, self.stats, self.totals = name, ratio, values, stats, totals
         self.residual: torch.Tensor | None = None
         """what this rank has held back, by range (the error feedback)"""
 
@@ -47,14 +52,19 @@ class SparseReduceScatter(ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> dist.Work | None:
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-            raise SparseCommError(f"a compressed reduce-scatter sums or averages, not {op} (FSDP's "
-                                  "gradient_divide_factor is not supported)")
+            raise SparseCommError("a compressed reduce-scatter sums or averages, not another reduction (FSDP's "
+                                  "gradient_divide_factor, which asks for one, is not supported)")
         ranks, numel = group.size(), output_tensor.numel()
         ranges = input_tensor.view(ranks, numel)
+        dtype = state_dtype(ranges.dtype)  # a half-precision gradient's error is kept in fp32
         if self.residual is None or self.residual.shape != ranges.shape:
-            self.residual = torch.zeros_like(ranges)
-        elif self.residual.device != ranges.device or self.residual.dtype != ranges.dtype:  # loaded elsewhere
-            self.residual = self.residual.to(ranges)
+            if self.residual is not None:
+                warnings.warn(f"FSDP module {self.name!r} reduce-scatters {tuple(ranges.shape)} ranges where it held "
+                              f"{tuple(self.residual.shape)} (a parameter frozen or unfrozen?): what it held back "
+                              "is dropped", stacklevel=2)
+            self.residual = torch.zeros_like(ranges, dtype=dtype)
+        elif self.residual.device != ranges.device or self.residual.dtype != dtype:  # loaded elsewhere
+            self.residual = self.residual.to(ranges.device, dtype)
         corrected = self.residual.add_(ranges)
         k = max(1, min(numel, round(self.ratio * numel)))
         picked = corrected.abs().topk(k, dim=1, sorted=False).indices
@@ -102,12 +112,14 @@ class FlatFSDPCompression(CheckpointsPerRank):
     def __init__(self, modules: dict[str, FSDPModule], spec: PipelineSpec) -> None:
         sparsifier, values = spec.sparsifier, spec.value_codec
         if not (isinstance(sparsifier, TopK) and sparsifier.ratio is not None and not sparsifier.warmup
-                and isinstance(spec.feedback, Residual) and isinstance(values, FloatValues)):
-            raise SparseCommError("over one flat FSDP group the reduce-scatter takes topk(ratio=R)+residual with fp32, "
-                                  f"fp16 or bf16 values (indices go as 32-bit integers), not {format_spec(spec)!r}")
+                and isinstance(spec.feedback, Residual) and isinstance(values, FloatValues)
+                and isinstance(spec.index_codec, RawIndices) and isinstance(spec.transport, AllgatherTransport)):
+            raise SparseCommError("over one flat FSDP group the reduce-scatter takes topk(ratio=R)+residual+raw with "
+                                  "fp32, fp16 or bf16 values (indices go as 32-bit integers, each owner's by "
+                                  f"all_to_all, no other transport), not {format_spec(spec)!r}")
         self.spec = spec
         self.stats = ReducerStats()
-        self.comms = {name: SparseReduceScatter(sparsifier.ratio, values.wire_dtype,
+        self.comms = {name: SparseReduceScatter(name, sparsifier.ratio, values.wire_dtype,
                                                 self.stats.tensors.setdefault(name, TensorStats()), self.stats)
                       for name in modules}
         for name, module in modules.items():

@@ -31,7 +31,7 @@ from sparsecomm.device.whole import WholeError, WholeMomentum
 from sparsecomm.device.wire import WireFormat
 from sparsecomm.encode.index.packed import PackedIndices
 from sparsecomm.errors import SparseCommError
-from sparsecomm.feedback.base import hold_in
+from sparsecomm.feedback.base import hold_in, state_dtype
 from sparsecomm.feedback.dgc_momentum import DGCMomentum
 from sparsecomm.pipeline import Segment, TensorState, key_hash, seeded_generator
 from sparsecomm.reducer.call import Call, Route, Summed
@@ -221,7 +221,7 @@ class DevicePath(Path):
         form = bucket.form(indices.numel(), spec)
         # a new buffer per call: a stream's earlier call (reduce_async) may still be on the wire
         wire = torch.empty(form.words, dtype=torch.int32, device=flat.device)
-        # the codecs take fp32 (a half-precision gradient's feedback stays in its own dtype)
+        # the codecs take fp32 (as a half-precision gradient's feedback is kept: `state_dtype`)
         delivered = form.pack(wire, layout.digest, indices, values.float(), proposed)
         if bucket.whole_error is not None:
             bucket.whole_error.propose(values[form.capacity:], delivered[form.capacity:])
@@ -297,7 +297,7 @@ class DevicePath(Path):
         buffers, views = {}, []
         sparsified = [(state, segment) for state, segment in zip(states, segments, strict=True) if not segment.whole]
         for name in buffer_names(feedback):
-            buffers[name] = flat.new_zeros(flat.numel() + 1)
+            buffers[name] = flat.new_zeros(flat.numel() + 1, dtype=state_dtype(flat.dtype))
             held = hold_in(buffers[name], name, [(state.feedback, s.start, s.numel) for state, s in sparsified])
             views += [(state, name, view) for (state, _), view in zip(sparsified, held, strict=True)]
         layout = BucketLayout.of(segments, flat.numel(), flat.device)
