@@ -79,3 +79,37 @@ def test_a_reducer_not_started_suits_an_optimizer_and_releases_nothing():
         sc.check_optimizer(torch.optim.AdamW(model.parameters()), reducer)
     assert "+residual+" in repr(reducer) and not reducer.started  # the ranks agree on it when it starts
     reducer.close()  # nothing started: nothing to release
+
+
+def foreign_checkpoint(rank: int, world: int) -> None:
+    modules = twins()
+    models = [DDP(module) for module in modules]
+    ours = sc.GradientReducer(SPEC, model=models[0])
+    theirs = sc.GradientReducer("topk(ratio=0.1)+residual+rice+fp32", model=models[1])
+    models[0].register_comm_hook(ours, sc.ddp_comm_hook)
+    models[1].register_comm_hook(theirs, sc.ddp_comm_hook)
+    for number in range(2):
+        step(models[:1], rank, number)
+    for number in range(5):
+        step(models[1:], rank, number)
+    before = ours.state_dict()
+    with pytest.raises(sc.SparseCommError, match="state is for"):
+        ours.load_state_dict(theirs.state_dict())
+    after = ours.state_dict()  # nothing restored: not the call counts either
+    assert after["calls"] == before["calls"] and after["steps"] == before["steps"] == 2
+
+    # loaded before it starts: refused when it does, with nothing of it kept
+    copy = twins()[0]
+    early = built_before_init(copy)
+    early.load_state_dict(theirs.state_dict())
+    model = DDP(copy)
+    model.register_comm_hook(early, sc.ddp_comm_hook)
+    with pytest.raises(sc.SparseCommError, match="state is for"):
+        step([model], rank, 0)
+    assert early.stats.steps == 0 and early.state_dict()["calls"] == {}
+    for reducer in (ours, theirs, early):
+        reducer.close()
+
+
+def test_a_checkpoint_of_another_spec_restores_nothing_loaded_before_or_after_the_start():
+    run_local(2, foreign_checkpoint)

@@ -127,3 +127,41 @@ def test_one_nonfinite_policy_serves_every_path():
     assert zeroed.tolist() == [1.0, 0.0, 0.0] and not must_raise
     assert screen_nonfinite(bad, "skip") == (None, False)
     assert screen_nonfinite(bad, "raise") == (None, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("feedback", ["residual", "dgc_momentum(momentum=0.9)"])
+def test_a_half_precision_gradients_small_steady_entries_are_held_back_not_rounded_away(dtype, feedback):
+    """Ten large entries win every step; the rest, small and steady, wait in the feedback. Kept in
+    the gradient's half precision, a held-back sum of about 0.25 no longer grows by 3e-4 a step
+    (half its spacing there): fp32 keeps every step's, so what was sent plus what is held is what
+    came in."""
+    pipe = sc.Pipeline(f"topk(ratio=0.01)+{feedback}+raw+fp32")
+    grad = torch.full((1000,), 3e-4, dtype=dtype)
+    grad[:10] = 0.5
+    sent, steps = torch.zeros(1000, dtype=torch.float64), 1500
+    for _ in range(steps):
+        sent += sc.decode(pipe.compress(grad, key="w")).to_dense().double()
+    state = pipe.states["w"].feedback
+    name = "residual" if feedback == "residual" else "accumulated"
+    assert state[name].dtype == torch.float32
+    if feedback == "residual":  # what came in, to fp32's rounding of the steps' sums
+        came_in = steps * grad.double()
+        torch.testing.assert_close(sent + state[name].double(), came_in, rtol=1e-4, atol=1e-3)
+    small = sent[10:].sum() + state[name][10:].double().sum()
+    assert small > 0.9 * 990 * float(grad[10]) * steps * (1 if feedback == "residual" else 5)
+
+
+@pytest.mark.parametrize("preset", sorted(sc.PRESETS))
+def test_every_presets_canonical_text_parses_back_and_its_pipeline_state_loads(preset):
+    """A joint codec (skcompress) codes the values too: its canonical text names no value codec,
+    which parse_spec would refuse next to it, and a checkpoint stores that text."""
+    from sparsecomm.spec import format_spec
+
+    spec = sc.parse_spec(sc.PRESETS[preset].spec)
+    assert sc.parse_spec(format_spec(spec)) == spec
+    pipe = sc.Pipeline(spec)
+    pipe.step(torch.randn(5000, generator=torch.Generator().manual_seed(1)), key="w")
+    fresh = sc.Pipeline(spec)
+    fresh.load_state_dict(pipe.state_dict())
+    assert fresh.states["w"].step == 1

@@ -118,6 +118,36 @@ def test_a_ddp_run_resumed_in_fresh_processes_equals_the_uninterrupted_run_bit_f
         assert resumed[0]["chosen"] == straight[0]["chosen"] and all(straight[0]["chosen"].values())
 
 
+def one_rank_resumes(rank: int, world: int, spec: str) -> str:
+    """Three DDP steps; then rank 0 loads their checkpoint and rank 1 starts afresh."""
+    model = DDP(mlp(0))
+    reducer = sc.register_ddp_hook(model, spec)
+    data = list(batches(rank, world, 4))
+    for inputs, labels in data[:3]:
+        F.cross_entropy(model(inputs), labels).backward()
+    saved = reducer.state_dict()
+    reducer.close()
+    model = DDP(mlp(0))
+    reducer = sc.register_ddp_hook(model, spec)
+    if rank == 0:
+        reducer.load_state_dict(saved)
+    try:
+        F.cross_entropy(model(data[3][0]), data[3][1]).backward()
+    except sc.SparseCommError as err:
+        return str(err)
+    finally:
+        reducer.close()
+    return "no error"
+
+
+@pytest.mark.parametrize("spec", ["topk(ratio=0.01)+residual+rice+fp32+allgather", "dgc"])
+def test_a_rank_that_resumes_next_to_one_that_starts_afresh_fails_clearly_on_every_rank(spec):
+    """Their calls disagree, which every rank says; a payload capacity restored on one rank alone
+    would instead have gloo abort the process on a message longer than the other expects."""
+    for message in run_local(2, one_rank_resumes, spec):
+        assert message != "no error"
+
+
 def named_in_different_orders(rank: int, world: int, kind: str) -> dict:
     a, b = torch.full((5000,), 1.0 + rank), torch.full((5000,), 10.0 * (rank + 1))
     named = [("a", a), ("b", b)]

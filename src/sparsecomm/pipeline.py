@@ -349,6 +349,13 @@ class Pipeline:
             },
         }
 
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Raise unless ``state`` (what `state_dict` returned) is for this spec and seed."""
+        if parse_spec(state["spec"]) != self.spec or state["seed"] != self.seed:
+            raise SparseCommError(
+                f"state is for {state['spec']!r} seed {state['seed']}, this pipeline is {self!r}"
+            )
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the tensors' state from `state_dict`.
 
@@ -358,10 +365,7 @@ class Pipeline:
         Raises:
             SparseCommError: the state is for another spec or seed.
         """
-        if parse_spec(state["spec"]) != self.spec or state["seed"] != self.seed:
-            raise SparseCommError(
-                f"state is for {state['spec']!r} seed {state['seed']}, this pipeline is {self!r}"
-            )
+        self.check_state(state)
         self.states = {
             key: TensorState(step=saved["step"], feedback={k: (v.clone() if isinstance(v, torch.Tensor) else v)
                                                            for k, v in saved["feedback"].items()},

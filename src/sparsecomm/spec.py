@@ -123,8 +123,8 @@ def _check_codecs(spec: str, chosen: dict[str, Component], explicit_value: bool)
 
 
 def format_spec(spec: PipelineSpec) -> str:
-    """The canonical text of ``spec``: all five stages in pipeline order, parameters at their
-    defaults left out; `parse_spec` reads it back to an equal spec."""
-    return "+".join(
-        c.to_spec() for c in (spec.sparsifier, spec.feedback, spec.index_codec, spec.value_codec, spec.transport)
-    )
+    """The canonical text of ``spec``: its stages in pipeline order — all five, but the value codec
+    where the index codec codes the values too — parameters at their defaults left out;
+    `parse_spec` reads it back to an equal spec."""
+    value = () if spec.index_codec.codes_values else (spec.value_codec,)
+    return "+".join(c.to_spec() for c in (spec.sparsifier, spec.feedback, spec.index_codec, *value, spec.transport))

@@ -54,7 +54,7 @@ def _from_0(state: dict[str, Any]) -> dict[str, Any]:
     """A format-0 checkpoint in format 1."""
     pipeline = dict(state["pipeline"])
     pipeline["tensors"] = {key: {"density_share": 1.0, **saved} for key, saved in pipeline["tensors"].items()}
-    session = {"split_points": [], "payload_capacity": 0, **state["session"]}
+    session = {"split_points": [], **state["session"]}
     budget = state.get("budget")
     return {"format": 1, "pipeline": pipeline, "calls": state["calls"], "steps": state["steps"],
             "uncompressed": state["uncompressed"], "session": session,

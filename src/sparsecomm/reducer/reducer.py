@@ -119,8 +119,12 @@ class GradientReducer:
         self.config = replace(self.config, world_size=dist.get_world_size(self.group))
         self.runtime = Runtime(self.config, self.group, self._model, self.stats)
         if self._loaded is not None:
-            self.load_state_dict(self._loaded)
-            self._loaded = None
+            loaded, self._loaded = self._loaded, None
+            try:
+                self.load_state_dict(loaded)
+            except SparseCommError:  # a checkpoint of another run: it restored nothing, and is not kept
+                self.stats.steps = 0
+                raise
         return self.runtime
 
     @property
@@ -335,7 +339,8 @@ class GradientReducer:
 
         Raises:
             SparseCommError: the checkpoint is for another spec or seed, or of a format this version
-                cannot read.
+                cannot read; nothing is restored then. A reducer that has not started checks the
+                spec and seed when it starts, at its first call, and raises there.
         """
         state = migrate(state)
         if not self.started:

@@ -134,6 +134,9 @@ class Runtime:
                 "adaptive": self.adaptive.state_dict() if self.adaptive is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a checkpoint (in this version's format): nothing changes unless it is for this
+        pipeline's spec and seed."""
+        self.pipeline.check_state(state["pipeline"])
         self.counts = dict(state["calls"])
         self.pipeline.load_state_dict(state["pipeline"])
         self.parts.uncompressed.load_state_dict(state["uncompressed"])

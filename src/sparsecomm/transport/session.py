@@ -37,7 +37,9 @@ class TransportSession:
         """per stream (key, N, P): split-allgather's range bounds, balanced by the last result's nonzeros"""
         self.payload_capacity = 0
         """bytes each rank receives per peer in the first round of a payload allgather: the same on every
-        rank, as it follows only sizes every rank saw (see `sparsecomm.transport.payload_exchange`)"""
+        rank, as it follows only sizes every rank saw (see `sparsecomm.transport.payload_exchange`).
+        Not checkpointed: a rank that starts afresh next to one that resumes starts at 0, and the
+        ranks' capacities must match (it costs one step's second round, never a result)."""
         self._executor: ThreadPoolExecutor | None = None
         self._buffers: dict[tuple[str, int, torch.device], torch.Tensor] = {}
         """receive buffers by (purpose, peer, device): a cache, not state (not checkpointed)"""
@@ -114,11 +116,10 @@ class TransportSession:
     def state_dict(self) -> dict[str, Any]:
         return {"tunings": [(key, tuning.state_dict()) for key, tuning in self.tunings.items()],
                 "expected": list(self.expected.items()),
-                "split_points": [(key, list(bounds)) for key, bounds in self.split_points.items()],
-                "payload_capacity": self.payload_capacity}
+                "split_points": [(key, list(bounds)) for key, bounds in self.split_points.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.tunings = {tuple(key): Tuning.from_state_dict(saved) for key, saved in state["tunings"]}
         self.expected = {tuple(key): name for key, name in state["expected"]}
         self.split_points = {tuple(key): tuple(bounds) for key, bounds in state["split_points"]}
-        self.payload_capacity = state["payload_capacity"]
+        self.payload_capacity = 0  # as on every rank that did not load this: see its docstring
