@@ -165,3 +165,23 @@ def test_every_presets_canonical_text_parses_back_and_its_pipeline_state_loads(p
     fresh = sc.Pipeline(spec)
     fresh.load_state_dict(pipe.state_dict())
     assert fresh.states["w"].step == 1
+
+
+def skip_a_half_precision_nan(rank: int, world: int) -> list[str]:
+    results = []
+    with sc.GradientReducer("topk(ratio=0.01)+residual+rice+fp32+allgather", nonfinite="skip") as reducer:
+        for step in range(2):
+            grad = torch.full((20_000,), 0.01 * (rank + 1), dtype=torch.bfloat16)
+            grad[:50] = 1.0
+            if step == 1 and rank == 1:
+                grad[3] = float("nan")
+            results.append(str(reducer.reduce("w", grad).dtype))
+    return results
+
+
+def test_a_half_precision_gradient_skipped_on_one_rank_still_matches_the_others_call():
+    """A rank that skips its non-finite gradient sends an empty contribution of the gradient's
+    dtype: the values the others send are in it too, though their feedback is fp32."""
+    from sparsecomm.launch import run_local
+
+    assert run_local(2, skip_a_half_precision_nan) == [["torch.bfloat16"] * 2] * 2

@@ -292,5 +292,35 @@ def flat_refrozen(rank: int, world: int) -> bool:
     return True
 
 
+class Twins(torch.nn.Module):
+    """Two weights of one shape, either of which the step trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(8, 8))
+        self.b = torch.nn.Parameter(torch.zeros(8, 8))
+
+    def forward(self, x: torch.Tensor, trained: str) -> torch.Tensor:
+        return (x * getattr(self, trained)).sum()
+
+
+def flat_swapped(rank: int, world: int) -> float:
+    """a trained, then b with a zero gradient: the same layout's size, another parameter in it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = Twins()
+    fully_shard(model, mesh=mesh)
+    sc.register_fsdp_hooks(model, "topk(ratio=0.1)+residual+raw+fp32", mesh)
+    model.b.requires_grad_(False)
+    model(torch.arange(64.0).view(8, 8) / 64 + 1, "a").backward()  # most of a's gradient held back
+    model.a.requires_grad_(False)
+    model.b.requires_grad_(True)
+    with pytest.warns(UserWarning, match="dropped"):
+        model(torch.zeros(8, 8), "b").backward()
+    return float(model.b.grad.full_tensor().abs().sum())
+
+
 def test_a_flat_fsdp_module_whose_layout_changes_says_what_it_drops():
     assert all(run_local(2, flat_refrozen))
+    assert run_local(2, flat_swapped) == [0.0, 0.0]  # a's held-back error never arrives as b's gradient

@@ -279,3 +279,30 @@ def nonfinite_low_rank(rank: int, world: int) -> dict:
 def test_a_non_finite_gradient_in_a_low_rank_step_fails_every_rank_and_loses_nothing():
     runs = run_local(2, nonfinite_low_rank)
     assert all("non-finite" in run["error"] and run["kept"] for run in runs), runs
+
+
+def half_precision_low_rank(rank: int, world: int, dtype: torch.dtype, steps: int) -> tuple[str, float]:
+    """Low-rank steps on a matrix's half-precision gradient with a small steady part: what the ranks
+    were given plus what they hold is what they were fed."""
+    generator = torch.Generator().manual_seed(rank)
+    fed, given = torch.zeros(48, 40, dtype=torch.float64), torch.zeros(48, 40, dtype=torch.float64)
+    with sc.GradientReducer("adaptive(low_rank=2)+residual+rice+int8+allgather") as reducer:
+        reducer.adaptive.planner.plan = lambda: Plan(Mode.LOW_RANK)
+        for _ in range(steps):
+            grad = (torch.randn(48, 40, generator=generator) + 3e-4).to(dtype)
+            vector = torch.randn(40, generator=generator).to(dtype)
+            fed += grad.double()
+            reducer.allreduce_([("w", grad), ("v", vector)])
+            given += grad.double()
+        held = reducer.pipeline.states["w"].feedback["residual"]
+        kept = str(held.dtype)
+        held = held.reshape(48, 40).double()
+    dist.all_reduce(fed)
+    dist.all_reduce(held)
+    return kept, float((given * world + held - fed).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_gradients_low_rank_steps_keep_their_rounding_in_an_fp32_residual(dtype):
+    for kept, gap in run_local(2, half_precision_low_rank, dtype, 20):
+        assert kept == "torch.float32" and gap < 1e-4, (kept, gap)  # in bf16's own residual: 0.2

@@ -311,7 +311,11 @@ class Pipeline:
                 state.magnitudes = density, magnitude_sample(accumulated[-1], state.step)
             generator = None if segment.whole else seeded_generator(flat.device, self.seed, key_hash(segment.key),
                                                                     state.step)
-            parts.append(sparsifier.sparsify(accumulated[-1], generator))
+            part = sparsifier.sparsify(accumulated[-1], generator)
+            if part.values.dtype != flat.dtype:  # a half-precision gradient's fp32 feedback: values go in the
+                # gradient's dtype, as every rank's do, and the feedback keeps what rounding them lost
+                part = SparseGradient(part.indices, part.values.to(flat.dtype), part.shape)
+            parts.append(part)
             targets.append(sparsifier.target_count(segment.numel))
         return accumulated, parts, targets
 

@@ -128,11 +128,10 @@ def hold_in(buffer: torch.Tensor, name: str, parts: Sequence[tuple[dict[str, Any
 
 
 def holds(state: dict[str, Any], name: str, like: torch.Tensor) -> bool:
-    """Whether the state keeps a buffer ``name`` of ``like``'s size, in the dtype it keeps
-    ``like``'s in (`held`)."""
+    """Whether the state keeps a buffer ``name`` of ``like``'s size (in whatever dtype: `held`
+    gives it in the one it is kept in)."""
     buffer = state.get(name)
-    return (isinstance(buffer, torch.Tensor) and buffer.numel() == like.numel()
-            and buffer.dtype == state_dtype(like.dtype))
+    return isinstance(buffer, torch.Tensor) and buffer.numel() == like.numel()
 
 
 def flush_into(whole: torch.Tensor, out: torch.Tensor, scale: float) -> bool:

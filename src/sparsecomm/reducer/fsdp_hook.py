@@ -260,6 +260,7 @@ def register_fsdp_hooks(model: nn.Module, spec_or_preset: str | PipelineSpec, me
     if mesh is None or mesh.ndim == 1:
         from sparsecomm.reducer.sparse_reduce_scatter import FlatFSDPCompression
 
-        return FlatFSDPCompression({name or "<root>": module for name, (module, _) in modules.items()},
+        return FlatFSDPCompression({name or "<root>": (module, [parameter for _, parameter in own])
+                                    for name, (module, own) in modules.items()},
                                    resolve(spec_or_preset))
     return FSDPCompression(model, modules, spec_or_preset, mesh, seed, nonfinite, dense_below)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # set_custom_reduce_scatter's type
 
@@ -41,10 +42,15 @@ class SparseReduceScatter(ReduceScatter):
     ``ratio`` of largest entries of each rank's range, values sent as ``values``; it counts into its
     own ``stats`` and the model's step count (``totals``: the calls of the module called most)."""
 
-    def __init__(self, name: str, ratio: float, values: torch.dtype, stats: TensorStats, totals: ReducerStats) -> None:
-        self.name, self.ratio, self.values, self.stats, self.totals = name, ratio, values, stats, totals
+    def __init__(self, name: str, parameters: list[nn.Parameter], ratio: float, values: torch.dtype,
+                 stats: TensorStats, totals: ReducerStats) -> None:
+        self.name, self.parameters = name, parameters
+        self.ratio, self.values, self.stats, self.totals = ratio, values, stats, totals
         self.residual: torch.Tensor | None = None
         """what this rank has held back, by range (the error feedback)"""
+        self.reduced: tuple[bool, ...] | None = None
+        """which of the module's parameters the residual's layout held at the last call (FSDP
+        reduces those that require a gradient)"""
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -57,14 +63,16 @@ class SparseReduceScatter(ReduceScatter):
         ranks, numel = group.size(), output_tensor.numel()
         ranges = input_tensor.view(ranks, numel)
         dtype = state_dtype(ranges.dtype)  # a half-precision gradient's error is kept in fp32
-        if self.residual is None or self.residual.shape != ranges.shape:
+        reduced = tuple(parameter.requires_grad for parameter in self.parameters)
+        if self.residual is None or self.residual.shape != ranges.shape or (
+                self.reduced is not None and reduced != self.reduced):
             if self.residual is not None:
-                warnings.warn(f"FSDP module {self.name!r} reduce-scatters {tuple(ranges.shape)} ranges where it held "
-                              f"{tuple(self.residual.shape)} (a parameter frozen or unfrozen?): what it held back "
-                              "is dropped", stacklevel=2)
+                warnings.warn(f"FSDP module {self.name!r} now reduces another set of its parameters (one frozen or "
+                              "unfrozen): what it held back for the others is dropped", stacklevel=2)
             self.residual = torch.zeros_like(ranges, dtype=dtype)
         elif self.residual.device != ranges.device or self.residual.dtype != dtype:  # loaded elsewhere
             self.residual = self.residual.to(ranges.device, dtype)
+        self.reduced = reduced  # (a residual from a checkpoint: taken as laid out as now)
         corrected = self.residual.add_(ranges)
         k = max(1, min(numel, round(self.ratio * numel)))
         picked = corrected.abs().topk(k, dim=1, sorted=False).indices
@@ -109,7 +117,7 @@ class FlatFSDPCompression(CheckpointsPerRank):
         ```
     """
 
-    def __init__(self, modules: dict[str, FSDPModule], spec: PipelineSpec) -> None:
+    def __init__(self, modules: dict[str, tuple[FSDPModule, list[nn.Parameter]]], spec: PipelineSpec) -> None:
         sparsifier, values = spec.sparsifier, spec.value_codec
         if not (isinstance(sparsifier, TopK) and sparsifier.ratio is not None and not sparsifier.warmup
                 and isinstance(spec.feedback, Residual) and isinstance(values, FloatValues)
@@ -119,10 +127,10 @@ class FlatFSDPCompression(CheckpointsPerRank):
                                   f"all_to_all, no other transport), not {format_spec(spec)!r}")
         self.spec = spec
         self.stats = ReducerStats()
-        self.comms = {name: SparseReduceScatter(name, sparsifier.ratio, values.wire_dtype,
+        self.comms = {name: SparseReduceScatter(name, parameters, sparsifier.ratio, values.wire_dtype,
                                                 self.stats.tensors.setdefault(name, TensorStats()), self.stats)
-                      for name in modules}
-        for name, module in modules.items():
+                      for name, (_, parameters) in modules.items()}
+        for name, (module, _) in modules.items():
             module.set_custom_reduce_scatter(self.comms[name])
         self.world_size = dist.get_world_size()
 

@@ -81,13 +81,12 @@ def as_dense(grad: SparseGradient | torch.Tensor) -> torch.Tensor:
 
 
 def output_buffer(out: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed flat buffer for a sum of ``dtype`` on ``device`` (the gradient's): ``out`` itself
-    when it can be (checked), else new — as where a half-precision gradient's values, held back
-    in fp32, sum in fp32 (`deliver` rounds the sum into ``out``)."""
+    """A zeroed flat buffer for a sum on ``device`` (the gradient's): ``out`` itself when it can be
+    (checked), else new."""
     if out is not None:
-        if out.numel() != numel:
-            raise SparseCommError(f"out has {out.numel()} elements; the sum needs {numel}")
-        if out.device == device and out.is_contiguous() and out.dtype == dtype:
+        if out.numel() != numel or out.dtype != dtype:
+            raise SparseCommError(f"out has {out.numel()} {out.dtype} elements; the sum needs {numel} {dtype}")
+        if out.device == device and out.is_contiguous():
             flat = out.view(-1)
             clear_(flat)
             return flat

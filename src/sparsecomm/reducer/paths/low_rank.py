@@ -31,7 +31,7 @@ import torch
 from sparsecomm.adaptive.config import Plan
 from sparsecomm.adaptive.flat_residual import FlatResidual
 from sparsecomm.adaptive.flush import flush, update_flushed
-from sparsecomm.feedback.base import held
+from sparsecomm.feedback.base import held, state_dtype
 from sparsecomm.finite import all_finite
 from sparsecomm.pipeline import Segment, TensorState
 from sparsecomm.reducer.call import Call, Route, Summed
@@ -221,12 +221,13 @@ class LowRankPath(Path):
             residuals = bucket.buffer if bucket is not None and all(
                 getattr(states[key].feedback.get("residual"), "_base", None) is bucket.buffer
                 for key in group.keys) else None
-            average = group.of(home)
+            average = group.of(home) if home.dtype == m.dtype else None
             if residuals is not None and average is not None:  # written where they go: two passes, no copies
                 torch.bmm(p, q.transpose(1, 2), out=average)
                 torch.sub(m, average, out=group.of(residuals))
             else:
-                approx = torch.bmm(p, q.transpose(1, 2))
+                # a half-precision gradient's average lands rounded, and its residual keeps the rounding
+                approx = torch.bmm(p, q.transpose(1, 2)).to(home.dtype)
                 group.scatter(home, approx)
                 if residuals is not None:
                     group.scatter(residuals, m.sub_(approx))
@@ -235,7 +236,7 @@ class LowRankPath(Path):
                         held(states[key].feedback, "residual", each).copy_(each)
             for key in group.keys:
                 states[key].feedback["clear"] = False
-        home.index_copy_(0, sent.layout.exact, exact)
+        home.index_copy_(0, sent.layout.exact, exact.to(home.dtype))
 
     def _restore(self, call: Call, sent: Sent) -> None:
         """A step every rank raises in: where this rank's gradient was finite and its flush moved its
@@ -270,9 +271,10 @@ class LowRankPath(Path):
         return call.segments or (Segment(call.key, 0, call.tensor.numel()),)
 
     def _buffer(self, key: str, home: torch.Tensor) -> torch.Tensor:
-        buffer = self._scratch.get(key)
-        if buffer is None or buffer.shape != home.shape or buffer.dtype != home.dtype or buffer.device != home.device:
-            buffer = self._scratch[key] = torch.empty_like(home)
+        """The stream's gradient plus residual, in the dtype the residual is kept in (`state_dtype`)."""
+        dtype, buffer = state_dtype(home.dtype), self._scratch.get(key)
+        if buffer is None or buffer.shape != home.shape or buffer.dtype != dtype or buffer.device != home.device:
+            buffer = self._scratch[key] = torch.empty_like(home, dtype=dtype)
         return buffer
 
     def _layout(self, call: Call, rank_r: int, device: torch.device) -> Layout:
