@@ -185,3 +185,15 @@ def test_a_half_precision_gradient_skipped_on_one_rank_still_matches_the_others_
     from sparsecomm.launch import run_local
 
     assert run_local(2, skip_a_half_precision_nan) == [["torch.bfloat16"] * 2] * 2
+
+
+def test_a_half_precision_tensor_sent_whole_keeps_its_codecs_error_in_fp32():
+    from sparsecomm.pipeline import Segment
+
+    pipe = sc.Pipeline("topk(ratio=0.1)+residual+rice+int8")
+    grad = torch.randn(600, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    segments = (Segment("w", 0, 500), Segment("b", 500, 100, whole=True))
+    for _ in range(3):
+        pipe.step(grad, "bucket", segments=segments)
+    assert pipe.states["b"].codec_error.dtype == torch.float32
+    assert pipe.states["w"].feedback["residual"].dtype == torch.float32

@@ -27,6 +27,7 @@ import torch
 
 from sparsecomm.encode.base import codecs_lossless
 from sparsecomm.errors import SparseCommError
+from sparsecomm.feedback.base import state_dtype
 from sparsecomm.finite import all_finite
 from sparsecomm.payload import decode, encode
 from sparsecomm.sparse_gradient import SparseGradient
@@ -285,7 +286,8 @@ class Pipeline:
                 self.spec.feedback.take_back(part, state.feedback)
                 continue
             if state.codec_error is None:
-                state.codec_error = torch.zeros(segment.numel, dtype=part.values.dtype, device=part.values.device)
+                state.codec_error = torch.zeros(segment.numel, dtype=state_dtype(part.values.dtype),
+                                                device=part.values.device)
             state.codec_error.index_add_(0, part.indices.to(state.codec_error.device),
                                          part.values.to(state.codec_error.device, state.codec_error.dtype))
 
@@ -386,12 +388,13 @@ def with_codec_error(piece: torch.Tensor, state: TensorState) -> torch.Tensor:
         return piece
     if state.codec_error.device != piece.device:  # a checkpoint loaded elsewhere
         state.codec_error = state.codec_error.to(piece.device)
-    return piece + state.codec_error.view(piece.shape)
+    return piece.to(state_dtype(piece.dtype)) + state.codec_error.view(piece.shape)
 
 
 def codec_error(sent: torch.Tensor, received: SparseGradient) -> torch.Tensor:
-    """What receivers miss of ``sent`` (a tensor sent whole) given what they decode of it, flat."""
-    error = sent.reshape(-1).clone()
+    """What receivers miss of ``sent`` (a tensor sent whole) given what they decode of it, flat, in
+    the dtype feedback is kept in (`state_dtype`)."""
+    error = sent.reshape(-1).to(state_dtype(sent.dtype), copy=True)
     error.index_add_(0, received.indices.to(error.device), received.values.to(error.dtype), alpha=-1)
     return error
 
