@@ -210,8 +210,9 @@ def test_on_a_slow_link_sparse_steps_run_at_the_density_every_ranks_gradient_agr
     agree_on_sparse_steps_at_the_preferred_density(run_local(2, on_a_slow_link, 40))
 
 
-def agree_on_sparse_steps_at_the_preferred_density(runs: list[dict], routes: set[Mode] = frozenset({SPARSE})) -> None:
-    """Every step sparse, on the ``routes`` allowed (on a GPU the trials try the device route too)."""
+def agree_on_sparse_steps_at_the_preferred_density(runs: list[dict],
+                                                   routes: set[Mode] = frozenset({SPARSE, Mode.DEVICE})) -> None:
+    """Every step sparse, on either route (the trials try the device route too)."""
     assert runs[0]["plans"] == runs[1]["plans"] and runs[0]["digest"] == runs[1]["digest"]
     preferred = runs[0]["preferred"]
     assert {plan.mode for plan in runs[0]["plans"]} <= routes and SPARSE in {plan.mode for plan in runs[0]["plans"]}

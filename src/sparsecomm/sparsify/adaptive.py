@@ -75,11 +75,11 @@ class Adaptive(Sparsifier):
     """fraction of the entries sampled for the threshold"""
     density: float = 1.0
     """the fraction kept when no reducer sets one"""
-    device_route: str = "accelerator"
+    device_route: str = "any"
     """where a reducer's sparse steps may take the device route in the pipeline's device form,
-    the trials choosing it over the pipeline's codecs where its steps are faster: ``accelerator``
-    (where every rank's gradients are off the host: the codecs cost copies and reads of the
-    device there), ``any`` (CPUs too) or ``never``"""
+    the trials choosing it over the pipeline's codecs where its steps are faster: ``any`` (on
+    CPUs and GPUs), ``accelerator`` (only where every rank's gradients are off the host, where the
+    codecs cost copies and reads of the device) or ``never``"""
 
     def __post_init__(self) -> None:
         if self.budget < 0:
