@@ -98,11 +98,12 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def held(state: dict[str, Any], name: str, like: torch.Tensor) -> torch.Tensor:
-    """The state's buffer ``name`` in ``like``'s shape, on its device, made (zeros, in
-    `state_dtype`) where it holds none of ``like``'s size and that dtype. A view of the one buffer a
-    tensor keeps, whichever route last made it: a tensor in its own shape (a custom loop's sparse
-    step) or a flat slice (a bucket, a dense step's flush) — a route must never find another's
-    state of another shape and start over."""
+    """The state's buffer ``name`` in ``like``'s shape, on its device, in `state_dtype`: made
+    (zeros) where it holds none of ``like``'s size, converted where it holds one in another dtype or
+    on another device (as a checkpoint may). A view of the one buffer a tensor keeps, whichever
+    route last made it: a tensor in its own shape (a custom loop's sparse step) or a flat slice (a
+    bucket, a dense step's flush) — a route must never find another's state of another shape and
+    start over."""
     dtype, kept = state_dtype(like.dtype), state.get(name)
     if not isinstance(kept, torch.Tensor) or kept.numel() != like.numel():
         state[name] = torch.zeros_like(like, dtype=dtype, memory_format=torch.contiguous_format)
