@@ -107,9 +107,8 @@ class GradientReducer:
         return self.config.world_size > 0
 
     def _running(self) -> Runtime:
-        """The runtime; on the first call (every rank is there, torch.distributed initialised — by a
-        trainer such as Lightning), join the process group: agree on the configuration, build the
-        `Runtime`, and restore a checkpoint loaded before."""
+        """The runtime; at the first call (every rank there, torch.distributed initialised, perhaps by a
+        trainer), join the group: agree on the configuration, build it, restore a checkpoint loaded before."""
         if self.started:
             return self.runtime
         if not dist.is_initialized():
@@ -118,13 +117,9 @@ class GradientReducer:
             self.group = getattr(self._model, "process_group", None)
         self.config = replace(self.config, world_size=dist.get_world_size(self.group))
         self.runtime = Runtime(self.config, self.group, self._model, self.stats)
-        if self._loaded is not None:
-            loaded, self._loaded = self._loaded, None
-            try:
-                self.load_state_dict(loaded)
-            except SparseCommError:  # a checkpoint of another run: it restored nothing, and is not kept
-                self.stats.steps = 0
-                raise
+        if self._loaded is not None:  # kept, steps too, only once restored (another run's restores nothing)
+            loaded, self._loaded, self.stats.steps = self._loaded, None, 0
+            self.load_state_dict(loaded)
         return self.runtime
 
     @property
@@ -343,11 +338,10 @@ class GradientReducer:
                 spec and seed when it starts, at its first call, and raises there.
         """
         state = migrate(state)
-        if not self.started:
+        if self.started:
+            self.runtime.load_state_dict(state)
+        else:
             self._loaded = state  # restored when the reducer starts
-            self.stats.steps = state["steps"]
-            return
-        self.runtime.load_state_dict(state)
         self.stats.steps = state["steps"]
 
 
