@@ -104,14 +104,15 @@ def test_residuals_the_device_route_holds_as_views_of_its_buffer_are_used_in_pla
 MOMENTUM = "adaptive+dgc_momentum(nesterov=true,masking=false)+rice+int8+allgather"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: its feedback is kept in fp32
 @pytest.mark.parametrize("spec", [MOMENTUM, SPEC])
-def test_a_bucket_flushes_in_a_few_ops_however_many_tensors_it_holds(spec):
+def test_a_bucket_flushes_in_a_few_ops_however_many_tensors_it_holds(spec, dtype):
     """Once DGC's momentum is the ranks' common one, a dense step sends the gradient alone: one op
     for the bucket. A residual takes a few. The flush of each tensor on its own takes a few each."""
     counts = {}
     for tensors in (5, 40):
         segments = [Segment(f"p{i}", 100 * i, 100, whole=i % 5 == 1) for i in range(tensors)]
-        numel, grad = 100 * tensors, gradient(100 * tensors, 7)
+        numel, grad = 100 * tensors, gradient(100 * tensors, 7).to(dtype)
         pipeline, buffers = Pipeline(spec), {}
         out = torch.empty(numel, dtype=torch.float16)
         for _ in range(2):  # the first dense step sends what sparse steps held, and makes the momentum common

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from sparsecomm.errors import SparseCommError
-from sparsecomm.feedback.base import FEEDBACKS, Feedback, add_at, held, holds, subtract_sent
+from sparsecomm.feedback.base import FEEDBACKS, Feedback, add_at, held, holds, state_dtype, subtract_sent
 from sparsecomm.host_memory import clear_
 from sparsecomm.sparse_gradient import SparseGradient
 
@@ -115,10 +115,12 @@ class DGCMomentum(Feedback):
 
     def flush_sends_gradient(self, numel: int, like: torch.Tensor, state: dict[str, Any]) -> bool:
         """Once the momentum is the ranks' common one (after a dense step) and without clipping,
-        its buffer where the gradient is (not a checkpoint's loaded elsewhere)."""
+        its buffer where the gradient is, in the dtype it is kept in (not a checkpoint's loaded
+        elsewhere or in another dtype)."""
         buffer = state.get("momentum_buffer")
         return (bool(state.get("averaged")) and self.clip == 0 and isinstance(buffer, torch.Tensor)
-                and buffer.numel() == numel and buffer.dtype == like.dtype and buffer.device == like.device)
+                and buffer.numel() == numel and buffer.dtype == state_dtype(like.dtype)
+                and buffer.device == like.device)
 
     def flush_reads_only(self, grad: torch.Tensor, state: dict[str, Any], wire_dtype: torch.dtype,
                          scale: float = 1.0) -> bool:
