@@ -126,12 +126,16 @@ def codec_pairs() -> list[tuple[str, str]]:
 
 
 def seed_corpus(seed: int = 0) -> list[Seed]:
-    """Valid payloads of every codec pair at a few sizes and densities (empty, one, sparse, dense)."""
+    """Valid payloads of every codec pair at a few sizes and densities (empty, one, sparse, dense,
+    and sparse with a run of 400 indices, which a lossless index codec sends as a runs block)."""
     rng = np.random.default_rng(seed)
     corpus = []
     for index, value in codec_pairs():
-        for numel, nnz in ((1, 1), (64, 0), (300, 3), (2000, 120), (2000, 1500)):
-            indices = torch.from_numpy(rng.choice(numel, size=nnz, replace=False).astype(np.int64))
+        for numel, scattered, run in ((1, 1, 0), (64, 0, 0), (300, 3, 0), (2000, 120, 0), (2000, 1500, 0),
+                                      (2000, 40, 400)):
+            chosen = np.union1d(rng.choice(numel, size=scattered, replace=False), np.arange(500, 500 + run))
+            indices = torch.from_numpy(chosen.astype(np.int64))
+            nnz = indices.numel()
             values = torch.from_numpy(rng.standard_normal(nnz).astype(np.float32))
             shape = (numel,) if numel % 20 else (20, numel // 20)
             grad = SparseGradient(indices, values, torch.Size(shape))

@@ -5,7 +5,7 @@ Wire format, version 2 (all integers little-endian; a payload of any other versi
     offset  size  field
     0       4     magic b"SPCM"
     4       1     format version (2)
-    5       1     flags: bit 0 lossy indices, bit 1 lossy values
+    5       1     flags: bit 0 lossy indices, bit 1 lossy values, bit 2 runs block
     6       1     dtype code (1 float32, 2 float16, 3 bfloat16, 4 float64)
     7       1     ndim (0..8)
     8       8     numel
@@ -19,12 +19,22 @@ Wire format, version 2 (all integers little-endian; a payload of any other versi
     ...           index section, value section
     end-4   4     CRC32 of everything before it
 
+With flag bit 2, the index section opens with a runs block: long runs of consecutive indices as
+(start, length) pairs, and the index codec codes only the other indices, as positions among the
+tensor's positions outside the runs (`sparsecomm.encode.runs`). The encoder writes one where the
+selection holds a run of `MIN_RUN` or more indices and it makes the section shorter, for a lossless
+index codec that does not code the values. The values follow every index in ascending order either
+way.
+
 Bounds on decode (tested in ``tests/test_decode_bounds.py``, fuzzed by ``sparsecomm fuzz``): the CRC
 and every length are checked before any section is read; numel ≤ 2**48; nnz ≤ numel and nnz ≤
-each codec's ``max_count`` for its section's size; every codec parameter named in the payload is
-range-checked when the codec is built from its text. A receiver that knows the tensor it expects
-passes ``expect=`` (every transport does) and a payload for another size is refused before any
-section is read. Then decoding a payload of B bytes for a tensor of N elements allocates at most
+each codec's ``max_count`` for its section's size (the index codec's: the indices outside a runs
+block, for what follows the block); every codec parameter named in the payload is range-checked
+when the codec is built from its text. A receiver that knows the tensor it expects passes
+``expect=`` (every transport does) and a payload for another size is refused before any section is
+read. A runs block is checked whole (in order, inside the tensor, no more indices than nnz) first,
+and its runs are expanded only once both sections have decoded. Then decoding a payload of B bytes
+for a tensor of N elements allocates at most
 ``DECODE_BYTES_PER_BYTE``·B + ``DECODE_BYTES_PER_VALUE``·min(nnz, N) + ``DECODE_OVERHEAD`` bytes
 and takes time linear in B + nnz, except a Bloom filter's, which tests all N indices (O(N) time,
 O(chunk) memory). Without ``expect=`` a Bloom payload may claim at most ``SCAN_WITHOUT_EXPECT``
@@ -47,6 +57,7 @@ import numpy as np
 import torch
 
 from sparsecomm.encode.base import INDEX_CODECS, VALUE_CODECS, IndexCodec, ValueCodec
+from sparsecomm.encode.runs import Runs, with_runs
 from sparsecomm.encode.value.dtypes import DTYPE_BY_CODE, FLOAT_DTYPES
 from sparsecomm.errors import PayloadError, SparseCommError, SpecError
 from sparsecomm.finite import all_finite
@@ -59,6 +70,7 @@ MAX_NDIM = 8
 MAX_NUMEL = 1 << 48
 FLAG_LOSSY_INDICES = 1
 FLAG_LOSSY_VALUES = 2
+FLAG_RUNS = 4
 _HEADER = struct.Struct("<4sBBBBQQBBQQ")
 _CRC = struct.Struct("<I")
 MIN_PAYLOAD = _HEADER.size + 2 + _CRC.size
@@ -150,6 +162,7 @@ def encode(
         bad = int(torch.nonzero(~torch.isfinite(values))[0])
         raise SparseCommError(f"non-finite value {values[bad].item()} at index {int(indices[bad])}")
     rng = rng if rng is not None else np.random.default_rng(0)
+    has_runs = False
     if index.codes_values:
         if value.to_spec() != JOINT_VALUE_SPEC:
             raise SparseCommError(f"{index.name} codes the values itself; leave the value codec out")
@@ -158,11 +171,15 @@ def encode(
         index_section, sent = index.encode_selecting(indices, grad.numel, rng)
         if sent is not indices:
             values = _values_at(sent, indices, values, dense)
+        elif index.lossless:
+            listed = with_runs(index, indices, grad.numel, index_section)
+            index_section, has_runs = (index_section, False) if listed is None else (listed, True)
         value_section = value.encode(values, rng)
     index_spec = index.to_spec().encode("ascii")
     value_spec = value.to_spec().encode("ascii")
     values_exact = index.values_lossless if index.codes_values else value.lossless
-    flags = (0 if index.lossless else FLAG_LOSSY_INDICES) | (0 if values_exact else FLAG_LOSSY_VALUES)
+    flags = ((0 if index.lossless else FLAG_LOSSY_INDICES) | (0 if values_exact else FLAG_LOSSY_VALUES)
+             | (FLAG_RUNS if has_runs else 0))
     header = _HEADER.pack(
         MAGIC, FORMAT_VERSION, flags, FLOAT_DTYPES[grad.dtype], len(grad.shape), grad.numel, sent.size,
         len(index_spec), len(value_spec), len(index_section), len(value_section),
@@ -215,20 +232,26 @@ def decode(payload: PayloadLike, device: torch.device | str | None = None,
     if index_codec.scans_numel and expect is None and info.numel > SCAN_WITHOUT_EXPECT:
         raise PayloadError(f"{info.index_codec} tests every one of the {info.numel} indices the payload claims; "
                            f"pass expect= to decode more than {SCAN_WITHOUT_EXPECT} without it")
-    if info.nnz > index_codec.max_count(info.index_bytes, info.numel):
-        raise PayloadError(f"nnz {info.nnz} cannot fit in {info.index_bytes} bytes of {info.index_codec}")
     if not index_codec.codes_values and info.nnz > value_codec.max_count(info.value_bytes):
         raise PayloadError(f"nnz {info.nnz} cannot fit in {info.value_bytes} bytes of {info.value_codec}")
     view = memoryview(data)
     index_start, value_start = offsets
     if index_codec.codes_values and (info.value_bytes or info.value_codec != JOINT_VALUE_SPEC):
         raise PayloadError(f"{info.index_codec} codes the values itself, yet the payload has a value section")
+    listed, stream = _runs_block(info, index_codec, view[index_start:value_start])
+    coded, coded_numel = (info.nnz, info.numel) if listed is None else (info.nnz - listed.total,
+                                                                         info.numel - listed.total)
+    if coded > index_codec.max_count(len(stream), coded_numel):
+        raise PayloadError(f"nnz {coded} cannot fit in {len(stream)} bytes of {info.index_codec}")
     try:
         if index_codec.codes_values:
-            indices, values = index_codec.decode_joint(view[index_start:value_start], info.numel, info.nnz, info.dtype)
+            indices, values = index_codec.decode_joint(stream, info.numel, info.nnz, info.dtype)
         else:
-            indices = index_codec.decode(view[index_start:value_start], info.numel, info.nnz)
+            indices = index_codec.decode(stream, coded_numel, coded)
             values = value_codec.decode(view[value_start : value_start + info.value_bytes], info.nnz, info.dtype)
+            if listed is not None:  # expanded only once every section has decoded
+                _check_indices(indices, coded, coded_numel)
+                indices = listed.merged(indices)
     except PayloadError:
         raise
     except (ValueError, IndexError, OverflowError, TypeError, MemoryError) as err:
@@ -346,7 +369,7 @@ def _read_header(data: bytes) -> tuple[PayloadInfo, tuple[int, int]]:
         raise PayloadError("payload checksum mismatch (corrupted in transit?)")
     if dtype_code not in DTYPE_BY_CODE:
         raise PayloadError(f"unknown dtype code {dtype_code}")
-    if flags & ~(FLAG_LOSSY_INDICES | FLAG_LOSSY_VALUES):
+    if flags & ~(FLAG_LOSSY_INDICES | FLAG_LOSSY_VALUES | FLAG_RUNS):
         raise PayloadError(f"unknown flags {flags:#x}")
     offset = _HEADER.size
     shape = torch.Size(struct.unpack_from(f"<{ndim}Q", data, offset))
@@ -366,6 +389,16 @@ def _read_header(data: bytes) -> tuple[PayloadInfo, tuple[int, int]]:
         index_bytes, value_bytes, len(data),
     )
     return info, (offset, offset + index_bytes)
+
+
+def _runs_block(info: PayloadInfo, codec: IndexCodec, section: memoryview) -> tuple[Runs | None, memoryview]:
+    """(the runs a runs block lists, the index codec's stream): None and the whole section without
+    the flag."""
+    if not info.flags & FLAG_RUNS:
+        return None, section
+    if codec.codes_values or not codec.lossless or info.flags & FLAG_LOSSY_INDICES:
+        raise PayloadError(f"a runs block with {info.index_codec}, which codes lossy indices or the values too")
+    return Runs.read(section, info.numel, info.nnz)
 
 
 def _check_expected(info: PayloadInfo, expect: int | Sequence[int] | None) -> None:

@@ -2,9 +2,10 @@
 
 Codecs are pure: ``encode`` turns data into bytes, ``decode`` turns those bytes (and the counts the
 payload header carries) back. They never see anything else. Before ``decode`` runs, the payload
-layer checks ``nnz <= max_count(len(data))``, and a codec's parameters, read from the payload's
-text, are range-checked when it is built, so no header can make a codec allocate more than the
-bound `sparsecomm.payload` documents.
+layer checks ``nnz <= max_count(len(data))`` for the count it asks for (an index codec after a runs
+block: the indices outside the runs, in a tensor with the runs cut out), and a codec's parameters,
+read from the payload's text, are range-checked when it is built, so no header can make a codec
+allocate more than the bound `sparsecomm.payload` documents.
 """
 
 from __future__ import annotations
