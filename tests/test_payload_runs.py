@@ -134,3 +134,25 @@ def test_a_run_over_a_huge_tensor_is_not_expanded_before_its_values_decode(numel
                            bytes(128)).assemble()
     outcome, peak, _ = decode_measured(payload)
     assert isinstance(outcome, sc.PayloadError) and peak < 1 << 20, (outcome, peak)
+
+
+def dgc_bytes_of_an_output_layer(rank: int, world: int) -> tuple[float, int]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(256, 5_001))  # one bucket: the weight sparsified, the bias whole
+    reducer = sc.register_ddp_hook(model, "dgc")
+    data = torch.randn(32, 256, generator=torch.Generator().manual_seed(rank))
+    for _ in range(4):
+        model.zero_grad()
+        model(data).logsumexp(1).mean().backward()
+    reducer.close()
+    return reducer.stats.bytes_per_step, model.module.weight.numel()
+
+
+def test_dgcs_bias_in_a_ddp_bucket_costs_its_values_and_no_indices():
+    from sparsecomm.launch import run_local
+
+    for sent, weights in run_local(2, dgc_bytes_of_an_output_layer):
+        selected = weights // 1000  # 0.1% of the weight, with 2-byte run lengths
+        assert sent < 4 * 5_001 + 1.2 * 6 * selected + 200, sent  # the bias's 20 kB, no 10 kB of indices
