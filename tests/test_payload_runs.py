@@ -108,7 +108,7 @@ def pairs(*runs: tuple[int, int], count: int | None = None) -> bytes:
     (runs_payload(pairs((500, 50), (0, 50))), "out of order or touch"),
     (runs_payload(pairs((0, 50), (50, 50))), "out of order or touch"),
     (runs_payload(pairs((0, 101))), "runs hold 101 indices, the payload 100"),
-    (runs_payload(pairs((0, 99)), struct.pack("<I", 901)), "not strictly increasing"),  # 901 outside left
+    (runs_payload(pairs((0, 99)), struct.pack("<I", 901)), "not strictly increasing"),  # outside: 0..900
     (runs_payload(pairs((0, 99)), struct.pack("<II", 500, 600)), "8 bytes for 1 indices"),  # the rest, by the codec
     (runs_payload(pairs((0, 100)), index_text="bloom(policy=p0)"), "lossy indices or the values too"),
     (runs_payload(pairs((0, 100)), flags=FLAG_RUNS | 1), "lossy indices or the values too"),
