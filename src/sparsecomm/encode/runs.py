@@ -43,20 +43,21 @@ class Runs:
     def total(self) -> int:
         return int(self.lengths.sum())
 
-    def _cut_starts(self) -> np.ndarray:
-        """Each run's start with the runs before it cut out."""
-        return self.starts - (np.cumsum(self.lengths) - self.lengths)
+    def _before(self) -> np.ndarray:
+        """How many run indices lie before each run, and (last) in all."""
+        return np.concatenate([[0], np.cumsum(self.lengths)])
 
     def cut(self, rest: np.ndarray) -> np.ndarray:
         """Indices outside the runs as positions among the positions outside them."""
-        return rest - np.concatenate([[0], np.cumsum(self.lengths)])[np.searchsorted(self.starts, rest)]
+        return rest - self._before()[np.searchsorted(self.starts, rest)]
 
     def merged(self, cut: np.ndarray) -> np.ndarray:
         """`cut`'s inverse applied to ``cut``, with the runs' own indices: every index, ascending.
         Expands the runs; call it once the payload's sections have decoded."""
-        before = np.concatenate([[0], np.cumsum(self.lengths)])
-        rest = cut + before[np.searchsorted(self._cut_starts(), cut, side="right")]
-        inside = np.arange(self.total, dtype=np.int64) + np.repeat(self._cut_starts(), self.lengths)
+        before = self._before()
+        cut_starts = self.starts - before[:-1]  # each run's start with the runs before it cut out
+        rest = cut + before[np.searchsorted(cut_starts, cut, side="right")]
+        inside = np.arange(before[-1], dtype=np.int64) + np.repeat(cut_starts, self.lengths)
         return np.sort(np.concatenate([inside, rest]), kind="stable")
 
     def to_bytes(self) -> bytes:

@@ -104,11 +104,11 @@ def held(state: dict[str, Any], name: str, like: torch.Tensor) -> torch.Tensor:
     route last made it: a tensor in its own shape (a custom loop's sparse step) or a flat slice (a
     bucket, a dense step's flush) — a route must never find another's state of another shape and
     start over."""
-    dtype, kept = state_dtype(like.dtype), state.get(name)
-    if not isinstance(kept, torch.Tensor) or kept.numel() != like.numel():
+    dtype = state_dtype(like.dtype)
+    if not holds(state, name, like):
         state[name] = torch.zeros_like(like, dtype=dtype, memory_format=torch.contiguous_format)
-    elif kept.device != like.device or kept.dtype != dtype or not kept.is_contiguous():  # loaded elsewhere
-        state[name] = kept.to(like.device, dtype, memory_format=torch.contiguous_format)
+    elif (kept := state[name]).device != like.device or kept.dtype != dtype or not kept.is_contiguous():
+        state[name] = kept.to(like.device, dtype, memory_format=torch.contiguous_format)  # loaded elsewhere
     buffer: torch.Tensor = state[name]
     return buffer.view(like.shape)
 
