@@ -125,6 +125,7 @@ class Runtime:
         if self.adaptive is not None:
             self.adaptive.close()
         self.session.close()
+        self.calls.abandon("the reducer was closed before the step's calls finished (finish_step() ends a step)")
 
     def state_dict(self) -> dict[str, Any]:
         return {"calls": dict(self.counts), "pipeline": self.pipeline.state_dict(),

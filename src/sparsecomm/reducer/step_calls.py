@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from sparsecomm.errors import SparseCommError
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.allgather import AllgatherTransport, FusedCall
 from sparsecomm.transport.base import Transport
@@ -90,6 +91,17 @@ class StepCalls:
             except BaseException as err:  # noqa: BLE001 - raised by the caller, after every call ended
                 errors.append(err)
         return errors
+
+    def abandon(self, why: str) -> None:
+        """The reducer closes with a step open: every call of it not yet done ends with
+        `SparseCommError` (``why``) rather than leaving its waiter waiting; the calls waiting to be
+        fused never leave this rank."""
+        error = SparseCommError(why)
+        waiting = [future for _, future in self._deferred] + self.in_flight
+        self._deferred, self._unfinished, self.in_flight = [], [], []
+        for future in waiting:
+            if not future.done():
+                future.set_exception(error)
 
     def _exchange_deferred(self, last: FusedCall | None = None) -> torch.futures.Future:
         """On this thread (the worker thread drained): the deferred calls, and ``last``, in one

@@ -22,7 +22,8 @@ from sparsecomm.transport.waiting import wait_for
 
 _NUMEL, _CONFIG, _KEY, _CALL, _NNZ, _FLAG, _NBYTES = range(7)
 NONFINITE, REFUSED = 1, 2
-"""the flag's values: this rank's input was non-finite; its codec refused its values"""
+"""the flag's values: this rank's input was non-finite; it could not make its part of the call (its
+codec refused its values, or another error)"""
 NBYTES_FIELD = _NBYTES
 """where the payload size sits in a record"""
 CHECKED_FIELDS = 7
@@ -63,14 +64,14 @@ def check_table(table: torch.Tensor, request: Request, numel: int, config: int) 
             f"ranks passed different tensors to the same collective: this rank passed {key!r} (call "
             f"{request.call}), others a different key or call number — every rank must reduce the same "
             "named tensors in the same order")
+    if any(row[_FLAG] == REFUSED for row in rows):  # a refusal's record may hold no size or configuration
+        raise SparseCommError(f"a rank could not encode its values of {key!r}; no rank applied them"
+                              + (f" — this one: {request.refused}" if request.refused else ""))
     if any(row[_NUMEL] != numel or row[_CONFIG] != config for row in rows):
         numels = [row[_NUMEL] for row in rows]
         raise SparseCommError(
             f"ranks disagree on tensor size or transport configuration for {key!r} (this rank: numel "
             f"{numel}, config {config:#x}; across ranks numel {min(numels)}..{max(numels)})")
-    if any(row[_FLAG] == REFUSED for row in rows):
-        raise SparseCommError(f"a rank's codec could not encode its values of {key!r}; no rank applied them"
-                              + (f" — this one: {request.refused}" if request.refused else ""))
     if any(row[_FLAG] for row in rows):
         raise SparseCommError(f"a rank had a non-finite gradient (NaN or Inf) in {key!r}; no rank applied it"
                               + (" — including this one" if request.nonfinite else ""))

@@ -16,7 +16,7 @@ and every sum is the one its own call would give."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import closing
+from contextlib import closing, suppress
 from dataclasses import dataclass, replace
 from itertools import chain
 
@@ -31,7 +31,7 @@ from sparsecomm.host_memory import write_at
 from sparsecomm.payload import as_tensor, decode, encode
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.agreement import NBYTES_FIELD, agree, agreement_record, check_table
-from sparsecomm.transport.base import TRANSPORTS, Transport, as_sparse, deliver, output_buffer
+from sparsecomm.transport.base import TRANSPORTS, Transport, as_sparse, check_out, deliver, output_buffer
 from sparsecomm.transport.collectives import (
     Group,
     Receiver,
@@ -39,16 +39,13 @@ from sparsecomm.transport.collectives import (
     fingerprint,
     fresh_buffer,
     host_bytes,
+    message_limit,
     takes_short_messages,
     world,
 )
 from sparsecomm.transport.payload_exchange import PayloadExchange, next_capacity
 from sparsecomm.transport.request import CallRecord, Reduction, Request
 from sparsecomm.transport.session import TransportSession
-
-MAX_PAYLOAD_SLACK, MAX_PAYLOAD_PER_ELEMENT = 1 << 16, 32
-"""no codec needs more than this for an N-element tensor: a larger announced size is refused
-before anything is allocated for it"""
 
 
 def codecs_of(request: Request) -> tuple[IndexCodec, ValueCodec]:
@@ -132,9 +129,9 @@ class AllgatherTransport(Transport):
             exchange = _session_exchange(session, group)  # the peers' messages may arrive while this rank encodes
         try:
             sparse, payload, config, own, request = self._encoded(grad, group, request, record)
-        except BaseException:
-            if exchange is not None:  # the peers' messages still land before their buffers are reused
-                exchange.close()
+            check_out(out, sparse.numel, sparse.dtype)
+        except BaseException as err:
+            _refuse(exchange, group, request, err)
             raise
         if exchange is None:
             receiver = session.receiver("payloads") if session is not None else fresh_buffer
@@ -161,10 +158,12 @@ class AllgatherTransport(Transport):
             encoded = [self._encoded(call.grad, group, call.request, record)
                        for call, record in zip(calls, records, strict=True)]
             sparses, payloads, configs, owns, requests = (list(column) for column in zip(*encoded, strict=True))
+            for call, sparse in zip(calls, sparses, strict=True):
+                check_out(call.out, sparse.numel, sparse.dtype)
             request = fused_request(requests)
             message = fused_message(payloads)
-        except BaseException:
-            exchange.close()  # the peers' messages still land before their buffers are reused
+        except BaseException as err:
+            _refuse(exchange, group, fused_request([call.request for call in calls], check=False), err)
             raise
         numel, config = sum(sparse.numel for sparse in sparses), fingerprint(*configs)
         envelope = agreement_record(request, numel, config, sum(sparse.nnz for sparse in sparses), message.numel())
@@ -190,9 +189,11 @@ class AllgatherTransport(Transport):
                 agreement = check_table(exchange.table, request, numel, config)
                 sizes = exchange.table[:, NBYTES_FIELD].tolist()
                 _check_sizes(sizes, numel, parts=len(calls))
+            # every rank holds these sizes now: the next capacity stays one number even where a
+            # payload then fails to decode on some ranks only
+            session.payload_capacity = next_capacity(session.payload_capacity, sizes)
             for sender, buffer in records[0].timed(exchange.second_round(), "transfer"):
                 add(sender, buffer)
-        session.payload_capacity = next_capacity(session.payload_capacity, sizes)
         reductions = []
         for call, sparse, record, total in zip(calls, sparses, records, totals, strict=True):
             record.agreement = agreement
@@ -243,9 +244,9 @@ class AllgatherTransport(Transport):
                 record.agreement = check_table(table, request, sparse.numel, config)
                 sizes = table[:, NBYTES_FIELD].tolist()
                 _check_sizes(sizes, sparse.numel)
+            session.payload_capacity = next_capacity(session.payload_capacity, sizes)  # as in `reduce_fused`
             for rank, buffer in record.timed(exchange.second_round(), "transfer"):
                 _add(summing, rank, buffer, None, sparse.shape, record)
-        session.payload_capacity = next_capacity(session.payload_capacity, sizes)
         return total
 
     @staticmethod
@@ -256,7 +257,10 @@ class AllgatherTransport(Transport):
         with record.phase("agreement"):
             record.agreement = agree(group, request, sparse.numel, config, sparse.nnz, payload.numel())
             sizes = record.agreement.sizes
-        with closing(allgather_arrivals(payload, group, None if sizes is None else list(sizes), receiver)) as received:
+            if sizes is not None:  # the same table on every rank: refused on every rank alike
+                _check_sizes(list(sizes), sparse.numel)
+        with closing(allgather_arrivals(payload, group, None if sizes is None else list(sizes), receiver,
+                                        limit=message_limit(sparse.numel))) as received:
             with record.phase("transfer"):
                 first = next(received)  # at once, with the other payloads now in flight
             with record.phase("output"):
@@ -277,12 +281,13 @@ class FusedCall:
     out: torch.Tensor | None = None
 
 
-def fused_request(requests: Sequence[Request]) -> Request:
+def fused_request(requests: Sequence[Request], check: bool = True) -> Request:
     """What a fused exchange's agreement record is made of: every stream's key and call number in its
     key (so ranks that fuse other streams or calls fail naming them), the first call's number, the
-    non-finite flag of any, the first refusal, and the side numbers of the one call that carries some."""
+    non-finite flag of any, the first refusal, and the side numbers of the one call that carries some
+    (``check``: raise where more than one does; else the first's)."""
     sides = [request.side for request in requests if request.side]
-    if len(sides) > 1:
+    if check and len(sides) > 1:
         raise SparseCommError("at most one call of a fused exchange may carry side numbers")
     return Request(key="; ".join(f"{request.key} (call {request.call})" for request in requests),
                    call=requests[0].call, nonfinite=any(request.nonfinite for request in requests),
@@ -309,14 +314,30 @@ def split_message(message: torch.Tensor, numels: Sequence[int]) -> list[torch.Te
     if header[0] != len(numels):
         raise PayloadError(f"a fused message holds {header[0]} payloads where {len(numels)} were agreed")
     sizes = [int(size) for size in header[1:]]
-    if any(not 0 < size <= MAX_PAYLOAD_SLACK + MAX_PAYLOAD_PER_ELEMENT * numel
-           for size, numel in zip(sizes, numels, strict=True)):
+    if any(not 0 < size <= message_limit(numel) for size, numel in zip(sizes, numels, strict=True)):
         raise PayloadError(f"a fused message announces payloads of {sizes} bytes for tensors of {list(numels)} "
                            "elements")
     if header_bytes + sum(sizes) != message.numel():
         raise PayloadError(f"a fused message of {message.numel()} bytes announces {header_bytes + sum(sizes)}")
     ends = np.cumsum([header_bytes, *sizes]).tolist()
     return [message[start:end] for start, end in zip(ends[:-1], ends[1:], strict=True)]
+
+
+def _refuse(exchange: PayloadExchange | None, group: Group, request: Request, err: BaseException) -> None:
+    """This rank could not make its part of a call (``err``, raised by the caller after this): it
+    tells its peers with a refusal where its record was due — in the one-round ``exchange``'s first
+    round (then waiting for the peers' messages, which land in buffers the session reuses), else in
+    the agreement step — so that every rank raises, none left waiting for this rank's payload. A
+    request that carries its agreement has none left to take part in."""
+    refusal = replace(request, refused=f"{type(err).__name__}: {err}")
+    if exchange is not None:
+        with closing(exchange):
+            exchange.send(agreement_record(refusal, 0, 0), torch.zeros(0, dtype=torch.uint8))
+            for _ in exchange.first_round():
+                pass
+    elif request.agreement is None and world(group)[1] > 1:
+        with suppress(SparseCommError):  # raised on every rank: this one raises its own
+            agree(group, refusal, 0, 0)
 
 
 def _session_exchange(session: TransportSession, group: Group) -> PayloadExchange:
@@ -337,7 +358,7 @@ def _add(summing: RankOrderSum, rank: int, buffer: torch.Tensor, decoded: Sparse
 def _check_sizes(sizes: list[int], numel: int, parts: int = 1) -> None:
     """Refuse announced payload sizes no codec can produce for ``numel`` elements (on every rank),
     in one payload or, fused, in ``parts`` behind their header."""
-    limit = parts * MAX_PAYLOAD_SLACK + MAX_PAYLOAD_PER_ELEMENT * numel + (8 * (parts + 1) if parts > 1 else 0)
+    limit = message_limit(numel, parts)
     if max(sizes) > limit or min(sizes) <= 0:
         raise SparseCommError(f"a rank announced a payload of {max(sizes)} bytes for a tensor of {numel} elements "
                               f"(at most {limit} is possible)")

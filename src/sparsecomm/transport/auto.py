@@ -42,7 +42,7 @@ from sparsecomm.errors import SparseCommError
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.agreement import agree
 from sparsecomm.transport.allgather import AllgatherTransport, codecs_of, payload_or_refusal
-from sparsecomm.transport.base import TRANSPORTS, Transport, as_sparse
+from sparsecomm.transport.base import TRANSPORTS, Transport, as_sparse, refused_unless_out_fits
 from sparsecomm.transport.collectives import Group, fingerprint, takes_short_messages, wire_device, world
 from sparsecomm.transport.cost_model import CostModel, load_cost_model
 from sparsecomm.transport.dense import DenseTransport
@@ -149,6 +149,8 @@ class AutoTransport(Transport):
                                                                       workers, isize, start, lossy)
         else:
             nbytes = len(request.payload) if request.payload is not None else 0
+            # the transport it then runs takes this step's outcome: a wrong out is refused here
+            request = refused_unless_out_fits(request, out, sparse.numel, sparse.dtype)
             with own.phase("agreement"):
                 agreement = agree(group, request, sparse.numel, config, sparse.nnz, nbytes)
             best, costs = choose(model, workers, sparse.numel, agreement.max_nnz, isize, request, lossy)

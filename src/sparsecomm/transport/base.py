@@ -13,6 +13,7 @@ runs synchronously, and ``auto`` uses its model's choice.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import ClassVar
 
 import torch
@@ -80,12 +81,30 @@ def as_dense(grad: SparseGradient | torch.Tensor) -> torch.Tensor:
     return grad.to_dense() if isinstance(grad, SparseGradient) else grad
 
 
+def check_out(out: torch.Tensor | None, numel: int, dtype: torch.dtype | None) -> None:
+    """Raise unless ``out`` (where given) can hold a sum of ``numel`` entries of ``dtype`` (None: of
+    any, converted as it is written): checked before a call sends anything, so that a refusal
+    reaches every rank (`output_buffer` checks again)."""
+    if out is not None and (out.numel() != numel or dtype is not None and out.dtype != dtype):
+        raise SparseCommError(f"out has {out.numel()} {out.dtype} elements; the sum needs {numel} {dtype}")
+
+
+def refused_unless_out_fits(request: Request, out: torch.Tensor | None, numel: int,
+                            dtype: torch.dtype | None) -> Request:
+    """``request``, marked ``refused`` where ``out`` cannot hold the sum (`check_out`): the agreement
+    step then raises on every rank, rather than this rank alone after the others have gone on."""
+    try:
+        check_out(out, numel, dtype)
+    except SparseCommError as err:
+        return replace(request, refused=str(err))
+    return request
+
+
 def output_buffer(out: torch.Tensor | None, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed flat buffer for a sum on ``device`` (the gradient's): ``out`` itself when it can be
     (checked), else new."""
     if out is not None:
-        if out.numel() != numel or out.dtype != dtype:
-            raise SparseCommError(f"out has {out.numel()} {out.dtype} elements; the sum needs {numel} {dtype}")
+        check_out(out, numel, dtype)
         if out.device == device and out.is_contiguous():
             flat = out.view(-1)
             clear_(flat)

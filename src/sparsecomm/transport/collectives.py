@@ -13,12 +13,31 @@ from contextlib import closing
 import torch
 import torch.distributed as dist
 
+from sparsecomm.errors import PayloadError
 from sparsecomm.transport.waiting import wait_for
 
 Group = dist.ProcessGroup | None
 Receiver = Callable[[int, int, torch.device], torch.Tensor]
 """(peer, nbytes, device) → the uint8 buffer that peer's message lands in (`fresh_buffer`, or a
 session's reused ones: `TransportSession.receiver`)"""
+
+
+MAX_MESSAGE_SLACK, MAX_MESSAGE_PER_ELEMENT = 1 << 16, 32
+"""no codec or stream needs more than this for an N-element tensor (`message_limit`)"""
+
+
+def message_limit(numel: int, parts: int = 1) -> int:
+    """The most bytes a message of a call on an ``numel``-element tensor may announce, in ``parts``
+    payloads behind a header: a larger size is refused before anything is allocated for it."""
+    return parts * MAX_MESSAGE_SLACK + MAX_MESSAGE_PER_ELEMENT * numel + (8 * (parts + 1) if parts > 1 else 0)
+
+
+def bounded(sizes: list[int], limit: int | None) -> list[int]:
+    """``sizes`` announced by peers, refused (`PayloadError`) where one exceeds ``limit`` or is negative."""
+    if limit is not None and any(not 0 <= size <= limit for size in sizes):
+        raise PayloadError(f"a rank announced a message of {max(sizes, key=abs)} bytes (at most {limit} is possible "
+                           "for this call)")
+    return sizes
 
 
 def fresh_buffer(peer: int, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -84,12 +103,14 @@ def allgather_bytes(buffer: torch.Tensor, group: Group, counts: list[int] | None
 
 
 def allgather_arrivals(buffer: torch.Tensor, group: Group, counts: list[int] | None = None,
-                       receiver: Receiver = fresh_buffer) -> Generator[tuple[int, torch.Tensor], None, None]:
+                       receiver: Receiver = fresh_buffer, limit: int | None = None,
+                       ) -> Generator[tuple[int, torch.Tensor], None, None]:
     """Variable-length allgather that yields (rank, buffer) as each arrives: this rank's own (the
     very tensor passed) at once, while the others are still in flight, so the caller can work on
     each while the rest travel. gloo has no allgatherv, so sizes go first (unless ``counts`` already
-    holds them), then the buffers, point to point (see `Arrivals`). Close the iterator (or exhaust
-    it) before the next collective."""
+    holds them), then the buffers, point to point (see `Arrivals`); sizes past ``limit`` are refused
+    before any buffer is allocated, on every rank alike. Close the iterator (or exhaust it) before
+    the next collective."""
     rank, size = world(group)
     device = wire_device(group)
     if size > 1 and counts is None:
@@ -97,7 +118,7 @@ def allgather_arrivals(buffer: torch.Tensor, group: Group, counts: list[int] | N
         wait_for(all_gather_single(sizes, torch.tensor([buffer.numel()], dtype=torch.int64, device=device), group=group,
                                    async_op=True), device)
         counts = sizes.tolist()
-    received = {r: receiver(r, n, device) for r, n in enumerate(counts or []) if r != rank}
+    received = {r: receiver(r, n, device) for r, n in enumerate(bounded(counts or [], limit)) if r != rank}
     sent = on_wire(buffer, device)
     with closing(Arrivals(received, sends={r: sent for r in range(size) if r != rank}, group=group)) as peers:
         yield rank, buffer
@@ -105,15 +126,18 @@ def allgather_arrivals(buffer: torch.Tensor, group: Group, counts: list[int] | N
             yield peer, received[peer]
 
 
-def alltoall_bytes(chunks: list[torch.Tensor], group: Group, receiver: Receiver = fresh_buffer) -> list[torch.Tensor]:
-    """Uneven all-to-all: ``chunks[r]`` goes to rank r; returns what each rank sent here."""
+def alltoall_bytes(chunks: list[torch.Tensor], group: Group, receiver: Receiver = fresh_buffer,
+                   limit: int | None = None) -> list[torch.Tensor]:
+    """Uneven all-to-all: ``chunks[r]`` goes to rank r; returns what each rank sent here (sizes past
+    ``limit`` refused before anything is allocated for them)."""
     rank, size = world(group)
     device = wire_device(group)
     chunks = [on_wire(c, device) for c in chunks]
     send_counts = torch.tensor([c.numel() for c in chunks], dtype=torch.int64, device=device)
     recv_counts = torch.empty(size, dtype=torch.int64, device=device)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
-    received = [chunks[r] if r == rank else receiver(r, n, device) for r, n in enumerate(recv_counts.tolist())]
+    received = [chunks[r] if r == rank else receiver(r, n, device)
+                for r, n in enumerate(bounded(recv_counts.tolist(), limit))]
     transfer(receives={r: t for r, t in enumerate(received) if r != rank},
              sends={r: c for r, c in enumerate(chunks) if r != rank}, group=group)
     return received
@@ -210,13 +234,13 @@ def _start(batch: list[dist.P2POp]) -> list[dist.Work]:
     return works if len(works) == len(batch) else [works[-1]] * len(batch)
 
 
-def exchange_bytes(buffer: torch.Tensor, peer: int, group: Group) -> torch.Tensor:
-    """Swap a uint8 buffer with one peer (sizes first, then data)."""
+def exchange_bytes(buffer: torch.Tensor, peer: int, group: Group, limit: int | None = None) -> torch.Tensor:
+    """Swap a uint8 buffer with one peer (sizes first, then data; a size past ``limit`` refused)."""
     device = wire_device(group)
     my_size = torch.tensor([buffer.numel()], dtype=torch.int64, device=device)
     peer_size = torch.empty(1, dtype=torch.int64, device=device)
     _sendrecv(my_size, peer_size, peer, group)
-    received = torch.empty(int(peer_size), dtype=torch.uint8, device=device)
+    received = torch.empty(bounded([int(peer_size)], limit)[0], dtype=torch.uint8, device=device)
     _sendrecv(on_wire(buffer, device), received, peer, group)
     return received
 
@@ -228,11 +252,12 @@ def send_bytes(buffer: torch.Tensor, peer: int, group: Group) -> None:
         dist.send(on_wire(buffer, device), _global(peer, group), group=group)
 
 
-def recv_bytes(peer: int, group: Group) -> torch.Tensor:
+def recv_bytes(peer: int, group: Group, limit: int | None = None) -> torch.Tensor:
+    """A uint8 buffer from one peer (its size first; a size past ``limit`` refused)."""
     device = wire_device(group)
     size = torch.empty(1, dtype=torch.int64, device=device)
     dist.recv(size, _global(peer, group), group=group)
-    buffer = torch.empty(int(size), dtype=torch.uint8, device=device)
+    buffer = torch.empty(bounded([int(size)], limit)[0], dtype=torch.uint8, device=device)
     if buffer.numel():
         dist.recv(buffer, _global(peer, group), group=group)
     return buffer

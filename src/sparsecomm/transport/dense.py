@@ -12,7 +12,7 @@ import torch.distributed as dist
 from sparsecomm.errors import SparseCommError
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.agreement import agree
-from sparsecomm.transport.base import TRANSPORTS, Transport, as_dense, deliver
+from sparsecomm.transport.base import TRANSPORTS, Transport, as_dense, deliver, refused_unless_out_fits
 from sparsecomm.transport.collectives import Group, fingerprint, wire_device
 from sparsecomm.transport.request import CallRecord, Reduction, Request
 from sparsecomm.transport.session import TransportSession
@@ -37,8 +37,9 @@ class DenseTransport(Transport):
                out: torch.Tensor | None = None, session: TransportSession | None = None) -> Reduction:
         dense = as_dense(grad)
         record = CallRecord(self.to_spec())
+        request = refused_unless_out_fits(request or Request(), out, dense.numel(), None)  # deliver casts
         with record.phase("agreement"):
-            record.agreement = agree(group, request or Request(), dense.numel(),
+            record.agreement = agree(group, request, dense.numel(),
                                      fingerprint(self.to_spec(), tuple(dense.shape), dense.dtype))
         wire_dtype, device = WIRE_DTYPES[self.dtype], wire_device(group)
         in_place = (out is not None and wire_dtype == dense.dtype == out.dtype and out.device == device

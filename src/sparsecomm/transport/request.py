@@ -41,7 +41,7 @@ class Request:
     already encoded it, and ``payload_is_contribution`` says the contribution passed with it is
     exactly what it decodes to (as a pipeline's selection is: values as receivers see them), so
     ``allgather`` need not decode it; ``nonfinite`` makes every rank raise at the agreement step,
-    and so does ``refused`` (why this rank's codec could not encode its values);
+    and so does ``refused`` (why this rank could not make its part: its codec refused its values, or another error);
     ``agreement`` is set by a caller (``auto``) that already ran that step; ``caller_config`` is a
     calling transport's configuration fingerprint (``auto``'s), which ``allgather`` checks with its
     own when it runs the agreement step for that caller; ``side``: a few numbers this rank shares

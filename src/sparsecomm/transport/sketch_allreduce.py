@@ -43,7 +43,7 @@ import torch.distributed as dist
 from sparsecomm.errors import SparseCommError
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.agreement import agree
-from sparsecomm.transport.base import TRANSPORTS, Transport, as_sparse, deliver, output_buffer
+from sparsecomm.transport.base import TRANSPORTS, Transport, as_sparse, deliver, output_buffer, refused_unless_out_fits
 from sparsecomm.transport.collectives import Group, all_reduce_or, fingerprint, on_wire, wire_device
 from sparsecomm.transport.request import Agreement, CallRecord, Reduction, Request
 from sparsecomm.transport.session import TransportSession
@@ -152,6 +152,7 @@ class SketchAllreduce(Transport):
             marks[indices // self.block] = True
             # peeling solves for every marked entry: this rank's count of them sizes the sketch
             unknowns = min(int(marks.sum()) * self.block, numel) if self.decode == "peel" else sparse.nnz
+        request = refused_unless_out_fits(request, out, numel, sparse.dtype)
         with record.phase("agreement"):
             record.agreement = agree(group, request, numel, config, unknowns)
         columns = self.columns(record.agreement)

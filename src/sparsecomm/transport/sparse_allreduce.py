@@ -40,7 +40,7 @@ from sparsecomm.encode.value.qsgd import QSGDValues
 from sparsecomm.errors import PayloadError, SparseCommError
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.agreement import agree
-from sparsecomm.transport.base import TRANSPORTS, Transport, as_sparse, deliver, output_buffer
+from sparsecomm.transport.base import TRANSPORTS, Transport, as_sparse, deliver, output_buffer, refused_unless_out_fits
 from sparsecomm.transport.collectives import (
     Group,
     Receiver,
@@ -50,6 +50,7 @@ from sparsecomm.transport.collectives import (
     fingerprint,
     fresh_buffer,
     host_bytes,
+    message_limit,
     recv_bytes,
     send_bytes,
     world,
@@ -98,6 +99,7 @@ class SparseAllreduce(Transport):
             sparse = as_sparse(grad).sorted()
         model = (session.cost_model if session else load_cost_model()) if self.algorithm == "auto" else None
         bounds = split_points_of(session, request, sparse.numel, size)
+        request = refused_unless_out_fits(request, out, sparse.numel, sparse.dtype)
         with record.phase("agreement"):  # ranks must split alike: their bounds are part of the configuration
             record.agreement = agree(group, request, sparse.numel, fingerprint(
                 self.to_spec(), tuple(sparse.shape), sparse.dtype, model.fingerprint() if model else 0, bounds),
@@ -137,10 +139,11 @@ def recursive_doubling(stream: Stream, group: Group, record: CallRecord, total: 
     base = 1 << (size.bit_length() - 1)  # largest power of two ≤ size
     whole = (stream.offset, stream.length)
     device = stream.values.device
+    limit = message_limit(stream.length)
 
     def receive(peer: int) -> Stream:
         with record.phase("transfer"):
-            buffer = recv_bytes(peer, group)
+            buffer = recv_bytes(peer, group, limit)
         with record.phase("decode"):
             return Stream.from_bytes(buffer, whole, device)
 
@@ -167,7 +170,7 @@ def recursive_doubling(stream: Stream, group: Group, record: CallRecord, total: 
             wire = stream.to_bytes()
         record.bytes_sent += wire.numel()
         with record.phase("transfer"):
-            buffer = exchange_bytes(wire, rank ^ distance, group)
+            buffer = exchange_bytes(wire, rank ^ distance, group, limit)
         with record.phase("decode"):
             received = Stream.from_bytes(buffer, whole, device)
         with record.phase("sum"):
@@ -264,7 +267,7 @@ def split_allgather(stream: Stream, group: Group, request: Request, record: Call
     record.bytes_sent += sum(b.numel() for r, b in enumerate(outgoing) if r != rank)
     owned = (bounds[rank], bounds[rank + 1] - bounds[rank])
     with record.phase("transfer"):
-        received = alltoall_bytes(outgoing, group, receivers[0])
+        received = alltoall_bytes(outgoing, group, receivers[0], limit=message_limit(stream.length))
     with record.phase("decode"):
         incoming = [Stream.from_bytes(b, owned, stream.values.device) for b in received]
     with record.phase("sum"):  # only the owner sums this range, so every rank gets its bits
@@ -274,9 +277,14 @@ def split_allgather(stream: Stream, group: Group, request: Request, record: Call
         with record.phase("sum"):
             cut, (mine, dropped) = mine, largest(mine, keep, stream.length)
     codec = QSGDValues(bits=qsgd_bits, bucket=bucket) if dense_phase and qsgd_bits else None
+    refused = ""  # why this rank could not quantize its range: it sends no bytes for it, and every rank raises
     with record.phase("encode"):
         if codec is not None:
-            wire = torch.from_numpy(np.frombuffer(codec.encode(mine.values, request.rng(rank)), dtype=np.uint8).copy())
+            try:
+                encoded = codec.encode(mine.values, request.rng(rank))
+            except SparseCommError as err:  # a sum past float32's range: every rank's own input was finite
+                refused, encoded = str(err), b""
+            wire = torch.from_numpy(np.frombuffer(encoded, dtype=np.uint8).copy())
         else:
             wire = mine.to_bytes()
         if cut is not None:  # the kept entries are equal per range: balance by the counts before the cut
@@ -287,13 +295,17 @@ def split_allgather(stream: Stream, group: Group, request: Request, record: Call
     # rank's own first, while the others are still in flight
     bins = BALANCE_BINS_PER_RANGE * size
     counts = torch.zeros(size * OWNER_BINS if cut is not None else bins, dtype=torch.int64, device=out.device)
-    with closing(allgather_arrivals(wire, group, receiver=receivers[1])) as arrivals:
+    unquantized = []  # the ranges whose owners could not quantize them
+    with closing(allgather_arrivals(wire, group, receiver=receivers[1],
+                                    limit=message_limit(stream.length))) as arrivals:
         for owner, buffer in record.timed(arrivals, "transfer"):
             lo, hi = bounds[owner], bounds[owner + 1]
             with record.phase("decode"):
                 if owner == rank and dense_phase and codec is None:
                     continue  # the exact sum is in place already
-                if codec is not None:  # this rank's range too: every rank must hold the quantized values
+                if codec is not None and buffer.numel() == 0 and hi > lo:  # a range's codes are never empty
+                    unquantized.append(owner)
+                elif codec is not None:  # this rank's range too: every rank must hold the quantized values
                     codec.decode(host_bytes(buffer).numpy().data, hi - lo, stream.values.dtype, out=out[lo:hi])
                 elif cut is not None:
                     body = without_counts(buffer, counts[owner * OWNER_BINS:(owner + 1) * OWNER_BINS])
@@ -301,6 +313,9 @@ def split_allgather(stream: Stream, group: Group, request: Request, record: Call
                 else:
                     reduced = Stream.write_bytes_into(buffer, (lo, hi - lo), out[lo:hi])
                     counts += nonzero_counts(reduced, stream.length, bins)
+    if unquantized:
+        raise SparseCommError(f"rank {unquantized[0]} could not quantize its range of the sum of {request.key!r}; no "
+                              "rank applied it" + (f" — this one: {refused}" if refused else ""))
     if dropped is not None:
         return counts, dropped
     if exact is None:
