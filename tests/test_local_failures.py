@@ -189,3 +189,24 @@ def test_a_two_round_allgather_refuses_an_announced_size_no_codec_makes_on_every
 def test_a_peers_announced_size_past_the_calls_limit_is_refused_before_allocation():
     (refused, allocated), _ = run_local(2, announcing, "exchange", timeout=HANG_S)
     assert "announced a message of 1073741824 bytes" in refused and not allocated, (refused, allocated)
+
+
+class Work:
+    """A transfer's work whose wait fails or not."""
+
+    def __init__(self, fails: bool) -> None:
+        self.fails, self.waited = fails, False
+
+    def wait(self) -> None:
+        self.waited = True
+        if self.fails:
+            raise RuntimeError("the peer went away")
+
+
+def test_closing_transfers_waits_for_every_one_even_after_one_failed():
+    arrivals = object.__new__(collectives.Arrivals)  # no process group: the works alone
+    works = [Work(fails=True), Work(fails=False), Work(fails=True)]
+    arrivals._receive_works, arrivals._send_works = {1: works[0]}, works[1:]
+    with pytest.raises(RuntimeError, match="the peer went away"):
+        arrivals.close()
+    assert all(work.waited for work in works)

@@ -85,13 +85,11 @@ def calibrate_group(rank: int, world: int, repeat: int = 5) -> CostModel:
     rates = compute_rates()
     slowest = torch.tensor(list(rates.values()), dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    fitted: list[object] = [None]
+    link = torch.zeros(2, dtype=torch.float64)  # rank 0's fit of its own pings: (alpha, beta), as numbers
     if rank == 0:
         (small, alpha), (large, large_seconds) = points
-        beta = (large_seconds - alpha) / (large - small)
-        fitted[0] = CostModel(alpha=max(float(alpha), 1e-6), beta=max(float(beta), 1e-12),
-                              **dict(zip(rates, slowest.tolist(), strict=True)), source="calibrated in this run")
-    dist.broadcast_object_list(fitted, src=0)
-    model = fitted[0]
-    assert isinstance(model, CostModel)
-    return model
+        link[0], link[1] = max(float(alpha), 1e-6), max(float((large_seconds - alpha) / (large - small)), 1e-12)
+    dist.broadcast(link, src=0)
+    alpha, beta = link.tolist()
+    return CostModel(alpha=alpha, beta=beta, **dict(zip(rates, slowest.tolist(), strict=True)),
+                     source="calibrated in this run")

@@ -220,11 +220,19 @@ class Arrivals:
         return peer
 
     def close(self) -> None:
-        """Wait for the sends and any receive not yet waited for."""
-        for work in [*self._receive_works.values(), *self._send_works]:
-            work.wait()
+        """Wait for the sends and any receive not yet waited for — every one of them, even after one
+        failed (then raising the first failure): a buffer is reused only once nothing writes to it."""
+        works = [*self._receive_works.values(), *self._send_works]
         self._receive_works.clear()
         self._send_works.clear()
+        failure: BaseException | None = None
+        for work in works:
+            try:
+                work.wait()
+            except BaseException as err:  # noqa: BLE001 - raised once every transfer has ended
+                failure = failure or err
+        if failure is not None:
+            raise failure
 
 
 def _start(batch: list[dist.P2POp]) -> list[dist.Work]:
