@@ -101,12 +101,12 @@ class WireFormat:
                    out: torch.Tensor | None = None, shares: bool = False) -> Received:
         """The ranks' buffers (``gathered``, world_size of them end to end) summed into a dense fp32
         tensor of ``numel`` on ``device``, with whether every rank's header matched ``digest`` and
-        its indices were sound (they are clamped into range, so a stranger's buffer sums to garbage,
-        never out of bounds), whether the sum is finite — checked on the values received, not the
-        sum: their magnitudes' total bounds every entry's, so where it is finite no entry of the sum
-        overflowed — and, asked for ``shares``, the largest proposed share. The caller raises on the
-        flags. The sum lands in ``out`` (fp32, ``numel``) where one is given; an unused slot adds
-        its zero to the last entry."""
+        its indices were sound (in range, its unused slots zero; they are clamped into range, so a
+        stranger's buffer is refused by the flag, never written out of bounds), whether the sum is
+        finite — checked on the values received, not the sum: their magnitudes' total bounds every
+        entry's, so where it is finite no entry of the sum overflowed — and, asked for ``shares``,
+        the largest proposed share. The caller raises on the flags. The sum lands in ``out`` (fp32,
+        ``numel``) where one is given; an unused slot adds its zero to the last entry."""
         rows = gathered.to(device).view(world_size, self.words)
         agreed = (rows[:, 0] == digest).all()
         share = rows[:, 1].view(torch.float32).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).amax() if shares else None
@@ -121,6 +121,10 @@ class WireFormat:
             agreed = agreed & sound.all()
         else:
             indices = rows[:, HEADER:index_end].long()
+            agreed = agreed & ((indices >= 0) & (indices <= self.numel)).all()
+        # an unused slot (at numel) carries zero (NaN under a non-finite gradient, which the sum's check
+        # reports): a value there is a stranger's buffer, not the last entry's
+        agreed = agreed & ~((indices >= self.numel) & (values.abs() > 0)).any()
         indices = indices.clamp_(0, max(self.numel - 1, 0))
         for rank in range(world_size):
             total.index_add_(0, indices[rank], values[rank])

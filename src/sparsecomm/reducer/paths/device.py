@@ -282,12 +282,29 @@ class DevicePath(Path):
 
     def _bucket(self, key: str, segments: tuple[Segment, ...], flat: torch.Tensor) -> Bucket:
         bucket = self._buckets.get(key)
-        if bucket is None or not bucket.current(self.parts.pipeline.states, self.parts.uncompressed.states,
-                                                flat.device):
-            bucket = self._buckets[key] = self._build(segments, flat)
+        if bucket is None:
+            bucket = self._build(segments, flat)
+            self._agree_layout(key, bucket.layout)
+            self._buckets[key] = bucket
+        elif not bucket.current(self.parts.pipeline.states, self.parts.uncompressed.states, flat.device):
+            bucket = self._buckets[key] = self._build(segments, flat)  # the same layout, new buffers
         elif bucket.whole_error is not None:  # the entries sent whole: their error, where another route left it
             bucket.whole_error.reclaim()
         return bucket
+
+    def _agree_layout(self, key: str, layout: BucketLayout) -> None:
+        """A bucket's first call checks that every rank laid it out alike (one small all_reduce, once
+        per bucket): its wire's length follows from the layout, and a gather of unequal lengths
+        aborts the process on gloo, where the digest each wire carries would otherwise tell."""
+        if self.parts.config.world_size == 1:
+            return
+        self.parts.calls.session.drain()  # after the worker thread's collectives, in order
+        digests = on_wire(torch.tensor([layout.digest, -layout.digest], dtype=torch.int64), self.parts.wire_device)
+        dist.all_reduce(digests, op=dist.ReduceOp.MAX, group=self.parts.process_group)
+        highest, lowest = digests.tolist()
+        if highest != -lowest:
+            raise SparseCommError(f"the ranks' buckets differ in {key!r}: every rank must build the same model and "
+                                  "DDP the same buckets")
 
     def _build(self, segments: tuple[Segment, ...], flat: torch.Tensor) -> Bucket:
         """A bucket's flat buffers from its parameters' states (zeros where they have none), each
@@ -350,8 +367,8 @@ class DevicePath(Path):
                 self.parts.pipeline.states[segment.key].density_share = rounded(float(share))
         if not status.good:
             if not bool(sent.agreed):
-                raise SparseCommError(f"the ranks' buckets differ in {call.key!r}: every rank must build the same "
-                                      "model and DDP the same buckets")
+                raise SparseCommError(f"the ranks' buckets differ in {call.key!r}, or a rank's buffer is not one of "
+                                      "this layout: every rank must build the same model and DDP the same buckets")
             raise non_finite_sum(call.key)
         return summed.total
 

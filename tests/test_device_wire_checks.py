@@ -1,0 +1,73 @@
+"""The device route's checks of what the ranks gathered: ranks whose buckets are laid out apart
+raise on every rank at the bucket's first call (their wires would differ in length, and gloo
+aborts the process on such a gather), and a buffer whose indices fall outside the tensor, or whose
+unused slots carry values, is refused on every rank rather than summed into the wrong entries."""
+
+import pytest
+import torch
+
+import sparsecomm as sc
+from sparsecomm.device import wire
+from sparsecomm.launch import run_local
+from sparsecomm.pipeline import Segment
+
+HANG_S = 60
+
+
+def reduce_once(rank: int, world: int, spec: str, segments: tuple[Segment, ...], gradient: torch.Tensor) -> str:
+    reducer = sc.GradientReducer(spec, seed=0)
+    try:
+        future = reducer.reduce_flat_async("bucket", gradient, segments, last=True)
+        reducer.finish_step()
+        total = future.wait()
+        return "ok " + " ".join(f"{i}:{float(total[i]):g}" for i in total.nonzero().view(-1).tolist())
+    except sc.SparseCommError as err:
+        return str(err)
+    finally:
+        reducer.close()
+
+
+def laid_out_apart(rank: int, world: int) -> str:
+    segments = (Segment("a", 0, 150), Segment("b", 150, 50)) if rank == 0 else (Segment("a", 0, 200),)
+    gradient = torch.randn(200, generator=torch.Generator().manual_seed(rank))
+    return reduce_once(rank, world, "dgc(ratio=0.01)+raw+fp32+allgather", segments, gradient)
+
+
+def test_ranks_that_lay_a_bucket_out_apart_raise_at_its_first_call():
+    for outcome in run_local(2, laid_out_apart, timeout=HANG_S):
+        assert "the ranks' buckets differ in 'bucket'" in outcome, outcome
+
+
+def one_rank_writes(rank: int, world: int, slot: int | None, word: int, value_word: int | None, spec: str) -> str:
+    """Rank 1 overwrites one index word of its wire (at ``slot``; None: none) after packing it, and
+    with ``value_word`` the value word of that slot too."""
+    if rank == 1 and slot is not None:
+        pack = wire.WireFormat.pack
+
+        def written(self, out, *args, **kwargs):
+            delivered = pack(self, out, *args, **kwargs)
+            out[wire.HEADER + slot] = word
+            if value_word is not None:
+                out[wire.HEADER + self.index_words + slot] = value_word
+            return delivered
+
+        wire.WireFormat.pack = written
+    gradient = torch.zeros(100)
+    gradient[10 + rank] = 7.0
+    try:
+        return reduce_once(rank, world, spec, (Segment("w", 0, 100),), gradient)
+    finally:
+        if rank == 1 and slot is not None:
+            wire.WireFormat.pack = pack
+
+
+@pytest.mark.parametrize(("slot", "word", "value_word"), [
+    (0, 1000, None), (0, -7, None), (0, 2**31 - 1, None),
+    (4, 100, 0x3F800000),  # an unused slot (the padding entry, 100) carrying 1.0
+], ids=["past the end", "negative", "largest", "unused slot with a value"])
+def test_a_raw_buffer_naming_entries_outside_the_tensor_is_refused_on_every_rank(slot, word, value_word):
+    honest = run_local(2, one_rank_writes, None, 0, None, "dgc(ratio=0.05)+raw+fp32+allgather", timeout=HANG_S)
+    assert honest == ["ok 10:3.5 11:3.5"] * 2, honest
+    for outcome in run_local(2, one_rank_writes, slot, word, value_word, "dgc(ratio=0.05)+raw+fp32+allgather",
+                             timeout=HANG_S):
+        assert "is not one of this layout" in outcome, outcome
