@@ -1,13 +1,15 @@
 """The device route's checks of what the ranks gathered: ranks whose buckets are laid out apart
 raise on every rank at the bucket's first call (their wires would differ in length, and gloo
 aborts the process on such a gather), and a buffer whose indices fall outside the tensor, or whose
-unused slots carry values, is refused on every rank rather than summed into the wrong entries."""
+unused slots carry values, is refused on every rank rather than summed into the wrong entries. And
+a half-precision gradient's entries sent whole keep their codec's error in fp32."""
 
 import pytest
 import torch
 
 import sparsecomm as sc
 from sparsecomm.device import wire
+from sparsecomm.device.whole import WholeError
 from sparsecomm.launch import run_local
 from sparsecomm.pipeline import Segment
 
@@ -71,3 +73,12 @@ def test_a_raw_buffer_naming_entries_outside_the_tensor_is_refused_on_every_rank
     for outcome in run_local(2, one_rank_writes, slot, word, value_word, "dgc(ratio=0.05)+raw+fp32+allgather",
                              timeout=HANG_S):
         assert "is not one of this layout" in outcome, outcome
+
+
+def test_the_entries_sent_whole_take_back_their_codecs_error_in_fp32():
+    """A bf16 gradient's entries sent whole, plus the fp32 error the codec left on them: added in
+    bf16, an error below the entry's rounding step would vanish every step."""
+    error = WholeError(torch.tensor([0, 2]), torch.tensor([1e-4, -1e-4]), torch.zeros(2), ([], []))
+    sent = error.sent(torch.tensor([1.0, 5.0, 2.0], dtype=torch.bfloat16))
+    assert sent.dtype == torch.float32
+    assert torch.equal(sent, torch.tensor([1.0, 2.0]) + torch.tensor([1e-4, -1e-4]))

@@ -114,8 +114,9 @@ class WholeError:
             state.codec_error = view
 
     def sent(self, gradient: torch.Tensor) -> torch.Tensor:
-        """The whole entries of ``gradient`` (flat) with what the codec rounded off them before."""
-        return gradient[self.whole].add_(self.held)
+        """The whole entries of ``gradient`` (flat) with what the codec rounded off them before, in
+        the dtype that error is kept in (a half-precision gradient's entries would round it away)."""
+        return gradient[self.whole].to(self.held.dtype).add_(self.held)
 
     def propose(self, sent: torch.Tensor, delivered: torch.Tensor) -> None:
         """What the receivers miss of ``sent``, into the spare buffer."""
