@@ -99,8 +99,8 @@ def test_every_route_reaches_its_collective_in_few_functions_and_never_turns_bac
             assert len(chain) <= MOST_FUNCTIONS, f"{spec}, {forced}: {len(chain)} functions: {shown}"
             assert len(visits) == len(set(visits)), f"{spec}, {forced}: back in a module it left: {shown}"
     # calls for the worker thread, a step's last call with those that waited, a dense step's all_reduce,
-    # the device route's all_gather, and (once, at dgc's first compressed call) the ranks' agreement on
-    # whether their gradients are all on GPUs
+    # the device route's all_gather (and, once per bucket, the ranks' agreement on its layout), and
+    # (once, at dgc's first compressed call) the ranks' agreement on whether their gradients are all on GPUs
     assert handoffs == {("reducer/step_calls.py", "post"), ("reducer/step_calls.py", "_exchange_deferred"),
                         ("reducer/paths/dense_step.py", "post"), ("reducer/paths/device.py", "post"),
-                        ("reducer/runtime.py", "_all_on_gpus")}
+                        ("reducer/paths/device.py", "_agree_layout"), ("reducer/runtime.py", "_all_on_gpus")}
