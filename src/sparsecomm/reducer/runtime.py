@@ -116,7 +116,7 @@ class Runtime:
         here = on_gpu(tensor)
         if self.config.world_size == 1:
             return here
-        self.calls.session.drain()  # after the worker thread's collectives, in order
+        self.calls.in_order()
         flag = on_wire(torch.tensor([float(here)]), self.wire_device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.process_group)
         return bool(flag.item() > 0)

@@ -67,6 +67,13 @@ class StepCalls:
             return future
         return transport.reduce_async(contribution, self.group, request, out, self.session)
 
+    def in_order(self) -> None:
+        """Before a collective this thread posts on the reducer's group itself (a dense or low-rank
+        step's all_reduce, the device route's all_gather, an agreement of its own): the worker
+        thread's collectives go first, so every rank posts them all in one order (gloo matches
+        collectives by order)."""
+        self.session.drain()
+
     def finish_with_step(self, done: torch.futures.Future, finish: Finish) -> None:
         """Run ``finish(done)`` when the step finishes, on the thread that finishes it."""
         self._unfinished.append((done, finish))

@@ -69,7 +69,7 @@ class DenseStepPath(Path):
         # A CUDA tensor goes as it is, on gloo too: gloo stages it through pinned memory on its own
         # stream and thread, where a copy to the wire device here would hold up the backward pass
         posted = wire.tensor if wire.tensor.device.type == "cuda" else on_wire(wire.tensor, parts.wire_device)
-        parts.calls.session.drain()  # after the worker thread's collectives (a sparse gradient's rows), in order
+        parts.calls.in_order()  # after a sparse gradient's rows on the worker thread
         work = parts.process_group.allreduce([posted])
         return Pending(work.get_future(), submitted, finish_with_step=call.in_step,
                        carries_report=wire.carrying is not None, sent=wire)

@@ -226,7 +226,7 @@ class DevicePath(Path):
         if bucket.whole_error is not None:
             bucket.whole_error.propose(values[form.capacity:], delivered[form.capacity:])
         posted = on_wire(wire, parts.wire_device)
-        parts.calls.session.drain()  # after the worker thread's collectives (a custom loop's plain calls), in order
+        parts.calls.in_order()  # after a custom loop's plain calls on the worker thread
         gathered = torch.empty(config.world_size * wire.numel(), dtype=wire.dtype, device=posted.device)
         work = all_gather_single(gathered, posted, group=parts.process_group, async_op=True)
         sent = DeviceSent(bucket, spare, form, indices,
@@ -253,7 +253,7 @@ class DevicePath(Path):
             if adaptive is not None and not self.parts.config.on_device else 0
         if within or bucket.shares_agreed == host_steps:
             return share
-        self.parts.calls.session.drain()  # after the worker thread's collectives, in order
+        self.parts.calls.in_order()
         largest = on_wire(torch.tensor([share], dtype=torch.float32), self.parts.wire_device)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.parts.process_group)
         share = float(largest)
@@ -298,7 +298,7 @@ class DevicePath(Path):
         aborts the process on gloo, where the digest each wire carries would otherwise tell."""
         if self.parts.config.world_size == 1:
             return
-        self.parts.calls.session.drain()  # after the worker thread's collectives, in order
+        self.parts.calls.in_order()
         digests = on_wire(torch.tensor([layout.digest, -layout.digest], dtype=torch.int64), self.parts.wire_device)
         dist.all_reduce(digests, op=dist.ReduceOp.MAX, group=self.parts.process_group)
         highest, lowest = digests.tolist()

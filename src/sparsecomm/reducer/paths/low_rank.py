@@ -163,7 +163,7 @@ class LowRankPath(Path):
         budget_numel = sum(numel for _, numel in call.density_spans())
         adaptive.measuring.submitted(call.tensor.numel(), budget_numel, 0, 0, submitted - start, submitted)
         posted = (factors.numel() > 0, whole.numel() > 0)
-        parts.calls.session.drain()  # after the worker thread's collectives (a sparse gradient's rows), in order
+        parts.calls.in_order()  # after a sparse gradient's rows on the worker thread
         works = [parts.process_group.allreduce([on_wire(wire, parts.wire_device)])
                  for wire, post in zip((factors, whole), posted, strict=True) if post]
         # the second all_reduce must come in the same order on every rank: the step's thread posts
@@ -200,7 +200,7 @@ class LowRankPath(Path):
             q_wire = on_wire(torch.cat([product(m.transpose(1, 2), p).reshape(-1)
                                         for m, p in zip(sent.matrices, orthonormal, strict=True)]).to(FACTORS),
                              self.parts.wire_device)
-            self.parts.calls.session.drain()  # as the first all_reduce
+            self.parts.calls.in_order()
             self.parts.process_group.allreduce([q_wire]).wait()
             q_wire = q_wire.to(device, dtype)
             if not all_finite(q_wire):  # an overflow, the same on every rank
