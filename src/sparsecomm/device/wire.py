@@ -1,8 +1,9 @@
-"""One fixed-size int32 buffer per bucket and rank: two header words (the bucket layout's digest, and
-the share of the density its sender proposes for the next step as float32 bits, 0 where none), the
-capacity's indices (32-bit words, or `sparsecomm.device.indices`' fixed-size stream; ``numel``, the
-padding, for an unused slot), then their values followed by those of the entries sent whole, which
-go without indices (every rank's layout names them), all in the value codec's device form. Every rank's
+"""One fixed-size int32 buffer per bucket and rank: two header words (the bucket layout's digest
+stamped with the call's step, `stamped`; and the share of the density its sender proposes for the
+next step as float32 bits, 0 where none), the capacity's indices (32-bit words, or
+`sparsecomm.device.indices`' fixed-size stream; ``numel``, the padding, for an unused slot), then
+their values followed by those of the entries sent whole, which go without indices (every rank's
+layout names them), all in the value codec's device form. Every rank's
 buffer is the same size, so one equal-size all_gather carries them; the receiver sums them on the
 device, rank by rank (each rank's indices are distinct, so every sum is made in the same order
 everywhere)."""
@@ -21,7 +22,13 @@ from sparsecomm.encode.base import ValueCodec
 from sparsecomm.host_memory import clear_
 
 HEADER = 2
-"""words before the indices: the layout's digest, the proposed share"""
+"""words before the indices: the layout's digest stamped with the step, the proposed share"""
+
+
+def stamped(digest: int, step: int) -> int:
+    """The first header word: the layout's digest mixed with the call's step (31 bits; distinct for
+    steps less than 2**31 apart), so a rank at another step reads as one of another layout."""
+    return (digest + step * 0x9E3779B1) & 0x7FFFFFFF
 
 
 class Received(NamedTuple):

@@ -28,7 +28,7 @@ from sparsecomm.device.selection import select, select_shared
 from sparsecomm.device.shares import SHARE_STEPS, rounded
 from sparsecomm.device.status import GOOD, OWN_FINITE, read
 from sparsecomm.device.whole import WholeError, WholeMomentum
-from sparsecomm.device.wire import WireFormat
+from sparsecomm.device.wire import WireFormat, stamped
 from sparsecomm.encode.index.packed import PackedIndices
 from sparsecomm.errors import SparseCommError
 from sparsecomm.feedback.base import hold_in, state_dtype
@@ -154,6 +154,8 @@ class DeviceSent:
     finite: torch.Tensor | None
     gathered: torch.Tensor
     nbytes: int
+    header: int
+    """the header word every rank's buffer must carry (`stamped`)"""
     agreed: torch.Tensor | None = field(default=None)
     sum_finite: torch.Tensor | None = None
     kept: bool = False
@@ -189,9 +191,10 @@ class DevicePath(Path):
         config, pipeline, spec = parts.config, parts.pipeline, self.spec
         flat = call.tensor.detach().reshape(-1)
         segments = call.segments or (Segment(call.key, 0, flat.numel()),)
-        bucket = self._bucket(call.key, segments, flat)
+        first = pipeline.states.setdefault(segments[0].key, TensorState())
+        bucket = self._bucket(call.key, segments, flat, first.step)
         layout = bucket.layout
-        first = pipeline.states[segments[0].key]
+        header = stamped(layout.digest, first.step)
         ratio = self._ratio(plan, first.step)
         grad, finite = self._screened(flat)
         adaptive = parts.adaptive
@@ -222,7 +225,7 @@ class DevicePath(Path):
         # a new buffer per call: a stream's earlier call (reduce_async) may still be on the wire
         wire = torch.empty(form.words, dtype=torch.int32, device=flat.device)
         # the codecs take fp32 (as a half-precision gradient's feedback is kept: `state_dtype`)
-        delivered = form.pack(wire, layout.digest, indices, values.float(), proposed)
+        delivered = form.pack(wire, header, indices, values.float(), proposed)
         if bucket.whole_error is not None:
             bucket.whole_error.propose(values[form.capacity:], delivered[form.capacity:])
         posted = on_wire(wire, parts.wire_device)
@@ -231,7 +234,7 @@ class DevicePath(Path):
         work = all_gather_single(gathered, posted, group=parts.process_group, async_op=True)
         sent = DeviceSent(bucket, spare, form, indices,
                           None if device_values.lossless(form.values) else delivered[:form.capacity],
-                          proposal, finite, gathered, wire.numel() * wire.element_size(), magnitude=magnitude,
+                          proposal, finite, gathered, wire.numel() * wire.element_size(), header, magnitude=magnitude,
                           share=proposed, within=within)
         submitted = time.perf_counter()
         if adaptive is not None:
@@ -280,31 +283,35 @@ class DevicePath(Path):
             return torch.nan_to_num(flat, nan=0.0, posinf=0.0, neginf=0.0), None
         return flat, torch.isfinite(flat.sum())
 
-    def _bucket(self, key: str, segments: tuple[Segment, ...], flat: torch.Tensor) -> Bucket:
+    def _bucket(self, key: str, segments: tuple[Segment, ...], flat: torch.Tensor, step: int) -> Bucket:
         bucket = self._buckets.get(key)
-        if bucket is None:
+        if bucket is None or not bucket.current(self.parts.pipeline.states, self.parts.uncompressed.states,
+                                                flat.device):  # first built, or its states replaced (a load)
             bucket = self._build(segments, flat)
-            self._agree_layout(key, bucket.layout)
+            self._agree_layout(key, bucket.layout, step)
             self._buckets[key] = bucket
-        elif not bucket.current(self.parts.pipeline.states, self.parts.uncompressed.states, flat.device):
-            bucket = self._buckets[key] = self._build(segments, flat)  # the same layout, new buffers
         elif bucket.whole_error is not None:  # the entries sent whole: their error, where another route left it
             bucket.whole_error.reclaim()
         return bucket
 
-    def _agree_layout(self, key: str, layout: BucketLayout) -> None:
-        """A bucket's first call checks that every rank laid it out alike (one small all_reduce, once
-        per bucket): its wire's length follows from the layout, and a gather of unequal lengths
-        aborts the process on gloo, where the digest each wire carries would otherwise tell."""
+    def _agree_layout(self, key: str, layout: BucketLayout, step: int) -> None:
+        """A bucket's first call, and its first after its states were replaced (a checkpoint loaded),
+        checks that every rank laid it out alike and is at the same step (one small all_reduce): its
+        wire's length follows from the layout and the step's density, and a gather of unequal lengths
+        aborts the process on gloo, where the header each wire carries would otherwise tell."""
         if self.parts.config.world_size == 1:
             return
         self.parts.calls.in_order()
-        digests = on_wire(torch.tensor([layout.digest, -layout.digest], dtype=torch.int64), self.parts.wire_device)
-        dist.all_reduce(digests, op=dist.ReduceOp.MAX, group=self.parts.process_group)
-        highest, lowest = digests.tolist()
+        agreed = on_wire(torch.tensor([layout.digest, -layout.digest, step, -step], dtype=torch.int64),
+                         self.parts.wire_device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.parts.process_group)
+        highest, lowest, latest, earliest = agreed.tolist()
         if highest != -lowest:
             raise SparseCommError(f"the ranks' buckets differ in {key!r}: every rank must build the same model and "
                                   "DDP the same buckets")
+        if latest != -earliest:
+            raise SparseCommError(f"the ranks are at different steps of {key!r} (steps {-earliest} to {latest}): "
+                                  "every rank must load the checkpoint of the same step")
 
     def _build(self, segments: tuple[Segment, ...], flat: torch.Tensor) -> Bucket:
         """A bucket's flat buffers from its parameters' states (zeros where they have none), each
@@ -330,7 +337,7 @@ class DevicePath(Path):
         out = tensor.view(-1) if not tensor.is_sparse and tensor.dtype == torch.float32 and tensor.is_contiguous() \
             else None
         total, sent.agreed, sent.sum_finite, sent.agreed_share = sent.form.unpack_sum(
-            sent.gathered, self.parts.config.world_size, layout.digest, layout.whole, tensor.device, out,
+            sent.gathered, self.parts.config.world_size, sent.header, layout.whole, tensor.device, out,
             shares=sent.share is not None and not sent.within)
         return Summed(total, sent.nbytes, owned=True)
 
@@ -367,8 +374,9 @@ class DevicePath(Path):
                 self.parts.pipeline.states[segment.key].density_share = rounded(float(share))
         if not status.good:
             if not bool(sent.agreed):
-                raise SparseCommError(f"the ranks' buckets differ in {call.key!r}, or a rank's buffer is not one of "
-                                      "this layout: every rank must build the same model and DDP the same buckets")
+                raise SparseCommError(f"the ranks' buckets differ in {call.key!r}, or the ranks are at different "
+                                      "steps of it, or a rank's buffer is not one of this layout: every rank must "
+                                      "build the same model and DDP the same buckets, and resume from the same step")
             raise non_finite_sum(call.key)
         return summed.total
 
