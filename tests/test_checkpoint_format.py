@@ -92,3 +92,39 @@ def test_a_format_0_planner_keeps_its_trial_its_pairs_and_their_sense():
 def test_a_checkpoint_of_a_later_format_is_refused_with_its_format():
     with pytest.raises(sc.SparseCommError, match=f"format {FORMAT + 1}"):
         migrate({"format": FORMAT + 1})
+
+
+def saved_by_two(rank: int, world: int) -> dict:
+    with sc.GradientReducer("dgc(ratio=0.01)+residual+raw+fp32+allgather") as reducer:
+        reducer.allreduce_([("w", torch.randn(50, 100, generator=torch.Generator().manual_seed(rank)))])
+        return reducer.state_dict()
+
+
+def loaded(rank: int, world: int, state: dict, nonfinite: str) -> str:
+    with sc.GradientReducer("dgc(ratio=0.01)+residual+raw+fp32+allgather", nonfinite=nonfinite) as reducer:
+        gradient = torch.ones(50, 100)
+        reducer.allreduce_([("w", gradient)])  # started: the load is checked at once
+        before = reducer.pipeline.states["w"].feedback["residual"].clone()
+        try:
+            reducer.load_state_dict(state)
+        except sc.SparseCommError as err:
+            kept = reducer.pipeline.states["w"].feedback["residual"]
+            assert torch.equal(kept, before), "a refused load restores nothing"
+            return str(err)
+        assert torch.equal(reducer.pipeline.states["w"].feedback["residual"], state["pipeline"]["tensors"]["w"]
+                           ["feedback"]["residual"]), "a checkpoint that loads restores the residual"
+        return "loaded"
+
+
+def test_a_checkpoint_of_another_world_size_or_policy_is_refused_and_restores_nothing():
+    state = run_local(2, saved_by_two)[0]
+    assert state["config"] == {"world_size": 2, "nonfinite": "raise", "dense_below": 4096, "average": True}
+    assert run_local(2, loaded, state, "raise") == ["loaded"] * 2
+    refused = run_local(1, loaded, state, "raise")[0]
+    assert "world_size 2 (this reducer: 1)" in refused, refused
+    refused = run_local(2, loaded, state, "skip")[0]
+    assert "nonfinite 'raise' (this reducer: 'skip')" in refused, refused
+
+
+def test_a_format_3_checkpoint_records_no_configuration_and_loads_unchecked():
+    assert migrate({"format": 3, "adaptive": None})["config"] is None

@@ -4,7 +4,9 @@
 Format 0 (no ``"format"`` key) named the adaptive modes ``dense``/``half``/``sparse``, held the
 planner's numbers flat and its reports as positional tensors, and left out keys added later (their
 defaults below). Format 1 held no costs of the device route's sparse steps (`Mode.DEVICE`), and
-format 2 none of the low-rank steps (`Mode.LOW_RANK`): they start unmeasured."""
+format 2 none of the low-rank steps (`Mode.LOW_RANK`): they start unmeasured. Format 3 did not
+record the world size and settings the state was saved under (``"config"``, `ReducerConfig.recorded`):
+its checkpoints load unchecked."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from sparsecomm.adaptive.config import AdaptiveConfig
 from sparsecomm.adaptive.report import Report
 from sparsecomm.errors import SparseCommError
 
-FORMAT = 3
+FORMAT = 4
 DEVICE_COSTS_1 = {"device_overhead_s": [], "device_bytes_per_nnz": AdaptiveConfig().first_bytes_per_nnz,
                   "device_fixed_bytes": 0.0, "host_memory": 1.0}
 LOW_RANK_COSTS_2: dict[str, Any] = {"low_rank_step_s": []}
@@ -38,6 +40,8 @@ def migrate(state: dict[str, Any]) -> dict[str, Any]:
     for older, added in ((1, DEVICE_COSTS_1), (2, LOW_RANK_COSTS_2)):
         if state["format"] == older:
             state = _with_costs(state, added, older + 1)
+    if state["format"] == 3:
+        state = {**state, "format": 4, "config": None}
     return state
 
 

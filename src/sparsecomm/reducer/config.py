@@ -80,6 +80,23 @@ class ReducerConfig:
         agree(group, Request(key="GradientReducer configuration"), self.world_size,
               fingerprint(format_spec(self.spec), self.seed, self.nonfinite, self.dense_below, self.average))
 
+    def recorded(self) -> dict[str, int | str | bool]:
+        """What a checkpoint records of this configuration beyond the pipeline's spec and seed:
+        each rank's state (its residuals) is its own share of a run of this many ranks."""
+        return {"world_size": self.world_size, "nonfinite": self.nonfinite, "dense_below": self.dense_below,
+                "average": self.average}
+
+    def check_recorded(self, saved: dict[str, int | str | bool] | None) -> None:
+        """Raise unless a checkpoint's `recorded` configuration is this one (None: a checkpoint of a
+        format that did not record it)."""
+        if saved is None:
+            return
+        differs = {name: (saved.get(name), mine) for name, mine in self.recorded().items() if saved.get(name) != mine}
+        if differs:
+            said = ", ".join(f"{name} {then!r} (this reducer: {now!r})" for name, (then, now) in differs.items())
+            raise SparseCommError(f"the checkpoint is of a reducer with {said}; each rank's state is its share of "
+                                  "that run: resume with the same settings and ranks, or start a fresh reducer")
+
     def check_matches(self, other: ReducerConfig) -> None:
         """Raise unless ``other`` asks for this reducer's spec, seed, policy and size bound."""
         asked = (format_spec(other.spec), other.seed, other.nonfinite, other.dense_below)

@@ -333,9 +333,10 @@ class GradientReducer:
             state: what `state_dict` returned on this rank, for a reducer of the same spec and seed.
 
         Raises:
-            SparseCommError: the checkpoint is for another spec or seed, or of a format this version
-                cannot read; nothing is restored then. A reducer that has not started checks the
-                spec and seed when it starts, at its first call, and raises there.
+            SparseCommError: the checkpoint is for another spec or seed, world size, non-finite
+                policy, ``dense_below`` or ``average``, or of a format this version cannot read;
+                nothing is restored then. A reducer that has not started checks them when it
+                starts, at its first call, and raises there.
         """
         state = migrate(state)
         if self.started:

@@ -128,16 +128,17 @@ class Runtime:
         self.calls.abandon("the reducer was closed before the step's calls finished (finish_step() ends a step)")
 
     def state_dict(self) -> dict[str, Any]:
-        return {"calls": dict(self.counts), "pipeline": self.pipeline.state_dict(),
-                "uncompressed": self.parts.uncompressed.state_dict(),
+        return {"config": self.parts.config.recorded(), "calls": dict(self.counts),
+                "pipeline": self.pipeline.state_dict(), "uncompressed": self.parts.uncompressed.state_dict(),
                 "session": self.session.state_dict(), "bucket_orders": self.buckets.state_dict(),
                 "row_errors": self.paths[Route.ROWS].state_dict(),
                 "adaptive": self.adaptive.state_dict() if self.adaptive is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a checkpoint (in this version's format): nothing changes unless it is for this
-        pipeline's spec and seed."""
+        pipeline's spec and seed, and this reducer's world size and settings."""
         self.pipeline.check_state(state["pipeline"])
+        self.parts.config.check_recorded(state["config"])
         self.counts = dict(state["calls"])
         self.pipeline.load_state_dict(state["pipeline"])
         self.parts.uncompressed.load_state_dict(state["uncompressed"])
