@@ -324,3 +324,84 @@ def flat_swapped(rank: int, world: int) -> float:
 def test_a_flat_fsdp_module_whose_layout_changes_says_what_it_drops():
     assert all(run_local(2, flat_refrozen))
     assert run_local(2, flat_swapped) == [0.0, 0.0]  # a's held-back error never arrives as b's gradient
+
+
+def flat_linear(mesh, spec: str, rows: int = 64):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, rows)
+    fully_shard(model, mesh=mesh)
+    return model, sc.register_fsdp_hooks(model, spec, mesh)
+
+
+def flat_state_kept_apart(rank: int, world: int) -> list[bool]:
+    """A flat compression's state_dict is a copy, and so is what load_state_dict took in."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, compression = flat_linear(mesh, "topk(ratio=0.1)+residual+raw+fp32")
+    model(batch(rank, 0)[:, :1].repeat(1, 256)).sum().backward()
+    state = compression.state_dict()
+    saved = copy.deepcopy(state)
+    model(batch(rank, 1)[:, :1].repeat(1, 256)).sum().backward()
+    resumed, taken = flat_linear(mesh, "topk(ratio=0.1)+residual+raw+fp32")
+    given = copy.deepcopy(saved)
+    taken.load_state_dict(given)
+    resumed(batch(rank, 2)[:, :1].repeat(1, 256)).sum().backward()
+    return [torch.equal(state["residuals"]["<root>"], saved["residuals"]["<root>"]),
+            torch.equal(given["residuals"]["<root>"], saved["residuals"]["<root>"])]
+
+
+def flat_fp16_beyond_range(rank: int, world: int) -> tuple[bool, bool, float]:
+    """A finite gradient beyond fp16's range: sent at fp16's bound, the excess held back."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, compression = flat_linear(mesh, "topk(ratio=0.1)+residual+raw+fp16")
+    (model(torch.ones(4, 256)).sum() * 1e5).backward()  # the bias's gradient: 4e5 in every entry
+    shard = model.bias.grad.to_local()
+    residual = compression.comms["<root>"].residual
+    return bool(torch.isfinite(shard).all()), bool(torch.isfinite(residual).all()), float(residual.abs().max())
+
+
+def test_a_flat_compressions_state_is_copied_out_and_in_and_fp16_keeps_what_it_cannot_carry():
+    assert run_local(2, flat_state_kept_apart) == [[True, True]] * 2
+    for finite_sum, finite_held, largest_held in run_local(2, flat_fp16_beyond_range):
+        assert finite_sum and finite_held
+        assert largest_held >= 4e5 - 65504 - 1  # the entries sent held back all beyond fp16's bound
+
+
+def flat_mismatched(rank: int, world: int, specs: tuple[str, str]) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:
+        flat_linear(init_device_mesh("cpu", (world,)), specs[rank])
+        return "registered"
+    except sc.SparseCommError as err:
+        return str(err)
+
+
+def flat_resharded(rank: int, world: int, reduced_first: bool) -> str:
+    """A checkpoint of a (64, 256) layer loaded into a (32, 256) one of the same module name."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, compression = flat_linear(mesh, "topk(ratio=0.1)+residual+raw+fp32")
+    model(torch.ones(4, 256)).sum().backward()
+    other, loading = flat_linear(mesh, "topk(ratio=0.1)+residual+raw+fp32", rows=32)
+    try:
+        if reduced_first:
+            other(torch.ones(4, 256)).sum().backward()
+        loading.load_state_dict(compression.state_dict())
+        other(torch.ones(4, 256)).sum().backward()
+        return "loaded"
+    except sc.SparseCommError as err:
+        return str(err)
+
+
+def test_flat_compressions_that_differ_across_ranks_or_from_their_checkpoint_are_refused():
+    for outcome in run_local(2, flat_mismatched, ("topk(ratio=0.1)+residual+raw+fp32",
+                                                  "topk(ratio=0.2)+residual+raw+fp32")):
+        assert "ranks disagree" in outcome and "FlatFSDPCompression configuration" in outcome, outcome
+    for reduced_first in (False, True):
+        for outcome in run_local(2, flat_resharded, reduced_first):
+            assert "is laid out as (2, 8224)" in outcome and "resume with the same sharding" in outcome, outcome

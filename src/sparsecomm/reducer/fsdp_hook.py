@@ -262,5 +262,5 @@ def register_fsdp_hooks(model: nn.Module, spec_or_preset: str | PipelineSpec, me
 
         return FlatFSDPCompression({name or "<root>": (module, [parameter for _, parameter in own])
                                     for name, (module, own) in modules.items()},
-                                   resolve(spec_or_preset))
+                                   resolve(spec_or_preset), mesh.get_group() if mesh is not None else None)
     return FSDPCompression(model, modules, spec_or_preset, mesh, seed, nonfinite, dense_below)

@@ -8,7 +8,8 @@ dtype — with one ``all_to_all_single`` each; the owner sums what it receives i
 was not sent, and what the values' rounding lost, stays in the error feedback: as large as the
 module's unsharded gradient (in fp32 for a half-precision one), on every rank (FSDP itself holds that
 only during the backward pass).
-A non-finite entry is sent as it is (the optimizer or a gradient scaler sees it) and never kept.
+A non-finite entry is sent as it is (the optimizer or a gradient scaler sees it) and never kept;
+a finite one beyond the value dtype's range (fp16's 65504) is sent at that bound, the rest held back.
 """
 
 from __future__ import annotations
@@ -31,10 +32,13 @@ from sparsecomm.reducer.rank_state import CheckpointsPerRank
 from sparsecomm.reducer.stats import ReducerStats, TensorStats
 from sparsecomm.sparsify.topk import TopK
 from sparsecomm.spec import PipelineSpec, format_spec
+from sparsecomm.transport.agreement import agree
 from sparsecomm.transport.allgather import AllgatherTransport
+from sparsecomm.transport.collectives import fingerprint
+from sparsecomm.transport.request import Request
 
-FORMAT = 1
-"""the format of `FlatFSDPCompression.state_dict`"""
+FORMAT = 2
+"""the format of `FlatFSDPCompression.state_dict` (format 1 did not record the spec)"""
 
 
 class SparseReduceScatter(ReduceScatter):
@@ -51,6 +55,8 @@ class SparseReduceScatter(ReduceScatter):
         self.reduced: tuple[bool, ...] | None = None
         """which of the module's parameters the residual's layout held at the last call (FSDP
         reduces those that require a gradient)"""
+        self.loaded = False
+        """whether the residual came from a checkpoint and no call has used it yet"""
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -64,6 +70,11 @@ class SparseReduceScatter(ReduceScatter):
         ranges = input_tensor.view(ranks, numel)
         dtype = state_dtype(ranges.dtype)  # a half-precision gradient's error is kept in fp32
         reduced = tuple(parameter.requires_grad for parameter in self.parameters)
+        if self.loaded and self.residual is not None and self.residual.shape != ranges.shape:
+            raise SparseCommError(f"the checkpoint's feedback of FSDP module {self.name!r} is laid out as "
+                                  f"{tuple(self.residual.shape)} (ranks × range), this run's gradient as "
+                                  f"{tuple(ranges.shape)}: resume with the same sharding and parameters")
+        self.loaded = False
         if self.residual is None or self.residual.shape != ranges.shape or (
                 self.reduced is not None and reduced != self.reduced):
             if self.residual is not None:
@@ -77,7 +88,7 @@ class SparseReduceScatter(ReduceScatter):
         k = max(1, min(numel, round(self.ratio * numel)))
         picked = corrected.abs().topk(k, dim=1, sorted=False).indices
         values = corrected.gather(1, picked)
-        sent = values.to(self.values)
+        sent = _within_range(values, self.values).to(self.values)
         corrected.scatter_(1, picked, values - sent.to(values.dtype))  # held back: all but what arrives
         corrected.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         indices = picked.to(torch.int32)
@@ -117,7 +128,8 @@ class FlatFSDPCompression(CheckpointsPerRank):
         ```
     """
 
-    def __init__(self, modules: dict[str, tuple[FSDPModule, list[nn.Parameter]]], spec: PipelineSpec) -> None:
+    def __init__(self, modules: dict[str, tuple[FSDPModule, list[nn.Parameter]]], spec: PipelineSpec,
+                 group: dist.ProcessGroup | None = None) -> None:
         sparsifier, values = spec.sparsifier, spec.value_codec
         if not (isinstance(sparsifier, TopK) and sparsifier.ratio is not None and not sparsifier.warmup
                 and isinstance(spec.feedback, Residual) and isinstance(values, FloatValues)
@@ -126,13 +138,17 @@ class FlatFSDPCompression(CheckpointsPerRank):
                                   "fp32, fp16 or bf16 values (indices go as 32-bit integers, each owner's by "
                                   f"all_to_all, no other transport), not {format_spec(spec)!r}")
         self.spec = spec
+        self.world_size = dist.get_world_size(group)
+        layout = [(name, [tuple(parameter.shape) for parameter in parameters])
+                  for name, (_, parameters) in sorted(modules.items())]
+        agree(group, Request(key="FlatFSDPCompression configuration"), self.world_size,
+              fingerprint(format_spec(spec), layout))  # else the ranks' exchanges differ in size: gloo aborts
         self.stats = ReducerStats()
         self.comms = {name: SparseReduceScatter(name, parameters, sparsifier.ratio, values.wire_dtype,
                                                 self.stats.tensors.setdefault(name, TensorStats()), self.stats)
                       for name, (_, parameters) in modules.items()}
         for name, (module, _) in modules.items():
             module.set_custom_reduce_scatter(self.comms[name])
-        self.world_size = dist.get_world_size()
 
     adaptive = None
     """no ``adaptive`` controller: the flat reduce-scatter keeps a fixed ratio"""
@@ -149,23 +165,49 @@ class FlatFSDPCompression(CheckpointsPerRank):
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's error feedback by FSDP module (format `FORMAT`)."""
-        return {"format": FORMAT, "world_size": self.world_size, "steps": self.stats.steps,
-                "residuals": {name: comm.residual for name, comm in self.comms.items()}}
+        return {"format": FORMAT, "world_size": self.world_size, "spec": format_spec(self.spec),
+                "steps": self.stats.steps,
+                "residuals": {name: _copied(comm.residual) for name, comm in self.comms.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned on this rank.
 
         Raises:
-            SparseCommError: another format, world size or set of FSDP modules.
+            SparseCommError: another format, world size, spec or set of FSDP modules, or feedback laid
+                out for another sharding (found where it is checked: at once where a module has
+                reduced before, else at its next call).
         """
-        if state.get("format") != FORMAT or state.get("world_size") != self.world_size:
+        if state.get("format") not in (1, FORMAT) or state.get("world_size") != self.world_size:
             raise SparseCommError(f"the checkpoint is of format {state.get('format')!r} over "
-                                  f"{state.get('world_size')} ranks; this run reads format {FORMAT} over "
+                                  f"{state.get('world_size')} ranks; this run reads formats 1 to {FORMAT} over "
                                   f"{self.world_size}")
+        if state.get("spec", format_spec(self.spec)) != format_spec(self.spec):
+            raise SparseCommError(f"the checkpoint is of {state['spec']!r}; this run reduces with "
+                                  f"{format_spec(self.spec)!r}")
         if set(state["residuals"]) != set(self.comms):
             raise SparseCommError(f"the checkpoint is over FSDP modules {sorted(state['residuals'])}; this model "
                                   f"has {sorted(self.comms)}")
         for name, residual in state["residuals"].items():
-            self.comms[name].residual = residual
+            now = self.comms[name].residual
+            if residual is not None and now is not None and residual.shape != now.shape:
+                raise SparseCommError(f"the checkpoint's feedback of FSDP module {name!r} is laid out as "
+                                      f"{tuple(residual.shape)} (ranks × range), this run's as {tuple(now.shape)}: "
+                                      "resume with the same sharding and parameters")
+        for name, residual in state["residuals"].items():
+            self.comms[name].residual, self.comms[name].loaded = _copied(residual), residual is not None
             self.stats.tensors[name].steps = state["steps"]  # each module's calls go on from there
         self.stats.steps = state["steps"]
+
+
+def _copied(residual: torch.Tensor | None) -> torch.Tensor | None:
+    """A residual handed out or taken in: the reduce-scatter updates its own in place."""
+    return residual.detach().clone() if residual is not None else None
+
+
+def _within_range(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` with the finite ones beyond ``dtype``'s range at its bound (non-finite ones as they
+    are): cast, they would become infinities; the excess stays in the feedback."""
+    bound = torch.finfo(dtype).max
+    if bound >= torch.finfo(values.dtype).max:
+        return values
+    return torch.where(values.isfinite(), values.clamp(-bound, bound), values)
