@@ -123,3 +123,46 @@ def test_value_codecs_at_float32s_extremes_decode_what_the_feedback_expects_or_r
     assert bool((decoded * values >= 0).all()), "a flipped sign"
     if expected is not None:
         assert torch.equal(decoded, expected)
+
+
+NEAR_THE_TOP = {torch.float16: [65504.0, 30000.0, -65504.0, 60000.0], torch.bfloat16: [3.3895e38, 2.5e37, -3.3e38, 1.0]}
+
+
+@pytest.mark.parametrize("dtype", NEAR_THE_TOP)
+@pytest.mark.parametrize("value_codec", sorted({value for _, value in PAIRS}))
+def test_half_precision_values_near_their_largest_decode_within_their_range(value_codec, dtype):
+    """A lossy codec's rebuilt value may pass the gradient dtype's largest by its error (QSGD's
+    norm times a level, a fitted curve, bf16's rounding of 65504 up): the payload still decodes,
+    at the dtype's bound, and the feedback's idea of what arrived is what a receiver decodes."""
+    codec = sc.VALUE_CODECS.parse(value_codec)
+    values = torch.tensor(NEAR_THE_TOP[dtype] * 16, dtype=dtype)
+    grad = sc.SparseGradient(torch.arange(values.numel()), values, torch.Size([values.numel()]))
+    for seed in range(8):
+        try:
+            payload = sc.encode(grad, sc.INDEX_CODECS.parse("raw"), codec, rng=np.random.default_rng(seed))
+        except sc.SparseCommError as refused:
+            assert "overflows" in str(refused), refused
+            return
+        decoded = sc.decode(payload, expect=values.numel()).values
+        assert decoded.dtype == dtype and bool(torch.isfinite(decoded).all())
+        expected = codec.as_decoded(values)
+        if expected is not None:
+            assert torch.equal(decoded, expected)
+
+
+@pytest.mark.parametrize("scale", [1e-20, 1e-25, 1e-30, 1e-36])
+def test_qsgd_carries_tiny_values_within_a_level_of_them(scale):
+    """float32 squares of entries below about 1e-19 underflow: the bucket's norm must not."""
+    values = torch.tensor([3.0, -2.0, 1.0, 0.5] * 8) * scale
+    grad = sc.SparseGradient(torch.arange(values.numel()), values, torch.Size([values.numel()]))
+    codec = sc.VALUE_CODECS.parse("qsgd(bits=8,bucket=16)")
+    decoded = sc.decode(sc.encode(grad, "raw", codec, rng=np.random.default_rng(0))).values
+    level = torch.linalg.vector_norm(values[:16].double()) / 127  # one level of the bucket
+    assert bool(((decoded.double() - values.double()).abs() <= level * 1.001).all()), (decoded, values)
+
+
+def test_a_payloads_lossless_flag_follows_the_gradients_dtype():
+    grad = sc.SparseGradient(torch.tensor([1, 4]), torch.tensor([0.1, 1 / 3], dtype=torch.float64), torch.Size([8]))
+    assert not sc.read_info(sc.encode(grad, "raw", "fp32")).lossless  # float64 rounded to float32
+    half = sc.SparseGradient(grad.indices, grad.values.half(), grad.shape)
+    assert sc.read_info(sc.encode(half, "raw", "fp16")).lossless  # float16 carried as it is

@@ -148,3 +148,42 @@ def test_non_payload_types_are_rejected():
         sc.decode("SPCM")  # type: ignore[arg-type]
     with pytest.raises(sc.PayloadError, match="1-D uint8"):
         sc.decode(torch.zeros(10))
+
+
+def test_crafted_sections_past_their_codecs_bounds_are_refused():
+    from dataclasses import replace
+
+    from sparsecomm.encode.bits import pack_planes, pack_unary
+    from sparsecomm.fuzz import PayloadParts
+
+    # a shape dimension past the largest tensor, beside a 0 that makes numel 0
+    empty = sc.SparseGradient(torch.zeros(0, dtype=torch.int64), torch.zeros(0), torch.Size([0, 3]))
+    parts = PayloadParts.parse(sc.encode(empty))
+    with pytest.raises(sc.PayloadError, match="does not match numel"):
+        sc.decode(replace(parts, shape=struct.pack("<2Q", 2**64 - 1, 0)).assemble())
+    # bytes after a zstd frame
+    grad = sc.SparseGradient(torch.tensor([1, 5, 9]), torch.tensor([1.0, -2.0, 3.0]), torch.Size([10]))
+    parts = PayloadParts.parse(sc.encode(grad, "raw", "zstd"))
+    with pytest.raises(sc.PayloadError, match="zstd"):
+        sc.decode(replace(parts, value_section=parts.value_section + b"\0" * 7).assemble())
+    # Rice low parts past the tensor, which int32 arithmetic would wrap back into it
+    stream = bytes([40]) + pack_unary(np.zeros(2, np.int64)) + pack_planes(
+        np.array([(1 << 33) + 3, (1 << 34) + 5], dtype=np.uint64), 40)
+    parts = PayloadParts.parse(sc.encode(sc.SparseGradient(torch.tensor([3, 9]), torch.tensor([1.0, 2.0]),
+                                                           torch.Size([1000])), "rice", "fp32"))
+    with pytest.raises(sc.PayloadError, match="exceeds the tensor size"):
+        sc.decode(replace(parts, index_section=stream).assemble(), expect=1000)
+
+
+@pytest.mark.parametrize(("codec", "numel"), [("rice(parameter=0)", 2**40), ("rice(parameter=4)", 2**40),
+                                               ("rle", 2**48)])
+def test_index_codecs_whose_stream_grows_with_the_gaps_refuse_rather_than_allocate_it(codec, numel):
+    grad = sc.SparseGradient(torch.tensor([numel - 1]), torch.tensor([1.0]), torch.Size([numel]))
+    tracemalloc.start()
+    try:
+        with pytest.raises(sc.SparseCommError, match="would take"):
+            sc.encode(grad, codec)
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
+    assert len(sc.encode(grad, "rice")) < 200  # its own parameter: a few bytes

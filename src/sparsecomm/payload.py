@@ -58,7 +58,7 @@ import torch
 
 from sparsecomm.encode.base import INDEX_CODECS, VALUE_CODECS, IndexCodec, ValueCodec
 from sparsecomm.encode.runs import Runs, with_runs
-from sparsecomm.encode.value.dtypes import DTYPE_BY_CODE, FLOAT_DTYPES
+from sparsecomm.encode.value.dtypes import DTYPE_BY_CODE, FLOAT_DTYPES, cast_within
 from sparsecomm.errors import PayloadError, SparseCommError, SpecError
 from sparsecomm.finite import all_finite
 from sparsecomm.registry import Component, Registry
@@ -177,7 +177,7 @@ def encode(
         value_section = value.encode(values, rng)
     index_spec = index.to_spec().encode("ascii")
     value_spec = value.to_spec().encode("ascii")
-    values_exact = index.values_lossless if index.codes_values else value.lossless
+    values_exact = index.values_lossless if index.codes_values else value.lossless_for(grad.dtype)
     flags = ((0 if index.lossless else FLAG_LOSSY_INDICES) | (0 if values_exact else FLAG_LOSSY_VALUES)
              | (FLAG_RUNS if has_runs else 0))
     header = _HEADER.pack(
@@ -243,12 +243,14 @@ def decode(payload: PayloadLike, device: torch.device | str | None = None,
                                                                          info.numel - listed.total)
     if coded > index_codec.max_count(len(stream), coded_numel):
         raise PayloadError(f"nnz {coded} cannot fit in {len(stream)} bytes of {info.index_codec}")
+    exact = index_codec.values_lossless if index_codec.codes_values else value_codec.lossless_for(info.dtype)
+    rebuilt = info.dtype if exact else torch.promote_types(info.dtype, torch.float32)  # then cast within range
     try:
         if index_codec.codes_values:
-            indices, values = index_codec.decode_joint(stream, info.numel, info.nnz, info.dtype)
+            indices, values = index_codec.decode_joint(stream, info.numel, info.nnz, rebuilt)
         else:
             indices = index_codec.decode(stream, coded_numel, coded)
-            values = value_codec.decode(view[value_start : value_start + info.value_bytes], info.nnz, info.dtype)
+            values = value_codec.decode(view[value_start : value_start + info.value_bytes], info.nnz, rebuilt)
             if listed is not None:  # expanded only once every section has decoded
                 _check_indices(indices, coded, coded_numel)
                 indices = listed.merged(indices)
@@ -257,6 +259,7 @@ def decode(payload: PayloadLike, device: torch.device | str | None = None,
     except (ValueError, IndexError, OverflowError, TypeError, MemoryError) as err:
         raise PayloadError(f"{info.index_codec}/{info.value_codec} section is malformed: {err}") from None
     _check_indices(indices, info.nnz, info.numel)
+    values = cast_within(values, info.dtype)
     if values.shape != (info.nnz,) or not all_finite(values):  # a sender never sends them
         raise PayloadError(f"value section decoded to {tuple(values.shape)} values, not {info.nnz} finite ones")
     grad = SparseGradient(torch.from_numpy(np.ascontiguousarray(indices)), values, info.shape)
@@ -374,7 +377,7 @@ def _read_header(data: bytes) -> tuple[PayloadInfo, tuple[int, int]]:
     offset = _HEADER.size
     shape = torch.Size(struct.unpack_from(f"<{ndim}Q", data, offset))
     offset += 8 * ndim
-    if numel > MAX_NUMEL or math.prod(shape) != numel:
+    if numel > MAX_NUMEL or max(shape, default=0) > MAX_NUMEL or math.prod(shape) != numel:
         raise PayloadError(f"shape {tuple(shape)} does not match numel {numel} (max {MAX_NUMEL})")
     if nnz > numel:
         raise PayloadError(f"nnz {nnz} exceeds numel {numel}")

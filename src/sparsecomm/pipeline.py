@@ -257,14 +257,14 @@ class Pipeline:
             if not spec.index_codec.lossless:
                 dense = accumulated[0] if len(accumulated) == 1 else torch.cat([a.reshape(-1) for a in accumulated])
             payload = encode(selection, spec.index_codec, spec.value_codec, rng=rng, dense=dense)
-            if not codecs_lossless(spec.index_codec, spec.value_codec):  # feedback sees what receivers see
+            if not codecs_lossless(spec.index_codec, spec.value_codec, grad.dtype):  # feedback sees what receivers see
                 received = (spec.value_codec.as_decoded(selection.values)
                             if spec.index_codec.lossless and not spec.index_codec.codes_values else None)
                 selection = (SparseGradient(selection.indices, received, selection.shape) if received is not None
                              else decode(payload, device=grad.device, expect=grad.shape))
                 parts = split(selection, segments)
         encode_s = time.perf_counter() - encoding
-        lossy = make_payload and not codecs_lossless(spec.index_codec, spec.value_codec)
+        lossy = make_payload and not codecs_lossless(spec.index_codec, spec.value_codec, grad.dtype)
         for segment, state, acc, part, target in zip(segments, states, accumulated, parts, targets, strict=True):
             if not segment.whole:
                 spec.feedback.update(acc, part, state.feedback)

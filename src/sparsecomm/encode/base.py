@@ -17,6 +17,10 @@ import torch
 
 from sparsecomm.registry import Component, Registry
 
+MAX_STREAM_BYTES = 1 << 30
+"""the most an index codec's stream may take: one whose size follows the gaps (a fixed Rice
+parameter, run lengths) is refused beyond it, not grown with the tensor"""
+
 
 class IndexCodec(Component):
     """Codes a sorted set of unique flat indices into ``[0, numel)``. A lossy codec (``lossless``

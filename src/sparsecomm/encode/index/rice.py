@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from sparsecomm.encode.base import INDEX_CODECS, IndexCodec
+from sparsecomm.encode.base import INDEX_CODECS, MAX_STREAM_BYTES, IndexCodec
 from sparsecomm.encode.bits import pack_planes, pack_unary, planes_nbytes, unary_ends, unpack_planes, unpack_unary
 from sparsecomm.errors import PayloadError, SparseCommError
 
@@ -66,6 +66,11 @@ class RiceIndices(IndexCodec):
 def encode_gaps(gaps: np.ndarray, parameter: int = -1) -> bytes:
     """Non-negative gaps as a Rice stream (``parameter`` -1: the best one for these gaps)."""
     b = best_rice_parameter(gaps) if parameter < 0 else parameter
+    if parameter >= 0 and gaps.size:  # a fixed parameter's quotients grow with the gaps, unbounded
+        quotient_bytes = (int((gaps >> b).sum()) + gaps.size) // 8
+        if quotient_bytes > MAX_STREAM_BYTES:
+            raise SparseCommError(f"rice(parameter={b}) would take {quotient_bytes} bytes for these {gaps.size} "
+                                  f"gaps (at most {MAX_STREAM_BYTES}): use rice's own parameter")
     unary = pack_unary(gaps >> b)
     low = pack_planes(gaps & ((1 << b) - 1), b)
     return bytes([b]) + unary + low
@@ -73,7 +78,7 @@ def encode_gaps(gaps: np.ndarray, parameter: int = -1) -> bytes:
 
 def decode_gaps(data: memoryview, count: int, limit: int) -> np.ndarray:
     """``count`` gaps from a Rice stream that fills ``data``; a gap above ``limit`` is an error."""
-    b, quotient_stream, low = _split(data, count)
+    b, quotient_stream, low = _split(data, count, limit)
     quotients = unpack_unary(quotient_stream, count)
     if count and int(quotients.max()) > (limit >> b):
         raise PayloadError("rice gap exceeds the tensor size")
@@ -88,7 +93,7 @@ def decode_positions(data: memoryview, count: int, limit: int) -> np.ndarray:
     is int32, in place: 160k positions fit in L2 then (0.8 ms against 1.9 ms in int64). A corrupt
     stream may wrap a sum, but true positions only grow, so a wrapped run is never ascending and
     inside [0, limit), which the caller checks."""
-    b, quotient_stream, low = _split(data, count)
+    b, quotient_stream, low = _split(data, count, limit)
     ends = unary_ends(quotient_stream, count)
     if count and int(ends[-1]) - (count - 1) > (limit >> b):  # quotient sums only grow: the last is the largest
         raise PayloadError("rice positions exceed the tensor size")
@@ -108,8 +113,10 @@ SMALL_LIMIT = 1 << 30
 corrupt one wraps, see `decode_positions`)"""
 
 
-def _split(data: memoryview, count: int) -> tuple[int, memoryview, np.ndarray]:
-    """A Rice stream's ``b``, its unary stream, and its ``count`` low parts (int64)."""
+def _split(data: memoryview, count: int, limit: int) -> tuple[int, memoryview, np.ndarray]:
+    """A Rice stream's ``b``, its unary stream, and its ``count`` low parts (int64), none above
+    ``limit`` (a gap's low part is at most the gap: one past int32 could wrap a position back into
+    range in `decode_positions`)."""
     if len(data) < 1:
         raise PayloadError("rice stream is empty")
     b = data[0]
@@ -117,4 +124,7 @@ def _split(data: memoryview, count: int) -> tuple[int, memoryview, np.ndarray]:
     if b > MAX_PARAMETER or 1 + low_bytes > len(data):
         raise PayloadError(f"rice stream of {len(data)} bytes cannot hold {count} gaps with b={b}")
     unary_end = len(data) - low_bytes
-    return b, data[1:unary_end], unpack_planes(data[unary_end:], b, count)
+    low = unpack_planes(data[unary_end:], b, count)
+    if count and int(low.max()) > limit:
+        raise PayloadError("rice gap exceeds the tensor size")
+    return b, data[1:unary_end], low

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sparsecomm.encode.base import INDEX_CODECS, IndexCodec
-from sparsecomm.errors import PayloadError
+from sparsecomm.encode.base import INDEX_CODECS, MAX_STREAM_BYTES, IndexCodec
+from sparsecomm.errors import PayloadError, SparseCommError
 
 ESCAPE = 0xFFFF
 
@@ -22,7 +22,11 @@ class RunLengthIndices(IndexCodec):
             return b""
         runs = np.diff(indices, prepend=-1) - 1
         escapes = runs // ESCAPE
-        words = np.full(int(escapes.sum()) + indices.size, ESCAPE, dtype="<u2")
+        count = int(escapes.sum()) + indices.size
+        if 2 * count > MAX_STREAM_BYTES:  # a run of zeros costs a word per 65,535 of them
+            raise SparseCommError(f"rle would take {2 * count} bytes for these {indices.size} indices (at most "
+                                  f"{MAX_STREAM_BYTES}): their runs of zeros are too long, use rice")
+        words = np.full(count, ESCAPE, dtype="<u2")
         terminators = np.cumsum(escapes + 1) - 1
         words[terminators] = runs % ESCAPE
         return words.tobytes()

@@ -33,3 +33,14 @@ def tensor_from_bytes(data: bytes | memoryview | np.ndarray, dtype: torch.dtype,
     if count == 0:
         return torch.zeros(0, dtype=dtype)
     return torch.from_numpy(raw.copy()).view(dtype)
+
+
+def cast_within(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Values a lossy codec rebuilt, in ``dtype``, the finite ones beyond its range at its bound: a
+    rebuilt value may pass the largest the gradient's dtype holds by the codec's error (QSGD's norm
+    times its level, a fitted curve, bf16's rounding of 65504 up), and cast it would be infinite."""
+    bound = torch.finfo(dtype).max
+    if bound >= torch.finfo(values.dtype).max:
+        return values.to(dtype)
+    wide = values.to(torch.promote_types(values.dtype, torch.float32))
+    return torch.where(wide.isfinite(), wide.clamp(-bound, bound), wide).to(dtype)

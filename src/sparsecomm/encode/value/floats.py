@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from sparsecomm.encode.base import VALUE_CODECS, ValueCodec
-from sparsecomm.encode.value.dtypes import tensor_bytes, tensor_from_bytes
+from sparsecomm.encode.value.dtypes import cast_within, tensor_bytes, tensor_from_bytes
 from sparsecomm.errors import SparseCommError
 from sparsecomm.finite import all_finite
 
@@ -42,7 +42,7 @@ class FloatValues(ValueCodec):
 
     def as_decoded(self, values: torch.Tensor) -> torch.Tensor:
         """The cast there and back, which is what `decode` returns."""
-        return values if self.lossless_for(values.dtype) else values.to(self.wire_dtype).to(values.dtype)
+        return values if self.lossless_for(values.dtype) else cast_within(values.to(self.wire_dtype), values.dtype)
 
 
 @VALUE_CODECS.register("fp32")

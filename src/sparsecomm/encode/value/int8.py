@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from sparsecomm.encode.base import VALUE_CODECS, ValueCodec
+from sparsecomm.encode.value.dtypes import cast_within
 from sparsecomm.errors import PayloadError, SparseCommError
 
 LEVELS = 127
@@ -86,7 +87,7 @@ class Int8Values(ValueCodec):
         if v.size == 0:
             return values.clone()
         decoded = self._scaled(*reversed(self._quantize(v))).reshape(-1)[: v.size]
-        return torch.from_numpy(decoded).to(values.device, values.dtype).view(values.shape)
+        return cast_within(torch.from_numpy(decoded), values.dtype).to(values.device).view(values.shape)
 
     def decode(self, data: memoryview, nnz: int, dtype: torch.dtype) -> torch.Tensor:
         buckets = -(-nnz // self.bucket)

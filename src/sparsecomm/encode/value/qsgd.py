@@ -46,14 +46,16 @@ class QSGDValues(ValueCodec):
         v = values.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
         n, s = v.numel(), self.levels
         norms = bucket_norms(v, self.bucket)
-        scale = torch.where(norms > 0, s / norms, torch.zeros_like(norms))
-        # level = floor(|v|·s/norm + u), u uniform in [0, 1): rounded up with probability equal to
-        # the fractional part; the sign then moves it to [-s, s], stored offset by +s
+        divisors = torch.where(norms > 0, norms, torch.ones_like(norms))  # an all-zero bucket's values stay 0
+        # level = floor(|v|/norm·s + u), u uniform in [0, 1): rounded up with probability equal to
+        # the fractional part; the sign then moves it to [-s, s], stored offset by +s. |v|/norm is at
+        # most 1, where s/norm would overflow for a tiny norm
         uniform = torch.from_numpy(rng.random(n, dtype=np.float32))
         levels = torch.empty(n, dtype=torch.uint8 if self.bits <= 8 else torch.int32)
         for start, stop, first in _chunks(n, self.bucket):
             chunk = v[start:stop]
-            level = chunk.abs().mul_(_per_value(scale, first, start, stop, self.bucket)).add_(uniform[start:stop])
+            level = chunk.abs().div_(_per_value(divisors, first, start, stop, self.bucket)).mul_(s)
+            level.add_(uniform[start:stop])
             level.floor_().clamp_(max=s).mul_(torch.sign(chunk)).add_(s)
             levels[start:stop] = level
         return norms.numpy().astype("<f4").tobytes() + pack_fixed(levels.numpy(), self.bits)
@@ -86,15 +88,20 @@ CHUNK = 1 << 16
 """values per pass of the quantizer's element-wise steps, so their intermediates stay in cache"""
 
 
+TINY_NORM = 1e-18
+"""below this a float32 norm may have lost its entries' squares to underflow (they fall below
+float32's normal range for entries under about 1e-19): such norms are taken in float64"""
+
+
 def bucket_norms(values: torch.Tensor, bucket: int) -> torch.Tensor:
-    """Each bucket's L2 norm as float32 (in float64 where float32 squares overflow)."""
+    """Each bucket's L2 norm as float32 (in float64 where float32's squares overflow or underflow)."""
     n = values.numel()
     padded = values if n % bucket == 0 else torch.cat([values, values.new_zeros(-n % bucket)])
     by_bucket = padded.view(-1, bucket) if n else padded.view(0, bucket)
     norms = torch.linalg.vector_norm(by_bucket, dim=1)
-    overflowed = ~torch.isfinite(norms)
-    if bool(overflowed.any()):
-        norms[overflowed] = torch.linalg.vector_norm(by_bucket[overflowed].double(), dim=1).float()
+    imprecise = ~torch.isfinite(norms) | (norms < TINY_NORM)
+    if bool(imprecise.any()):
+        norms[imprecise] = torch.linalg.vector_norm(by_bucket[imprecise].double(), dim=1).float()
         if not bool(torch.isfinite(norms).all()):
             raise SparseCommError("qsgd: a bucket's norm overflows float32")
     return norms

@@ -38,7 +38,7 @@ class ZstdValues(ValueCodec):
             declared = zstandard.frame_content_size(frame)
             if declared != expected:
                 raise PayloadError(f"zstd frame declares {declared} bytes, expected {expected}")
-            raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=expected)
+            raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=expected, allow_extra_data=False)
         except zstandard.ZstdError as err:
             raise PayloadError(f"zstd stream is corrupt: {err}") from None
         if len(raw) != expected:
