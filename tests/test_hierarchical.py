@@ -351,3 +351,99 @@ def test_topology_comes_from_torchruns_environment(monkeypatch):
         sc.Topology(3).nodes(8)
     with pytest.raises(sc.SparseCommError, match="at least one"):
         sc.Topology(0)
+
+
+def node_mismatches(rank: int, world: int) -> list[str]:
+    """A node's two ranks differing in a gradient's dtype, then in a setting: refused on every rank
+    (the hop between nodes checks its own ranks only, never a node's two)."""
+    outcomes = []
+    with sc.HierarchicalReducer("dense", sc.Topology(2)) as reducer:
+        try:
+            reducer.allreduce_([("g", torch.ones(1000, dtype=torch.float64 if rank == 1 else torch.float32))])
+            outcomes.append("summed")
+        except sc.SparseCommError as err:
+            outcomes.append(str(err))
+    try:
+        sc.HierarchicalReducer("dense", sc.Topology(2), average=rank != 1).close()
+        outcomes.append("built")
+    except sc.SparseCommError as err:
+        outcomes.append(str(err))
+    return outcomes
+
+
+def test_a_nodes_ranks_that_differ_in_a_dtype_or_a_setting_are_refused_on_every_rank():
+    for dtypes, settings in run_local(4, node_mismatches):
+        assert "ranks disagree" in dtypes and "'gradients g'" in dtypes, dtypes
+        assert "ranks disagree" in settings and "HierarchicalReducer topology and settings" in settings, settings
+
+
+def screened(rank: int, world: int, policy: str) -> list[list[float]]:
+    """Rank r's gradient is r + 1 everywhere, and rank 3's first entry NaN: flat and hierarchical."""
+    results = []
+    for make in (lambda: sc.GradientReducer("dense", nonfinite=policy),
+                 lambda: sc.HierarchicalReducer("dense", sc.Topology(2), nonfinite=policy)):
+        with make() as reducer:
+            gradient = torch.full((8,), float(rank + 1))
+            rows = torch.sparse_coo_tensor(torch.tensor([[1, 3]]), torch.full((2, 2), float(rank + 1)), (5, 2))
+            if rank == 3:
+                gradient[0] = float("nan")
+                rows = torch.sparse_coo_tensor(torch.tensor([[1, 3]]), torch.tensor([[float("nan"), 4.0], [4.0, 4.0]]),
+                                               (5, 2))
+            reducer.allreduce_([("g", gradient), ("rows", rows)])
+            results.append(gradient.tolist() + rows.to_dense()[[1, 3]].reshape(-1).tolist())
+    return results
+
+
+@pytest.mark.parametrize("policy", ["skip", "zero"])
+def test_skip_and_zero_treat_a_ranks_own_gradient_as_a_flat_group_does(policy):
+    for flat, hierarchical in run_local(4, screened, policy):
+        assert flat == hierarchical, (flat, hierarchical)
+        # skip: rank 3 sends nothing of the call (the gradient or the rows); zero: all but its NaN entry
+        assert flat == ([1.5] * 12 if policy == "skip" else [1.5] + [2.5] * 7 + [1.5] + [2.5] * 3), flat
+
+
+def over_a_part_of_the_world(rank: int, world: int) -> float:
+    """Two data-parallel groups, [0, 2] and [1, 3], each a HierarchicalReducer of one-rank nodes:
+    each makes its own groups, without the other's ranks."""
+    groups = dist.new_group([0, 2]), dist.new_group([1, 3])
+    with sc.HierarchicalReducer("dense", sc.Topology(1), group=groups[rank % 2]) as reducer:
+        gradient = torch.full((10,), float(rank))
+        reducer.allreduce_([("g", gradient)])
+    return float(gradient[0])
+
+
+def test_a_hierarchical_reducer_over_a_process_subgroup_makes_its_groups_alone():
+    assert run_local(4, over_a_part_of_the_world) == [1.0, 2.0, 1.0, 2.0]
+
+
+def meshes_apart(rank: int, world: int) -> str:
+    try:
+        sc.Topology(2 if rank == 0 else 4).device_mesh("cpu")
+        return "built"
+    except sc.SparseCommError as err:
+        return str(err)
+
+
+def test_ranks_asking_for_meshes_of_different_topologies_are_refused():
+    for outcome in run_local(4, meshes_apart):
+        assert "ranks disagree" in outcome and "Topology.device_mesh" in outcome, outcome
+
+
+def checkpoints_of_another_kind(rank: int, world: int) -> list[str]:
+    with sc.HierarchicalReducer("dense", sc.Topology(2)) as hierarchical, sc.GradientReducer("dense") as flat:
+        hierarchical.allreduce_([("g", torch.ones(10))])
+        flat.allreduce_([("g", torch.ones(10))])
+        refused = []
+        for loading, state in ((flat, hierarchical.state_dict()), (hierarchical, flat.state_dict())):
+            try:
+                loading.load_state_dict(state)
+                refused.append("loaded")
+            except sc.SparseCommError as err:
+                refused.append(str(err))
+    return refused
+
+
+def test_a_checkpoint_of_another_kind_of_reducer_is_refused_naming_its_writer():
+    for into_flat, into_hierarchical in run_local(4, checkpoints_of_another_kind):
+        assert "HierarchicalReducer.state_dict()" in into_flat, into_flat
+        assert "GradientReducer.state_dict()" in into_hierarchical, into_hierarchical

@@ -30,8 +30,28 @@ COSTS_0 = {"compute_s": "compute_s", "throughput": "throughput", "half_throughpu
            "decode_per_byte": "decode_per_byte", "max_magnitude": "max_magnitude"}
 
 
+OWNERS = {"topology": "HierarchicalReducer", "mesh": "FSDPCompression", "residuals": "FlatFSDPCompression"}
+"""a key only one kind of checkpoint holds → the class whose `state_dict` wrote it (none of them: a
+`GradientReducer`'s)"""
+
+
+def check_owner(state: Any, owner: str) -> None:
+    """Raise unless ``state`` is a checkpoint ``owner``'s `state_dict` wrote (each kind numbers its
+    own formats, so a format alone does not tell)."""
+    if not isinstance(state, dict):
+        raise SparseCommError(f"a {owner} checkpoint is the dict its state_dict() returned, not {type(state).__name__}")
+    writer = next((kind for key, kind in OWNERS.items() if key in state), "GradientReducer")
+    if writer != owner:
+        raise SparseCommError(f"this checkpoint is what {writer}.state_dict() wrote: load it with "
+                              f"{writer}.load_state_dict, not {owner}'s")
+
+
 def migrate(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` in the current `FORMAT` (a new dict; the tensors are shared)."""
+    """``state`` in the current `FORMAT` (a new dict; the tensors are shared).
+
+    Raises:
+        SparseCommError: ``state`` is not a `GradientReducer`'s, or of a format this version cannot read."""
+    check_owner(state, "GradientReducer")
     version = state.get("format", 0)
     if version not in range(FORMAT + 1):
         raise SparseCommError(f"this checkpoint has format {version}; this sparsecomm reads formats 0 to {FORMAT}")

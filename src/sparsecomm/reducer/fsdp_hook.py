@@ -37,11 +37,15 @@ from sparsecomm.errors import SparseCommError
 from sparsecomm.pipeline import Segment
 from sparsecomm.presets import resolve
 from sparsecomm.reducer.across_nodes import AcrossNodes, failed_in_node
+from sparsecomm.reducer.checkpoint import check_owner
 from sparsecomm.reducer.config import DENSE_BELOW
 from sparsecomm.reducer.rank_state import CheckpointsPerRank
 from sparsecomm.reducer.reducer import GradientReducer
 from sparsecomm.reducer.topology import ACROSS, NODE
-from sparsecomm.spec import PipelineSpec
+from sparsecomm.spec import PipelineSpec, format_spec
+from sparsecomm.transport.agreement import agree
+from sparsecomm.transport.collectives import fingerprint
+from sparsecomm.transport.request import Request
 
 if TYPE_CHECKING:  # FSDP2's hooks are imported where they are used: an older torch imports sparsecomm too
     from torch.distributed.fsdp import FSDPModule
@@ -83,6 +87,10 @@ class FSDPCompression(AcrossNodes, CheckpointsPerRank):
             raise SparseCommError(f"a two-dimensional mesh must have dimensions {(ACROSS, NODE)} "
                                   f"(Topology.device_mesh), not {mesh.mesh_dim_names}")
         self.mesh = mesh
+        # over the whole mesh: the hop between nodes checks its own ranks, never a node's two
+        agree(None, Request(key="FSDPCompression settings"), mesh.size(),
+              fingerprint(format_spec(resolve(spec)), seed, nonfinite, dense_below, tuple(mesh.shape),
+                          sorted(name or "<root>" for name in modules)))
         self.across = GradientReducer(spec, group=mesh[ACROSS].get_group(), seed=seed, nonfinite=nonfinite,
                                       dense_below=dense_below, model=model)
         """averages each shard over the nodes (the model's forward starts ``adaptive``'s clock)"""
@@ -167,6 +175,7 @@ class FSDPCompression(AcrossNodes, CheckpointsPerRank):
         Raises:
             SparseCommError: another format, mesh shape or set of FSDP modules.
         """
+        check_owner(state, "FSDPCompression")
         if state.get("format") != FORMAT:
             raise SparseCommError(f"an FSDP compression checkpoint of format {state.get('format')!r}; this version "
                                   f"reads format {FORMAT}")

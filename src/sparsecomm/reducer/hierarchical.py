@@ -29,16 +29,18 @@ from torch import nn
 
 from sparsecomm.errors import SparseCommError
 from sparsecomm.pipeline import Segment
+from sparsecomm.presets import resolve
 from sparsecomm.reducer import node_rows
 from sparsecomm.reducer.across_nodes import AcrossNodes, failed_in_node
 from sparsecomm.reducer.buckets import BucketLayouts
+from sparsecomm.reducer.checkpoint import check_owner
 from sparsecomm.reducer.completion import result_future
 from sparsecomm.reducer.config import DENSE_BELOW
 from sparsecomm.reducer.node_scatters import NodeScatters
 from sparsecomm.reducer.node_shards import NodeShards
 from sparsecomm.reducer.reducer import GradientReducer, by_name
 from sparsecomm.reducer.topology import NodeGroups, Topology, node_twin
-from sparsecomm.spec import PipelineSpec
+from sparsecomm.spec import PipelineSpec, format_spec
 from sparsecomm.transport.agreement import agree
 from sparsecomm.transport.collectives import all_gather_single, fingerprint, reduce_scatter_single
 from sparsecomm.transport.request import Request
@@ -109,8 +111,9 @@ class HierarchicalReducer(AcrossNodes):
         if group is None and model is not None:
             group = getattr(model, "process_group", None)
         self.group = group
-        world_size = dist.get_world_size(group)
-        agree(group, Request(key="HierarchicalReducer topology"), world_size, fingerprint(topology.local_size))
+        settings = fingerprint(format_spec(resolve(spec)), seed, nonfinite, dense_below, average)
+        # over the whole group: the hop between nodes checks its own ranks, never a node's two
+        agree(group, Request(key="HierarchicalReducer topology and settings"), topology.local_size, settings)
         self.groups = NodeGroups.make(topology, group)
         self.across = GradientReducer(spec, group=self.groups.cross_group, seed=seed, nonfinite=nonfinite,
                                       dense_below=dense_below, average=average, model=model)
@@ -170,7 +173,8 @@ class HierarchicalReducer(AcrossNodes):
         for name, tensor in dense:
             segments.append(Segment(name, start, tensor.numel(), self.across.config.sends_whole(tensor.shape)))
             start += tensor.numel()
-        layout = fingerprint(*((name, tuple(tensor.shape), tensor.is_sparse) for name, tensor in named))
+        layout = fingerprint(*((name, tuple(tensor.shape), tensor.is_sparse, str(tensor.dtype), tensor.device.type)
+                               for name, tensor in named))
         agree(self.group, Request(key="gradients " + ", ".join(names), call=self.stats.steps), start, layout)
         pending = [(tensor, self._post_rows(name, tensor, (Segment(name, 0, tensor.numel()),), name,
                                             last=not dense and i == len(rows) - 1))
@@ -191,6 +195,7 @@ class HierarchicalReducer(AcrossNodes):
         """Start reduce-scattering ``flat`` inside the node, and post this rank's shard across nodes
         once it has landed (the step's last call: now)."""
         local_size, local_rank = self.groups.topology.local_size, self.groups.local_rank
+        flat = self._screened(flat)
         shards: NodeShards | None = None
         work, source = None, flat
         if local_size == 1:  # the shard is the whole buffer
@@ -220,6 +225,8 @@ class HierarchicalReducer(AcrossNodes):
         this rank owns across nodes."""
         local_size = self.groups.topology.local_size
         mine = grad.coalesce()
+        if self.across.config.nonfinite != "raise":
+            mine = torch.sparse_coo_tensor(mine.indices(), self._screened(mine.values()), mine.shape).coalesce()
         self._scatters.post_landed(wait=True)  # the hop between nodes takes calls in call order
         if local_size > 1:
             total, sent = node_rows.summed(mine, self.groups.node_group)
@@ -229,6 +236,18 @@ class HierarchicalReducer(AcrossNodes):
         call.across = self.across.reduce_flat_async(key, mine, segments, stats_key, last)
         self._open.append(call)
         return call.result
+
+    def _screened(self, values: torch.Tensor) -> torch.Tensor:
+        """This rank's own gradient before its node sums it, under ``nonfinite="zero"`` or ``"skip"``
+        (no host read): its NaN and Inf entries zero, or all of it where any is, so the node's sum
+        holds every other rank's gradient, as a flat group's does. Under ``"raise"`` it goes as it
+        is, and the sum's check between nodes raises on every rank."""
+        policy = self.across.config.nonfinite
+        if policy == "zero" and values.is_floating_point():
+            return torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
+        if policy == "skip" and values.is_floating_point():
+            return values.masked_fill(~torch.isfinite(values).all(), 0.0)
+        return values
 
     def finish_step(self) -> None:
         """Wait for the step's calls across nodes, put each call's shards back together inside the
@@ -303,6 +322,7 @@ class HierarchicalReducer(AcrossNodes):
         Raises:
             SparseCommError: the checkpoint is of another format, or from another topology or place in it.
         """
+        check_owner(state, "HierarchicalReducer")
         if state.get("format") != FORMAT:
             raise SparseCommError(f"a HierarchicalReducer checkpoint of format {state.get('format')!r}; this version "
                                   f"reads format {FORMAT}")

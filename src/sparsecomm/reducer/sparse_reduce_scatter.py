@@ -28,6 +28,7 @@ from sparsecomm.encode.value.floats import FloatValues
 from sparsecomm.errors import SparseCommError
 from sparsecomm.feedback.base import state_dtype
 from sparsecomm.feedback.residual import Residual
+from sparsecomm.reducer.checkpoint import check_owner
 from sparsecomm.reducer.rank_state import CheckpointsPerRank
 from sparsecomm.reducer.stats import ReducerStats, TensorStats
 from sparsecomm.sparsify.topk import TopK
@@ -177,6 +178,7 @@ class FlatFSDPCompression(CheckpointsPerRank):
                 out for another sharding (found where it is checked: at once where a module has
                 reduced before, else at its next call).
         """
+        check_owner(state, "FlatFSDPCompression")
         if state.get("format") not in (1, FORMAT) or state.get("world_size") != self.world_size:
             raise SparseCommError(f"the checkpoint is of format {state.get('format')!r} over "
                                   f"{state.get('world_size')} ranks; this run reads formats 1 to {FORMAT} over "

@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from sparsecomm.errors import SparseCommError
+from sparsecomm.transport.agreement import agree
+from sparsecomm.transport.request import Request
 
 ACROSS, NODE = "across", "node"
 """the dimension names of a topology's device mesh: the nodes, and one node's ranks"""
@@ -74,7 +76,12 @@ class Topology:
 
     def device_mesh(self, device_type: str) -> DeviceMesh:
         """The world as a nodes × ranks-per-node device mesh, dimensions named `ACROSS` and `NODE`:
-        ``fully_shard(module, mesh=mesh["node"])`` shards inside each node (see `register_fsdp_hooks`)."""
+        ``fully_shard(module, mesh=mesh["node"])`` shards inside each node (see `register_fsdp_hooks`).
+
+        Raises:
+            SparseCommError: the world does not fill the nodes, or the ranks' topologies differ — on
+                every rank (meshes of other shapes would wait for each other forever)."""
+        agree(None, Request(key="Topology.device_mesh"), self.local_size, 0)
         return init_device_mesh(device_type, (self.nodes(dist.get_world_size()), self.local_size),
                                 mesh_dim_names=(ACROSS, NODE))
 
@@ -101,7 +108,7 @@ class NodeGroups:
         node, local_rank = divmod(dist.get_rank(group), local_size)
         cross_ranks = [ranks[local::local_size] for local in range(local_size)]
         node_group = node_twin(topology, group)
-        cross_group = dist.new_subgroups_by_enumeration(cross_ranks)[0]
+        cross_group = _own_group(cross_ranks)
         return cls(topology, nodes, node, local_rank, node_group, cross_group)
 
 
@@ -109,8 +116,17 @@ def node_twin(topology: Topology, group: dist.ProcessGroup | None) -> dist.Proce
     """A new group over this rank's node (of ``topology`` over ``group``'s ranks; every rank of
     ``group`` calls it together): a node's collectives of one purpose, ordered apart from others."""
     ranks, local_size = _ranks(group), topology.local_size
-    return dist.new_subgroups_by_enumeration([ranks[n * local_size:(n + 1) * local_size]
-                                              for n in range(topology.nodes(len(ranks)))])[0]
+    return _own_group([ranks[n * local_size:(n + 1) * local_size] for n in range(topology.nodes(len(ranks)))])
+
+
+def _own_group(groups: list[list[int]]) -> dist.ProcessGroup:
+    """This rank's group of ``groups`` (lists of ranks that partition the caller's group): made by
+    every rank of the world together where they cover it, else by its own ranks alone (over a part
+    of the world the other ranks never take part)."""
+    if sum(map(len, groups)) == dist.get_world_size():
+        return dist.new_subgroups_by_enumeration(groups)[0]
+    mine = next(ranks for ranks in groups if dist.get_rank() in ranks)
+    return dist.new_group(ranks=mine, use_local_synchronization=True)
 
 
 def _ranks(group: dist.ProcessGroup | None) -> list[int]:
