@@ -62,7 +62,7 @@ def test_one_ranks_wrong_out_makes_every_rank_raise_and_the_next_call_works(tran
     (short, after_short, capacity_0), (other, after_other, capacity_1) = run_local(
         2, with_a_short_out, transport, timeout=HANG_S)
     assert "out has 4095" in short, short
-    assert "could not encode its values" in other and "out has" not in other, other
+    assert "could not make its part of" in other and "out has" not in other, other
     assert after_short == after_other and after_short.startswith("ok"), (after_short, after_other)
     if transport != "sketch_allreduce":  # a sketch this small collides: alike on every rank, not exact
         assert after_short == f"ok {float(3 * torch.arange(1.0, 11).sum()):g}"

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from sparsecomm.errors import SparseCommError
 from sparsecomm.reducer.call import Call
 from sparsecomm.reducer.paths.base import Parts, Path, Pending
 from sparsecomm.reducer.stats import TensorStats
@@ -45,15 +46,19 @@ def attach(parts: Parts, call: Call, path: Path, pending: Pending, stats: Tensor
 def complete(parts: Parts, call: Call, path: Path, pending: Pending, stats: TensorStats,
              done: torch.futures.Future) -> torch.Tensor:
     """The call's average over ranks, in the gradient's shape, dtype and kind."""
-    summed = path.summed(call, pending, done)
-    stats.transport_s += time.perf_counter() - pending.submitted
-    stats.decode_s += summed.decode_s
-    stats.bytes_sent += summed.bytes_sent
-    if parts.adaptive is not None:
-        if summed.carried_report:
-            parts.adaptive.reports.carried(summed.sides)
-        path.measured(call, pending, summed)
-    total = path.checked(call, pending, summed)
+    try:
+        summed = path.summed(call, pending, done)
+        stats.transport_s += time.perf_counter() - pending.submitted
+        stats.decode_s += summed.decode_s
+        stats.bytes_sent += summed.bytes_sent
+        if parts.adaptive is not None:
+            if summed.carried_report:
+                parts.adaptive.reports.carried(summed.sides)
+            path.measured(call, pending, summed)
+        total = path.checked(call, pending, summed)
+    except SparseCommError:  # every rank raises at this call, and none applies it
+        path.withdrawn(call, pending)
+        raise
     if summed.lost is not None:
         path.take_back(call, summed.lost)
     world_size = parts.config.world_size

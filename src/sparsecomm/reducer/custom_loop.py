@@ -54,13 +54,17 @@ def allreduce_gradients(named_gradients: Iterable[tuple[str, torch.Tensor]], spe
         state.close()
         ```
     """
+    refused = ""  # a state built otherwise on one rank: every rank raises at the step's agreement
     if state is None:
         state = GradientReducer(spec_or_preset, group=group, seed=seed, nonfinite=nonfinite, dense_below=dense_below)
+    elif group is not None and group is not state.group:
+        refused = "the state passed reduces over another process group than group="
     else:
-        state.check_matches(spec_or_preset, seed, nonfinite, dense_below)
-        if group is not None and group is not state.group:
-            raise SparseCommError("the state passed reduces over another process group than group=")
-    state.allreduce_(named_gradients)
+        try:
+            state.check_matches(spec_or_preset, seed, nonfinite, dense_below)
+        except SparseCommError as err:
+            refused = str(err)
+    state.allreduce_(named_gradients, refused=refused)
     return state
 
 

@@ -36,9 +36,10 @@ from sparsecomm.reducer.buckets import BucketLayouts
 from sparsecomm.reducer.checkpoint import check_owner
 from sparsecomm.reducer.completion import result_future
 from sparsecomm.reducer.config import DENSE_BELOW
+from sparsecomm.reducer.named import agree_on_step, by_name, problem, travels
 from sparsecomm.reducer.node_scatters import NodeScatters
 from sparsecomm.reducer.node_shards import NodeShards
-from sparsecomm.reducer.reducer import GradientReducer, by_name
+from sparsecomm.reducer.reducer import GradientReducer
 from sparsecomm.reducer.topology import NodeGroups, Topology, node_twin
 from sparsecomm.spec import PipelineSpec, format_spec
 from sparsecomm.transport.agreement import agree
@@ -158,29 +159,29 @@ class HierarchicalReducer(AcrossNodes):
                 under ``nonfinite="raise"`` — on every rank.
         """
         named = by_name(named_gradients)
-        names = [name for name, _ in named]
         if not named:
             raise SparseCommError("allreduce_ needs at least one gradient")
-        dense = [(name, tensor) for name, tensor in named if not tensor.is_sparse]
-        rows = [(name, tensor) for name, tensor in named if tensor.is_sparse]
+        refused = problem(named)
+        dense = [(name, tensor) for name, tensor in named if not tensor.is_sparse] if not refused else []
+        rows = [(name, tensor) for name, tensor in named if tensor.is_sparse] if not refused else []
         for name, tensor in dense:
             first = dense[0][1]
-            if tensor.dtype != first.dtype or tensor.device != first.device:
-                raise SparseCommError(f"{name}: a HierarchicalReducer reduces dense gradients of one dtype and "
-                                      f"device ({first.dtype} on {first.device}), not {tensor.dtype} on "
-                                      f"{tensor.device}")
+            if not refused and (tensor.dtype != first.dtype or tensor.device != first.device):
+                refused = (f"{name}: a HierarchicalReducer reduces dense gradients of one dtype and device "
+                           f"({first.dtype} on {first.device}), not {tensor.dtype} on {tensor.device}")
         segments, start = [], 0
         for name, tensor in dense:
             segments.append(Segment(name, start, tensor.numel(), self.across.config.sends_whole(tensor.shape)))
             start += tensor.numel()
-        layout = fingerprint(*((name, tuple(tensor.shape), tensor.is_sparse, str(tensor.dtype), tensor.device.type)
-                               for name, tensor in named))
-        agree(self.group, Request(key="gradients " + ", ".join(names), call=self.stats.steps), start, layout)
+        layout = 0 if refused else fingerprint(travels(named, dtypes=True),
+                                               *(tuple(tensor.shape) for _, tensor in named))
+        agree_on_step(self.group, named, self.stats.steps, start, layout, refused)
+        key = fingerprint(*((name, tuple(tensor.shape), tensor.is_sparse) for name, tensor in named))
         pending = [(tensor, self._post_rows(name, tensor, (Segment(name, 0, tensor.numel()),), name,
                                             last=not dense and i == len(rows) - 1))
                    for i, (name, tensor) in enumerate(rows)]
         flat = torch.cat([tensor.reshape(-1) for _, tensor in dense]) if dense else None
-        buffer = None if flat is None else self._post(f"gradients {layout:08x}", flat, tuple(segments), "gradients",
+        buffer = None if flat is None else self._post(f"gradients {key:08x}", flat, tuple(segments), "gradients",
                                                       True, lambda total: total)
         self.finish_step()
         for tensor, future in pending:

@@ -36,12 +36,11 @@ from sparsecomm.pipeline import Pipeline, Segment
 from sparsecomm.presets import resolve
 from sparsecomm.reducer.checkpoint import FORMAT, migrate
 from sparsecomm.reducer.config import DENSE_BELOW, ReducerConfig
+from sparsecomm.reducer.named import agree_on_step, agree_on_suited, by_name, check_segments, problem, travels
 from sparsecomm.reducer.optimizers import suited_spec
 from sparsecomm.reducer.runtime import Runtime
 from sparsecomm.reducer.stats import ReducerStats
 from sparsecomm.spec import PipelineSpec, format_spec
-from sparsecomm.transport.agreement import agree
-from sparsecomm.transport.request import Request
 
 
 class GradientReducer:
@@ -57,7 +56,8 @@ class GradientReducer:
         spec: a preset name (``"dgc"``), a pipeline spec string, or a parsed `PipelineSpec`.
         group: the process group (default: ``model``'s if it is a DDP model, else the world).
         seed: seeds every random choice; all ranks must pass the same.
-        nonfinite: ``"raise"`` (every rank raises, no state changes), ``"skip"`` (this rank sends
+        nonfinite: ``"raise"`` (every rank raises and none applies the sum; a finite rank keeps its
+            gradient in its feedback for a later step), ``"skip"`` (this rank sends
             nothing for that tensor this step) or ``"zero"`` (NaN/Inf entries become 0).
         dense_below: tensors (and DDP buckets) with fewer elements take the plain route; inside a
             compressed bucket, parameters that small are sent whole.
@@ -140,16 +140,19 @@ class GradientReducer:
         Raises:
             SparseCommError: the feedback must change after the first step, or the ranks differ."""
         spec, why = suited_spec(self.spec, optimizer)
+        calls = self.runtime.counts if self.started else (self._loaded or {}).get("calls")  # a loaded run's too
+        refused = ""
+        if spec != self.spec and calls:
+            if why is not None:
+                refused = (f"{why} — but this reducer has already reduced gradients: suit it to the optimizer "
+                           "before the first step")
+            spec, why = self.spec, None  # else only adaptive's warm-up and floor would change: the steps have begun
+        if self.started:  # every rank, changed or not, agrees on the pipeline it goes on with (else: at the start)
+            agree_on_suited(self.group, spec, refused)
         if spec == self.spec:
             return None
-        calls = self.runtime.counts if self.started else (self._loaded or {}).get("calls")  # a loaded run's too
-        if calls:
-            if why is None:
-                return None  # only adaptive's warm-up and floor would change, and the steps have begun
-            raise SparseCommError(f"{why} — but this reducer has already reduced gradients: suit it to the "
-                                  "optimizer before the first step")
         self.config = replace(self.config, spec=spec)
-        if self.started:  # else the ranks agree on it when the reducer starts
+        if self.started:
             self.runtime.suit(self.config)
         return why
 
@@ -169,7 +172,7 @@ class GradientReducer:
         self.config.check_matches(replace(self.config, spec=self.spec if asked == self._built_with else asked,
                                           seed=seed, nonfinite=nonfinite, dense_below=dense_below))
 
-    def allreduce_(self, named_gradients: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def allreduce_(self, named_gradients: Iterable[tuple[str, torch.Tensor]], *, refused: str = "") -> None:
         """One step of a custom loop: replace each gradient by its average over ranks (dense in
         place; sparse COO by ``copy_``). Tensors are matched across ranks by name — every rank must
         pass the same names, in any order, or every rank raises `SparseCommError`.
@@ -177,10 +180,14 @@ class GradientReducer:
         Args:
             named_gradients: (name, gradient) pairs, dense or sparse COO (an embedding's); each
                 name's state (residual, momentum) is kept under it.
+            refused: why this rank cannot take part in the step (a caller's check that failed
+                here); every rank raises at the step's agreement, this one with the reason.
 
         Raises:
-            SparseCommError: a name repeats, the ranks pass different names, a gradient is non-finite
-                under ``nonfinite="raise"``, or a codec cannot carry a rank's values — on every rank.
+            SparseCommError: a name repeats, a gradient is missing (None), not floating point or
+                requires grad, the ranks pass different names or send one name dense and sparse,
+                a gradient is non-finite under ``nonfinite="raise"``, or a codec cannot carry a
+                rank's values — on every rank, whichever rank it was found on.
 
         Example:
             ```python ranks=2
@@ -198,8 +205,8 @@ class GradientReducer:
         """
         runtime = self._running()
         named = by_name(named_gradients)
-        names = [name for name, _ in named]
-        agree(self.group, Request(key="gradients " + ", ".join(names), call=self.stats.steps), len(names), 0)
+        refused = refused or problem(named)
+        agree_on_step(self.group, named, self.stats.steps, len(named), 0 if refused else travels(named), refused)
         pending = [(tensor, runtime.submit(name, tensor, last=i == len(named) - 1))
                    for i, (name, tensor) in enumerate(named)]
         self.finish_step()
@@ -279,7 +286,13 @@ class GradientReducer:
     def reduce_flat_async(self, key: str, flat: torch.Tensor, segments: tuple[Segment, ...], stats_key: str = "",
                           last: bool = False) -> torch.futures.Future[torch.Tensor]:
         """A step's call on one flat buffer of named tensors at ``segments`` (each keeps its state by
-        name), as a DDP bucket's: a future of its average; ``last``: the step's last call."""
+        name), as a DDP bucket's: a future of its average; ``last``: the step's last call. A small
+        call may wait to travel with the step's last, so its future completes at that call or at
+        `finish_step`: wait on it after one of them.
+
+        Raises:
+            SparseCommError: the segments do not lay ``flat`` out (`check_segments`)."""
+        check_segments(segments, flat.numel())
         return self._running().submit(key, flat, segments, stats_key, last)
 
     def close(self) -> None:
@@ -344,15 +357,3 @@ class GradientReducer:
         else:
             self._loaded = state  # restored when the reducer starts
         self.stats.steps = state["steps"]
-
-
-def by_name(named_gradients: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """A step's (name, gradient) pairs sorted by name, the order every rank reduces them in.
-
-    Raises:
-        SparseCommError: a name repeats."""
-    named = sorted(named_gradients, key=lambda item: item[0])
-    names = [name for name, _ in named]
-    if len(set(names)) != len(names):
-        raise SparseCommError(f"gradient names repeat: {sorted({n for n in names if names.count(n) > 1})}")
-    return named

@@ -65,7 +65,8 @@ def check_table(table: torch.Tensor, request: Request, numel: int, config: int) 
             f"{request.call}), others a different key or call number — every rank must reduce the same "
             "named tensors in the same order")
     if any(row[_FLAG] == REFUSED for row in rows):  # a refusal's record may hold no size or configuration
-        raise SparseCommError(f"a rank could not encode its values of {key!r}; no rank applied them"
+        raise SparseCommError(f"a rank could not make its part of {key!r} (that rank's error says why); no rank "
+                              "applied it"
                               + (f" — this one: {request.refused}" if request.refused else ""))
     if any(row[_NUMEL] != numel or row[_CONFIG] != config for row in rows):
         numels = [row[_NUMEL] for row in rows]

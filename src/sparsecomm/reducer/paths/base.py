@@ -62,10 +62,13 @@ class Pending:
 
 @dataclass(frozen=True)
 class Sent:
-    """What a transport call sent: this rank's contribution, and the buffer the sum lands in."""
+    """What a transport call sent: this rank's contribution, the buffer the sum lands in, and
+    whether making the contribution took a step of this rank's state (not where its gradient was
+    non-finite or its codec refused it)."""
 
     contribution: SparseGradient | torch.Tensor
     out: torch.Tensor | None
+    stepped: bool = False
 
 
 class Path(ABC):
@@ -101,6 +104,10 @@ class Path(ABC):
         """What the collective lost of this rank's contribution (`Summed.lost`): the feedback's to
         send again. Dropped by default."""
 
+    def withdrawn(self, call: Call, pending: Pending) -> None:  # noqa: B027 - most paths change state on success
+        """The call failed on every rank (its collective or the sum's check raised), so no rank
+        applied it: undo what posting it did to this rank's state. Nothing by default."""
+
     def state_dict(self) -> dict[str, Any]:
         """The path's own state between steps (none by default)."""
         return {}
@@ -130,7 +137,8 @@ class TransportPath(Path):
         expected = self.expected_entries(call, plan) if fuses else 0
         waits = fuses and (expected is None or expected < FUSE_BELOW)
         future = parts.calls.post(transport, contribution, request, out, call.last, fuses, waits)
-        return Pending(future, submitted, carries_report=side is not None, sent=Sent(contribution, out))
+        stepped = not request.nonfinite and not request.refused
+        return Pending(future, submitted, carries_report=side is not None, sent=Sent(contribution, out, stepped))
 
     @abstractmethod
     def contribution(self, call: Call, request: Request,

@@ -11,8 +11,9 @@ import torch
 
 from sparsecomm.adaptive.config import Plan
 from sparsecomm.errors import SparseCommError
+from sparsecomm.pipeline import Segment
 from sparsecomm.reducer.call import Call, Route, Summed
-from sparsecomm.reducer.paths.base import Pending, TransportPath, refused
+from sparsecomm.reducer.paths.base import Pending, Sent, TransportPath, refused
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.sparsify.base import Sparsifier
 from sparsecomm.transport.base import Transport
@@ -75,6 +76,18 @@ class CompressedPath(TransportPath):
 
     def take_back(self, call: Call, lost: SparseGradient) -> None:
         self.parts.pipeline.take_back(lost, call.key, call.segments)
+
+    def withdrawn(self, call: Call, pending: Pending) -> None:
+        """What this rank selected goes back into its feedback, to go out with a later step, and its
+        tensors' step counts go back, so the ranks stay at one step (a rank whose gradient was
+        non-finite, or whose codec refused its values, never took the step)."""
+        sent: Sent = pending.sent
+        if not sent.stepped:
+            return
+        assert isinstance(sent.contribution, SparseGradient)
+        self.parts.pipeline.take_back(sent.contribution.sorted(), call.key, call.segments)
+        for segment in call.segments or (Segment(call.key, 0, call.flat.numel()),):
+            self.parts.pipeline.states[segment.key].step -= 1
 
     def after_average(self, call: Call, pending: Pending, total: torch.Tensor) -> torch.Tensor:
         return self.parts.uncompressed.apply(total, call.key, call.segments, whole_only=True)

@@ -1,0 +1,130 @@
+"""A custom loop's step, checked on every rank: a problem one rank finds with its own input (a
+missing gradient, a repeated name, a gradient sent sparse here and dense there, a `state` built
+otherwise, another optimizer) makes every rank raise at the step's agreement, this rank with its
+reason, and the next step goes on; a step refused for a rank's NaN leaves the ranks at one step,
+and a finite rank's gradient in its feedback."""
+
+import pytest
+import torch
+
+import sparsecomm as sc
+from sparsecomm.launch import run_local
+from sparsecomm.pipeline import Segment
+
+HANG_S = 60
+SPEC = "topk(ratio=0.05)+residual+rice+fp32"
+
+
+def one_rank_passes(rank: int, world: int, case: str) -> list[str]:
+    """Rank 1's pairs are wrong by ``case``; then a good step."""
+    outcomes = []
+    with sc.GradientReducer(SPEC) as reducer:
+        pairs = [("a", torch.ones(3)), ("w", torch.ones(20, 20))]
+        if rank == 1:
+            pairs = {"none": [("a", torch.ones(3)), ("w", None)],
+                     "repeat": [("a", torch.ones(3)), ("a", torch.ones(3)), ("w", torch.ones(20, 20))],
+                     "integer": [("a", torch.ones(3)), ("w", torch.ones(20, 20, dtype=torch.int64))],
+                     "sparse": [("a", torch.ones(3)), ("w", torch.ones(20, 20).to_sparse())]}[case]
+        for step_pairs in (pairs, [("a", torch.ones(3)), ("w", torch.ones(20, 20))]):
+            try:
+                reducer.allreduce_(step_pairs)
+                outcomes.append("ok")
+            except sc.SparseCommError as err:
+                outcomes.append(str(err))
+    return outcomes
+
+
+@pytest.mark.parametrize(("case", "reason"), [("none", "has no gradient"), ("repeat", "names repeat"),
+                                               ("integer", "floating point"), ("sparse", None)])
+def test_a_problem_with_one_ranks_gradients_is_raised_on_every_rank(case, reason):
+    first, second = run_local(2, one_rank_passes, case, timeout=HANG_S)
+    assert first[1] == second[1] == "ok"  # the next step goes on
+    if reason is None:  # the same name, dense on one rank and sparse on the other
+        assert "ranks disagree" in first[0] and "ranks disagree" in second[0], (first, second)
+    else:
+        assert reason in second[0], second
+        assert "could not make its part of 'gradients a, w'" in first[0] or "different tensors" in first[0], first
+
+
+def mismatched_state(rank: int, world: int) -> str:
+    weight = torch.ones(50, 50)
+    state = sc.allreduce_gradients([("w", weight)], SPEC)
+    try:
+        sc.allreduce_gradients([("w", weight)], "dgc" if rank == 1 else SPEC, state)
+        return "ok"
+    except sc.SparseCommError as err:
+        return str(err)
+    finally:
+        state.close()
+
+
+def test_a_state_built_otherwise_on_one_rank_is_refused_on_every_rank():
+    first, second = run_local(2, mismatched_state, timeout=HANG_S)
+    assert "could not make its part of 'gradients w'" in first, first
+    assert "the state passed is a reducer for" in second, second
+
+
+def other_optimizers(rank: int, world: int) -> list[str]:
+    model = torch.nn.Linear(64, 64)
+    outcomes = []
+    with sc.GradientReducer("dgc", model=model) as reducer:
+        reducer.allreduce_([("w", torch.ones(64, 64))])  # started
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9 if rank == 0 else 0.0)
+        try:
+            sc.check_optimizer(optimizer, reducer)
+            outcomes.append("suited")
+        except sc.SparseCommError as err:
+            outcomes.append(str(err))
+        reducer.allreduce_([("w", torch.ones(64, 64))])
+        outcomes.append(str(reducer.spec))
+    return outcomes
+
+
+def test_ranks_given_other_optimizers_are_refused_together_and_keep_their_pipeline():
+    first, second = run_local(2, other_optimizers, timeout=HANG_S)
+    for outcomes in (first, second):
+        assert "GradientReducer.suit_optimizer" in outcomes[0] or "already reduced" in outcomes[0], outcomes
+    assert first[1] == second[1]  # one pipeline on every rank
+
+
+def laid_out(rank: int, world: int, segments: tuple[Segment, ...]) -> str:
+    with sc.GradientReducer(SPEC) as reducer:
+        try:
+            reducer.reduce_flat_async("bucket", torch.ones(100), segments, last=True)
+            return "posted"
+        except sc.SparseCommError as err:
+            return str(err)
+
+
+@pytest.mark.parametrize(("segments", "says"), [
+    ((Segment("a", 0, 50), Segment("a", 50, 50)), "its name repeats"),
+    ((Segment("a", 0, 40), Segment("b", 50, 50)), "does not follow"),
+    ((Segment("a", 0, 50), Segment("b", 50, 80)), "cover 130 entries of a buffer of 100"),
+])
+def test_segments_that_do_not_lay_out_the_buffer_are_refused(segments, says):
+    for outcome in run_local(2, laid_out, segments, timeout=HANG_S):
+        assert says in outcome, outcome
+
+
+def refused_for_a_nan(rank: int, world: int) -> tuple[int, float, float]:
+    with sc.GradientReducer(SPEC) as reducer:
+        generator = torch.Generator().manual_seed(rank)
+        reducer.allreduce_([("w", torch.randn(100, 100, generator=generator))])
+        before = reducer.pipeline.states["w"].feedback["residual"].clone()
+        gradient = torch.randn(100, 100, generator=generator)
+        if rank == 1:
+            gradient[0, 0] = float("nan")
+        try:
+            reducer.allreduce_([("w", gradient.clone())])
+        except sc.SparseCommError:
+            pass
+        state = reducer.pipeline.states["w"]
+        kept = state.feedback["residual"] - before
+        expected = gradient if rank == 0 else torch.zeros_like(gradient)
+        return state.step, float((kept - expected).abs().max()), float(expected.abs().max())
+
+
+def test_a_step_refused_for_one_ranks_nan_keeps_the_ranks_at_one_step_and_the_finite_gradient():
+    (first_step, first_error, scale), (second_step, second_error, _) = run_local(2, refused_for_a_nan, timeout=HANG_S)
+    assert first_step == second_step == 1
+    assert first_error <= 1e-5 * scale and second_error == 0.0
