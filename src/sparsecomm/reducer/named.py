@@ -56,7 +56,8 @@ def check_segments(segments: tuple[Segment, ...], numel: int) -> None:
             raise SparseCommError(f"segment {segment.key!r} at {segment.start} (of {segment.numel}) does not follow "
                                   f"the last, which ended at {end}, or its name repeats: segments lay the buffer out "
                                   "in order, each name once")
-        end, names = end + segment.numel, names | {segment.key}
+        end += segment.numel
+        names.add(segment.key)
     if end != numel:
         raise SparseCommError(f"the segments cover {end} entries of a buffer of {numel}")
 
