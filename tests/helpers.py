@@ -3,10 +3,13 @@ what error feedback conserves over steps."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import torch
 
-from sparsecomm import SparseGradient
+from sparsecomm import SparseCommError, SparseGradient
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -77,3 +80,13 @@ def fed_and_conserved(reducer, rank: int, world: int, numel: int, steps: int) ->
     dist.all_reduce(held)
     return {"fed": fed, "delivered_and_held": delivered * world + held,
             "scale": max(float(held.abs().max()), float(delivered.abs().max()) * world)}
+
+
+def outcome(call: Callable[..., Any], *args: Any, done: str = "ok") -> str:
+    """``done`` where ``call(*args)`` returns, else the `SparseCommError` it raised, as text: what a
+    worker reports of a call every rank must refuse alike."""
+    try:
+        call(*args)
+        return done
+    except SparseCommError as err:
+        return str(err)

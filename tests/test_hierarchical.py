@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm as sc
+from helpers import outcome
 from sparsecomm.launch import run_local
 from sparsecomm.pipeline import Segment
 from sparsecomm.reducer.node_shards import NodeShards
@@ -358,16 +359,9 @@ def node_mismatches(rank: int, world: int) -> list[str]:
     (the hop between nodes checks its own ranks only, never a node's two)."""
     outcomes = []
     with sc.HierarchicalReducer("dense", sc.Topology(2)) as reducer:
-        try:
-            reducer.allreduce_([("g", torch.ones(1000, dtype=torch.float64 if rank == 1 else torch.float32))])
-            outcomes.append("summed")
-        except sc.SparseCommError as err:
-            outcomes.append(str(err))
-    try:
-        sc.HierarchicalReducer("dense", sc.Topology(2), average=rank != 1).close()
-        outcomes.append("built")
-    except sc.SparseCommError as err:
-        outcomes.append(str(err))
+        gradient = torch.ones(1000, dtype=torch.float64 if rank == 1 else torch.float32)
+        outcomes.append(outcome(reducer.allreduce_, [("g", gradient)]))
+    outcomes.append(outcome(lambda: sc.HierarchicalReducer("dense", sc.Topology(2), average=rank != 1).close()))
     return outcomes
 
 
@@ -417,30 +411,20 @@ def test_a_hierarchical_reducer_over_a_process_subgroup_makes_its_groups_alone()
 
 
 def meshes_apart(rank: int, world: int) -> str:
-    try:
-        sc.Topology(2 if rank == 0 else 4).device_mesh("cpu")
-        return "built"
-    except sc.SparseCommError as err:
-        return str(err)
+    return outcome(sc.Topology(2 if rank == 0 else 4).device_mesh, "cpu")
 
 
 def test_ranks_asking_for_meshes_of_different_topologies_are_refused():
-    for outcome in run_local(4, meshes_apart):
-        assert "ranks disagree" in outcome and "Topology.device_mesh" in outcome, outcome
+    for said in run_local(4, meshes_apart):
+        assert "ranks disagree" in said and "Topology.device_mesh" in said, said
 
 
 def checkpoints_of_another_kind(rank: int, world: int) -> list[str]:
     with sc.HierarchicalReducer("dense", sc.Topology(2)) as hierarchical, sc.GradientReducer("dense") as flat:
         hierarchical.allreduce_([("g", torch.ones(10))])
         flat.allreduce_([("g", torch.ones(10))])
-        refused = []
-        for loading, state in ((flat, hierarchical.state_dict()), (hierarchical, flat.state_dict())):
-            try:
-                loading.load_state_dict(state)
-                refused.append("loaded")
-            except sc.SparseCommError as err:
-                refused.append(str(err))
-    return refused
+        return [outcome(loading.load_state_dict, state)
+                for loading, state in ((flat, hierarchical.state_dict()), (hierarchical, flat.state_dict()))]
 
 
 def test_a_checkpoint_of_another_kind_of_reducer_is_refused_naming_its_writer():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import sparsecomm as sc
+from helpers import outcome
 from sparsecomm.launch import run_local
 from sparsecomm.pipeline import Segment
 
@@ -26,11 +27,7 @@ def one_rank_passes(rank: int, world: int, case: str) -> list[str]:
                      "integer": [("a", torch.ones(3)), ("w", torch.ones(20, 20, dtype=torch.int64))],
                      "sparse": [("a", torch.ones(3)), ("w", torch.ones(20, 20).to_sparse())]}[case]
         for step_pairs in (pairs, [("a", torch.ones(3)), ("w", torch.ones(20, 20))]):
-            try:
-                reducer.allreduce_(step_pairs)
-                outcomes.append("ok")
-            except sc.SparseCommError as err:
-                outcomes.append(str(err))
+            outcomes.append(outcome(reducer.allreduce_, step_pairs))
     return outcomes
 
 
@@ -50,10 +47,7 @@ def mismatched_state(rank: int, world: int) -> str:
     weight = torch.ones(50, 50)
     state = sc.allreduce_gradients([("w", weight)], SPEC)
     try:
-        sc.allreduce_gradients([("w", weight)], "dgc" if rank == 1 else SPEC, state)
-        return "ok"
-    except sc.SparseCommError as err:
-        return str(err)
+        return outcome(sc.allreduce_gradients, [("w", weight)], "dgc" if rank == 1 else SPEC, state)
     finally:
         state.close()
 
@@ -70,11 +64,7 @@ def other_optimizers(rank: int, world: int) -> list[str]:
     with sc.GradientReducer("dgc", model=model) as reducer:
         reducer.allreduce_([("w", torch.ones(64, 64))])  # started
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9 if rank == 0 else 0.0)
-        try:
-            sc.check_optimizer(optimizer, reducer)
-            outcomes.append("suited")
-        except sc.SparseCommError as err:
-            outcomes.append(str(err))
+        outcomes.append(outcome(sc.check_optimizer, optimizer, reducer, done="suited"))
         reducer.allreduce_([("w", torch.ones(64, 64))])
         outcomes.append(str(reducer.spec))
     return outcomes
@@ -89,11 +79,7 @@ def test_ranks_given_other_optimizers_are_refused_together_and_keep_their_pipeli
 
 def laid_out(rank: int, world: int, segments: tuple[Segment, ...]) -> str:
     with sc.GradientReducer(SPEC) as reducer:
-        try:
-            reducer.reduce_flat_async("bucket", torch.ones(100), segments, last=True)
-            return "posted"
-        except sc.SparseCommError as err:
-            return str(err)
+        return outcome(reducer.reduce_flat_async, "bucket", torch.ones(100), segments, True, done="posted")
 
 
 @pytest.mark.parametrize(("segments", "says"), [
@@ -102,8 +88,8 @@ def laid_out(rank: int, world: int, segments: tuple[Segment, ...]) -> str:
     ((Segment("a", 0, 50), Segment("b", 50, 80)), "cover 130 entries of a buffer of 100"),
 ])
 def test_segments_that_do_not_lay_out_the_buffer_are_refused(segments, says):
-    for outcome in run_local(2, laid_out, segments, timeout=HANG_S):
-        assert says in outcome, outcome
+    for said in run_local(2, laid_out, segments, timeout=HANG_S):
+        assert says in said, said
 
 
 def refused_for_a_nan(rank: int, world: int) -> tuple[int, float, float]:
