@@ -61,3 +61,17 @@ def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if isinstance(inner, torch.optim.Optimizer):
             return _unwrapped(inner)
     return optimizer
+
+
+def suited_once_begun(spec: PipelineSpec, optimizer: torch.optim.Optimizer,
+                      begun: bool) -> tuple[PipelineSpec, str | None, str]:
+    """`suited_spec` for a reducer whose steps may have ``begun``: (the spec to go on with, why its
+    feedback changed or None, why it must not change — "" where nothing is refused). Once the
+    steps have begun the spec stays: a feedback change is refused, ``adaptive``'s choices are
+    kept."""
+    suited, why = suited_spec(spec, optimizer)
+    if suited == spec or not begun:
+        return suited, why, ""
+    refused = "" if why is None else (f"{why} — but this reducer has already reduced gradients: suit it to the "
+                                      "optimizer before the first step")
+    return spec, None, refused

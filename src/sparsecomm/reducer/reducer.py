@@ -37,7 +37,7 @@ from sparsecomm.presets import resolve
 from sparsecomm.reducer.checkpoint import FORMAT, migrate
 from sparsecomm.reducer.config import DENSE_BELOW, ReducerConfig
 from sparsecomm.reducer.named import agree_on_step, agree_on_suited, by_name, check_segments, problem, travels
-from sparsecomm.reducer.optimizers import suited_spec
+from sparsecomm.reducer.optimizers import suited_once_begun
 from sparsecomm.reducer.runtime import Runtime
 from sparsecomm.reducer.stats import ReducerStats
 from sparsecomm.spec import PipelineSpec, format_spec
@@ -139,14 +139,8 @@ class GradientReducer:
 
         Raises:
             SparseCommError: the feedback must change after the first step, or the ranks differ."""
-        spec, why = suited_spec(self.spec, optimizer)
         calls = self.runtime.counts if self.started else (self._loaded or {}).get("calls")  # a loaded run's too
-        refused = ""
-        if spec != self.spec and calls:
-            if why is not None:
-                refused = (f"{why} — but this reducer has already reduced gradients: suit it to the optimizer "
-                           "before the first step")
-            spec, why = self.spec, None  # else only adaptive's warm-up and floor would change: the steps have begun
+        spec, why, refused = suited_once_begun(self.spec, optimizer, bool(calls))
         if self.started:  # every rank, changed or not, agrees on the pipeline it goes on with (else: at the start)
             agree_on_suited(self.group, spec, refused)
         if spec == self.spec:
