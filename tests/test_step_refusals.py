@@ -25,6 +25,7 @@ def one_rank_passes(rank: int, world: int, case: str) -> list[str]:
             pairs = {"none": [("a", torch.ones(3)), ("w", None)],
                      "repeat": [("a", torch.ones(3)), ("a", torch.ones(3)), ("w", torch.ones(20, 20))],
                      "integer": [("a", torch.ones(3)), ("w", torch.ones(20, 20, dtype=torch.int64))],
+                     "expanded": [("a", torch.ones(3)), ("w", torch.ones(20, 1).expand(20, 20))],
                      "sparse": [("a", torch.ones(3)), ("w", torch.ones(20, 20).to_sparse())]}[case]
         for step_pairs in (pairs, [("a", torch.ones(3)), ("w", torch.ones(20, 20))]):
             outcomes.append(outcome(reducer.allreduce_, step_pairs))
@@ -32,7 +33,8 @@ def one_rank_passes(rank: int, world: int, case: str) -> list[str]:
 
 
 @pytest.mark.parametrize(("case", "reason"), [("none", "has no gradient"), ("repeat", "names repeat"),
-                                               ("integer", "floating point"), ("sparse", None)])
+                                               ("integer", "floating point"), ("expanded", "is expanded"),
+                                               ("sparse", None)])
 def test_a_problem_with_one_ranks_gradients_is_raised_on_every_rank(case, reason):
     first, second = run_local(2, one_rank_passes, case, timeout=HANG_S)
     assert first[1] == second[1] == "ok"  # the next step goes on
@@ -112,3 +114,14 @@ def test_a_step_refused_for_one_ranks_nan_keeps_the_ranks_at_one_step_and_the_fi
     (first_step, first_error, scale), (second_step, second_error, _) = run_local(2, refused_for_a_nan, timeout=HANG_S)
     assert first_step == second_step == 1
     assert first_error <= 1e-5 * scale and second_error == 0.0
+
+
+def reduces_one_that_requires_grad(rank: int, world: int) -> list[float]:
+    """`reduce` returns the average; a tensor that requires grad on one rank is not written in place."""
+    with sc.GradientReducer("topk(ratio=1.0)+residual+raw+fp32") as reducer:
+        tensor = torch.full((50, 50), float(rank + 1), requires_grad=rank == 0)
+        return reducer.reduce("x", tensor).reshape(-1)[:2].tolist()
+
+
+def test_reduce_of_a_tensor_that_requires_grad_on_one_rank_returns_the_average_on_every_rank():
+    assert run_local(2, reduces_one_that_requires_grad, timeout=HANG_S) == [[1.5, 1.5]] * 2

@@ -30,8 +30,8 @@ def by_name(named_gradients: Iterable[tuple[str, Any]]) -> Named:
 
 def problem(named: Named) -> str:
     """What is wrong with a step's pairs on this rank ("" where nothing is): a name that repeats, a
-    gradient that is missing (None) or not a floating-point tensor, or one that requires grad (the
-    average is written into it in place)."""
+    gradient that is missing (None) or not a floating-point tensor, or one that requires grad or is
+    expanded (the average is written into it in place)."""
     repeated = sorted(name for name, count in Counter(name for name, _ in named).items() if count > 1)
     if repeated:
         return f"gradient names repeat: {repeated}"
@@ -43,6 +43,9 @@ def problem(named: Named) -> str:
             return f"{name!r}: gradients are floating point, not {tensor.dtype}"
         if tensor.requires_grad:
             return f"{name!r} requires grad: pass its .grad (or detach it), which is averaged in place"
+        if not tensor.is_sparse and any(stride == 0 and size > 1
+                                        for stride, size in zip(tensor.stride(), tensor.shape, strict=True)):
+            return f"{name!r} is expanded (entries share memory): the average cannot be written into it; clone() it"
     return ""
 
 

@@ -132,7 +132,8 @@ class TransportPath(Path):
             adaptive.measuring.submitted(call.tensor.numel(), *self.budget_counts(call, plan), submitted - start,
                                          submitted)
         tensor = call.tensor
-        out = tensor if not tensor.is_sparse and tensor.is_contiguous() else None  # the sum lands in the gradient
+        # the sum lands in the gradient, where it can be written in place
+        out = tensor if not tensor.is_sparse and tensor.is_contiguous() and not tensor.requires_grad else None
         fuses = call.in_step and isinstance(transport, AllgatherTransport) and FUSE_BELOW > 0
         expected = self.expected_entries(call, plan) if fuses else 0
         waits = fuses and (expected is None or expected < FUSE_BELOW)
