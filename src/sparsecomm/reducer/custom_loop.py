@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from sparsecomm.errors import SparseCommError
+from sparsecomm.presets import resolve
 from sparsecomm.reducer.config import DENSE_BELOW
 from sparsecomm.reducer.hierarchical import HierarchicalReducer
+from sparsecomm.reducer.named import agree_on_step, by_name
 from sparsecomm.reducer.reducer import GradientReducer
 from sparsecomm.spec import PipelineSpec
 
@@ -54,18 +57,29 @@ def allreduce_gradients(named_gradients: Iterable[tuple[str, torch.Tensor]], spe
         state.close()
         ```
     """
-    refused = ""  # a state built otherwise on one rank: every rank raises at the step's agreement
     if state is None:
         state = GradientReducer(spec_or_preset, group=group, seed=seed, nonfinite=nonfinite, dense_below=dense_below)
-    elif group is not None and group is not state.group:
-        refused = "the state passed reduces over another process group than group="
-    else:
-        try:
-            state.check_matches(spec_or_preset, seed, nonfinite, dense_below)
-        except SparseCommError as err:
-            refused = str(err)
-    state.allreduce_(named_gradients, refused=refused)
+    elif refused := _mismatch(state, spec_or_preset, group, seed, nonfinite, dense_below):
+        # this rank alone may have passed it: it refuses the step's agreement, where the others meet it
+        named = by_name(named_gradients)
+        agree_on_step(state.group, named, state.stats.steps, len(named), 0, refused)
+    state.allreduce_(named_gradients)
     return state
+
+
+def _mismatch(state: GradientReducer, spec: str | PipelineSpec, group: dist.ProcessGroup | None, seed: int,
+              nonfinite: str, dense_below: int) -> str:
+    """Why ``state`` is not a reducer built with these arguments ("" where it is); the spec it was
+    built with names the one `GradientReducer.suit_optimizer` made of it."""
+    if group is not None and group is not state.group:
+        return "the state passed reduces over another process group than group="
+    asked = resolve(spec)
+    try:
+        state.config.check_matches(replace(state.config, spec=state.spec if asked == state.built_with else asked,
+                                           seed=seed, nonfinite=nonfinite, dense_below=dense_below))
+    except SparseCommError as err:
+        return str(err)
+    return ""
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, reducer: GradientReducer | HierarchicalReducer) -> None:

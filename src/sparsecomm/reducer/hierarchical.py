@@ -173,10 +173,9 @@ class HierarchicalReducer(AcrossNodes):
         for name, tensor in dense:
             segments.append(Segment(name, start, tensor.numel(), self.across.config.sends_whole(tensor.shape)))
             start += tensor.numel()
-        layout = 0 if refused else fingerprint(travels(named, dtypes=True),
-                                               *(tuple(tensor.shape) for _, tensor in named))
-        agree_on_step(self.group, named, self.stats.steps, start, layout, refused)
-        key = fingerprint(*((name, tuple(tensor.shape), tensor.is_sparse) for name, tensor in named))
+        key = 0 if refused else fingerprint(*((name, tuple(tensor.shape), tensor.is_sparse) for name, tensor in named))
+        agree_on_step(self.group, named, self.stats.steps, start,
+                      0 if refused else fingerprint(key, travels(named, dtypes=True)), refused)
         pending = [(tensor, self._post_rows(name, tensor, (Segment(name, 0, tensor.numel()),), name,
                                             last=not dense and i == len(rows) - 1))
                    for i, (name, tensor) in enumerate(rows)]

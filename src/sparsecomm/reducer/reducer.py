@@ -90,7 +90,7 @@ class GradientReducer:
                  model: nn.Module | None = None) -> None:
         self.config = ReducerConfig(resolve(spec), seed, nonfinite, dense_below, average, world_size=0)
         """what every rank agrees on (its world size is 0 until the reducer starts)"""
-        self._built_with = self.config.spec
+        self.built_with = self.config.spec
         """the spec it was built with, which a call may name though `suit_optimizer` changed it"""
         self.group, self._model = group, model
         self.stats = ReducerStats()
@@ -158,15 +158,7 @@ class GradientReducer:
         world = f"world_size={self.config.world_size}" if self.started else "not started"
         return f"GradientReducer({format_spec(self.spec)!r}, {world}, seed={self.config.seed})"
 
-    def check_matches(self, spec: str | PipelineSpec, seed: int, nonfinite: str, dense_below: int) -> None:
-        """Raise `SparseCommError` unless this reducer was built with this spec (a preset, a spec
-        string or a parsed spec), seed, non-finite policy and plain route's size limit; the spec it
-        was built with names the one `suit_optimizer` made of it."""
-        asked = resolve(spec)
-        self.config.check_matches(replace(self.config, spec=self.spec if asked == self._built_with else asked,
-                                          seed=seed, nonfinite=nonfinite, dense_below=dense_below))
-
-    def allreduce_(self, named_gradients: Iterable[tuple[str, torch.Tensor]], *, refused: str = "") -> None:
+    def allreduce_(self, named_gradients: Iterable[tuple[str, torch.Tensor]]) -> None:
         """One step of a custom loop: replace each gradient by its average over ranks (dense in
         place; sparse COO by ``copy_``). Tensors are matched across ranks by name — every rank must
         pass the same names, in any order, or every rank raises `SparseCommError`.
@@ -174,8 +166,6 @@ class GradientReducer:
         Args:
             named_gradients: (name, gradient) pairs, dense or sparse COO (an embedding's); each
                 name's state (residual, momentum) is kept under it.
-            refused: why this rank cannot take part in the step (a caller's check that failed
-                here); every rank raises at the step's agreement, this one with the reason.
 
         Raises:
             SparseCommError: a name repeats, a gradient is missing (None), not floating point or
@@ -199,7 +189,7 @@ class GradientReducer:
         """
         runtime = self._running()
         named = by_name(named_gradients)
-        refused = refused or problem(named)
+        refused = problem(named)
         agree_on_step(self.group, named, self.stats.steps, len(named), 0 if refused else travels(named), refused)
         pending = [(tensor, runtime.submit(name, tensor, last=i == len(named) - 1))
                    for i, (name, tensor) in enumerate(named)]

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter  # set_custom_reduce_scatter's type
 
 from sparsecomm.encode.index.raw import RawIndices
+from sparsecomm.encode.value.dtypes import cast_within
 from sparsecomm.encode.value.floats import FloatValues
 from sparsecomm.errors import SparseCommError
 from sparsecomm.feedback.base import state_dtype
@@ -89,7 +90,7 @@ class SparseReduceScatter(ReduceScatter):
         k = max(1, min(numel, round(self.ratio * numel)))
         picked = corrected.abs().topk(k, dim=1, sorted=False).indices
         values = corrected.gather(1, picked)
-        sent = _within_range(values, self.values).to(self.values)
+        sent = cast_within(values, self.values)
         corrected.scatter_(1, picked, values - sent.to(values.dtype))  # held back: all but what arrives
         corrected.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         indices = picked.to(torch.int32)
@@ -204,12 +205,3 @@ class FlatFSDPCompression(CheckpointsPerRank):
 def _copied(residual: torch.Tensor | None) -> torch.Tensor | None:
     """A residual handed out or taken in: the reduce-scatter updates its own in place."""
     return residual.detach().clone() if residual is not None else None
-
-
-def _within_range(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``values`` with the finite ones beyond ``dtype``'s range at its bound (non-finite ones as they
-    are): cast, they would become infinities; the excess stays in the feedback."""
-    bound = torch.finfo(dtype).max
-    if bound >= torch.finfo(values.dtype).max:
-        return values
-    return torch.where(values.isfinite(), values.clamp(-bound, bound), values)
