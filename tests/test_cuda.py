@@ -14,7 +14,7 @@ from sparsecomm.adaptive.gradient_energy import energy_share
 from sparsecomm.launch import run_local
 from sparsecomm.transport.request import Request
 from sparsecomm.transport.session import TransportSession
-from test_adaptive_reducer import agree_on_sparse_steps_at_the_preferred_density, on_a_slow_link
+from test_adaptive_reducer import on_a_slow_link
 from test_device_mode import moving
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
@@ -223,13 +223,19 @@ def test_the_energy_curve_of_a_cuda_sample_is_the_cpu_curve():
     torch.testing.assert_close(on_gpu.cpu(), energy_share(squares, fractions), rtol=1e-9, atol=1e-12)
 
 
-def test_on_a_slow_link_cuda_gradients_run_sparse_at_the_density_every_rank_agreed_on():
+def test_cuda_gradients_on_a_held_link_leave_every_rank_with_the_same_plans_densities_and_weights():
     """The sampled energy, the preference in the side report and the plans, with gloo carrying the
-    CUDA buckets: every rank the same plans and weights, every step sparse — on the codecs, or on
-    the device route where the trials try it (the gradients are off the host)."""
-    runs = run_local(2, on_a_slow_link, 40, "cuda", timeout=240)
-    agree_on_sparse_steps_at_the_preferred_density(runs, {Mode.SPARSE, Mode.DEVICE})
-    assert Mode.DEVICE in {plan.mode for plan in runs[0]["plans"]}  # weighed where the gradients are on a GPU
+    CUDA buckets: every rank the same plans, preferences and weights, sparse steps on both routes
+    at a density the gradients preferred. The link is held at 1 MB/s for the predictions only: the
+    trials time whole steps, and on a GPU the loopback under the test carries an fp16 step faster
+    than a sparse step runs, so later steps may rightly go dense (on a processor they stay sparse)."""
+    first, second = run_local(2, on_a_slow_link, 40, "cuda", timeout=240)
+    assert first["plans"] == second["plans"] and first["digest"] == second["digest"]
+    preferred = first["preferred"]
+    assert preferred == second["preferred"] and len(preferred) >= 3
+    assert all(0.001 <= density <= 0.25 for density in preferred)
+    assert {Mode.SPARSE, Mode.DEVICE} <= {plan.mode for plan in first["plans"]}  # both routes weighed
+    assert all(plan.density <= max(preferred) for plan in first["plans"] if plan.mode.selects)
 
 
 def test_sparse_embedding_updates_leave_every_rank_with_the_same_weights_on_the_gpu():
@@ -304,7 +310,8 @@ def test_the_device_routes_wire_is_the_same_bits_on_a_gpu(density):
         total, agreed, _, _ = form.unpack_sum(out, 1, 7, whole_indices, torch.device(device))
         assert bool(agreed) and total.device.type == device
         words[device] = (out.cpu(), delivered.cpu(), total.cpu())
-    assert all(torch.equal(a, b) for a, b in zip(words["cpu"], words["cuda"], strict=True))
+    for part, on_cpu, on_gpu in zip(("words", "delivered", "sum"), words["cpu"], words["cuda"], strict=True):
+        assert torch.equal(on_cpu, on_gpu), (part, int((on_cpu != on_gpu).sum()))
 
 
 def test_one_threshold_over_the_bucket_is_the_same_on_a_gpu_as_in_host_memory_without_a_host_read():

@@ -1,41 +1,37 @@
-"""`sparsecomm.bench.op_counts`: which of the profiler's events are copies between host and device,
-and their bytes (the counting of ops and syncs is exercised by the benches' and paths' tests)."""
-
-from types import SimpleNamespace
+"""`sparsecomm.bench.op_counts`: which of the profiler's trace events are copies between host and
+device, and their bytes (the counting of ops and syncs is exercised by the benches' and paths' tests)."""
 
 import pytest
 import torch
-from torch.autograd import DeviceType
 
 from sparsecomm.bench.op_counts import count_ops, host_device_bytes
 
 
-def copy(name: str, nbytes: int | None, device_type: DeviceType = DeviceType.CUDA) -> SimpleNamespace:
-    """A profiler event as torch's structured metadata gives it."""
-    return SimpleNamespace(name=name, device_type=device_type,
-                           event_metadata=SimpleNamespace(bytes=nbytes) if nbytes is not None else None)
+def copy(name: str, nbytes: int | None, category: str = "gpu_memcpy") -> dict:
+    """A trace event as torch's profiler wrote it on an H200 (torch 2.11, CUDA 13)."""
+    args = {"device": 0, "context": 1, "stream": 7, "correlation": 7}
+    if nbytes is not None:
+        args |= {"bytes": nbytes, "memory bandwidth (GB/s)": 50.2}
+    return {"ph": "X", "cat": category, "name": name, "args": args}
 
 
 @pytest.mark.parametrize(("event", "expected"), [
     (copy("Memcpy HtoD (Pageable -> Device)", 4096), 4096),
     (copy("Memcpy DtoH (Device -> Pinned)", 512), 512),
     (copy("Memcpy DtoD (Device -> Device)", 4096), 0),  # stays on the device
-    (copy("Memset (Device)", 4096), 0),
-    (copy("aten::copy_", 4096, DeviceType.CPU), 0),  # the host's op, not the device's copy
-    (copy("Memcpy HtoD (Pinned -> Device)", None), 0),  # no metadata recorded
+    (copy("Memset (Device)", 4096, "gpu_memset"), 0),
+    (copy("cudaMemcpyAsync", None, "cuda_runtime"), 0),  # the host's call that queued the copy
+    (copy("Memcpy HtoD (Pinned -> Device)", None), 0),  # no bytes recorded
 ])
 def test_only_a_devices_copies_from_and_to_the_host_count(event, expected):
-    assert host_device_bytes(event) == expected
+    assert host_device_bytes([event]) == expected
 
 
-def test_a_torch_without_structured_metadata_gives_the_bytes_in_its_text():
-    event = SimpleNamespace(name="Memcpy DtoH (Device -> Pageable)", device_type=DeviceType.CUDA,
-                            metadata_json='"device": 0, "stream": 7, "bytes": 1024, "memory bandwidth (GB/s)": 2.5')
-    assert host_device_bytes(event) == 1024
-    assert host_device_bytes(SimpleNamespace(name=event.name, device_type=DeviceType.CUDA, metadata_json="")) == 0
-    # structured metadata that left this event's bytes out: the text still has them
-    event.event_metadata = SimpleNamespace(bytes=None)
-    assert host_device_bytes(event) == 1024
+def test_a_traces_copies_add_up():
+    events = [copy("Memcpy DtoH (Device -> Pinned)", 1 << 20), copy("cudaMemcpyAsync", None, "cuda_runtime"),
+              copy("Memcpy HtoD (Pinned -> Device)", 1 << 20), copy("Memcpy DtoD (Device -> Device)", 1 << 20),
+              {"ph": "X", "cat": "cpu_op", "name": "aten::copy_"}]
+    assert host_device_bytes(events) == 2 << 20
 
 
 def test_a_step_on_the_host_copies_nothing_between_host_and_device():

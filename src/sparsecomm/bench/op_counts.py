@@ -7,21 +7,20 @@ worker thread and the backward pass's — and, with CUDA's activity, the device'
 
 from __future__ import annotations
 
-import re
+import json
+import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 SYNC_OPS = frozenset({"aten::_local_scalar_dense", "aten::nonzero"})
 """where every scalar read (``item``, ``is_nonzero``, ``bool``) and every data-dependent size ends"""
 HOST_DEVICE_COPIES = ("Memcpy HtoD", "Memcpy DtoH")
 """how the profiler names a device's copies from and to the host (``Memcpy DtoD`` stays on it)"""
-COPIED_BYTES = re.compile(r'"bytes": (\d+)')
-"""a copy's bytes in the profiler's metadata text"""
 
 
 @dataclass(frozen=True)
@@ -44,27 +43,28 @@ def count_ops(step: Callable[[], None], steps: int, device: torch.device | str =
             step()
         if on_gpu:
             torch.cuda.synchronize(device)  # every copy the steps queued has run, and is recorded
-    ops = syncs = copied = 0
+    ops = syncs = 0
     for event in recorded.events():
-        copied += host_device_bytes(event)
         if not event.name.startswith("aten::"):
             continue
         syncs += event.name in SYNC_OPS
         parent = event.cpu_parent
         ops += parent is None or not parent.name.startswith("aten::")  # a launch, not an op's own inner op
-    return OpCounts(ops / steps, syncs / steps, copied / steps)
+    return OpCounts(ops / steps, syncs / steps, copied_bytes(recorded) / steps if on_gpu else 0.0)
 
 
-def host_device_bytes(event: Any) -> int:
-    """The bytes a profiler event copied between host and device: a CUDA copy's, as its metadata
-    says (0 for every other event)."""
-    if event.device_type != DeviceType.CUDA or not event.name.startswith(HOST_DEVICE_COPIES):
-        return 0
-    metadata = getattr(event, "event_metadata", None)
-    copied = getattr(metadata, "bytes", None)
-    if copied is not None:
-        return int(copied)
-    # a torch before the structured metadata, or one that left it empty for this event
-    found = COPIED_BYTES.search(getattr(event, "metadata_json", None) or "")
-    return int(found.group(1)) if found else 0
+def copied_bytes(recorded: profile) -> int:
+    """The bytes copied between host and device while ``recorded`` ran, read from the trace torch
+    writes of it: its events leave a copy's bytes out (torch 2.11 on CUDA 13), the trace names them."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        recorded.export_chrome_trace(path)
+        with open(path) as trace:
+            return host_device_bytes(json.load(trace).get("traceEvents", []))
 
+
+def host_device_bytes(events: list[dict[str, Any]]) -> int:
+    """The bytes a trace's ``events`` copied between host and device: each device copy from or to
+    the host (a copy within the device, or the host's call that queued a copy, counts nothing)."""
+    return sum(int((event.get("args") or {}).get("bytes", 0)) for event in events
+               if event.get("cat") == "gpu_memcpy" and str(event.get("name", "")).startswith(HOST_DEVICE_COPIES))

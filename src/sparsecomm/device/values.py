@@ -75,5 +75,7 @@ def decode(codec: ValueCodec, words: torch.Tensor, count: int) -> torch.Tensor:
 
 def _scaled(levels: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Levels (… × blocks × bucket) times their block's scale / 127, in fp32: the sender's and the
-    receivers' one arithmetic, so both get the same bits."""
-    return levels.float().div_(LEVELS).mul_(scales[..., None])
+    receivers' one arithmetic, so both get the same bits. The divisor is a tensor on the levels'
+    device: CUDA divides by a number as a product with its reciprocal, a bit off a processor's
+    quotient at times, and every device must reach the same bits."""
+    return levels.float().div_(scales.new_full((), LEVELS)).mul_(scales[..., None])
