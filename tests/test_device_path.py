@@ -334,6 +334,31 @@ def test_a_step_that_weighs_the_gradients_energy_on_the_device_route_reads_the_d
         assert syncs == [1.0] * 4, syncs  # one bucket, one read, the sampling step's included
 
 
+def syncs_of_dense_steps(rank: int, world: int, mode: Mode) -> tuple[list[float], float]:
+    model = DDP(deep_mlp(6), bucket_cap_mb=100)
+    reducer = sc.register_ddp_hook(model, "adaptive")
+    reducer.adaptive.planner.plan = lambda: Plan(mode)
+    data = torch.randn(16, 64, generator=torch.Generator().manual_seed(rank))
+
+    def step() -> None:
+        model.zero_grad()
+        model(data).square().mean().backward()
+
+    step()  # DDP rebuilds its buckets after the first step
+    syncs = [count_ops(step, 1).syncs for _ in range(4)]  # the first steps: each one reports
+    magnitude = reducer.adaptive.planner.costs.max_magnitude
+    reducer.close()
+    return syncs, magnitude
+
+
+@pytest.mark.parametrize("mode", [Mode.FP32, Mode.FP16])
+def test_a_dense_step_reads_the_device_once_per_bucket_with_the_magnitude_the_planner_hears(mode):
+    """The sum's check and the largest magnitude sent (which keeps fp16 steps in range) in one read."""
+    for syncs, magnitude in run_local(2, syncs_of_dense_steps, mode):
+        assert syncs == [1.0] * 4, syncs  # one bucket, one read
+        assert 0 < magnitude < math.inf
+
+
 def train_budgeted(rank: int, world: int, spec: str, steps: int) -> dict:
     model = DDP(mlp(0))
     reducer = sc.register_ddp_hook(model, spec, seed=1)

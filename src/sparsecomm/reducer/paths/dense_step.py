@@ -19,6 +19,7 @@ import torch
 from sparsecomm.adaptive.config import Mode, Plan
 from sparsecomm.adaptive.flat_residual import FlatResidual
 from sparsecomm.adaptive.flush import flush, update_flushed
+from sparsecomm.device.status import GOOD, read
 from sparsecomm.finite import all_finite
 from sparsecomm.pipeline import screen_nonfinite
 from sparsecomm.reducer.call import Call, Route, Summed
@@ -40,6 +41,9 @@ class Wire:
     flushed: bool
     fp16: bool = False
     carrying: int | None = None
+    magnitude: torch.Tensor | None = None
+    """the largest magnitude sent (0-d, on the gradient's device), read with the sum's check: only
+    where the planner must hear it"""
 
 
 class DenseStepPath(Path):
@@ -105,13 +109,12 @@ class DenseStepPath(Path):
             assert full is not None
             write_tail(full[home.numel():], side, parts.rank)
             wire, carrying = full, home.numel()
+        magnitude = None
         if must_raise:
             sent.fill_(math.nan)
         elif sent.numel() and adaptive.report_needed(parts.stats.steps):
-            low, high = (float(bound) for bound in torch.aminmax(sent))
-            if math.isfinite(low) and math.isfinite(high):  # else the sum is non-finite: every rank raises
-                adaptive.measuring.saw_magnitude(max(-low, high) / scale)
-        return Wire(wire, wire.numel() * wire.element_size(), home, not as_it_is, half, carrying)
+            magnitude = torch.linalg.vector_norm(sent, math.inf, dtype=torch.float32) / scale
+        return Wire(wire, wire.numel() * wire.element_size(), home, not as_it_is, half, carrying, magnitude)
 
     def _buffer(self, key: str, home: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The stream's reusable wire of ``dtype``: room for the gradient and a report's tail."""
@@ -135,7 +138,17 @@ class DenseStepPath(Path):
         """The sum, raising on every rank where it is non-finite, back in the gradient's buffer
         where the wire was scratch."""
         wire: Wire = pending.sent
-        if not all_finite(summed.total):
+        if wire.magnitude is None:
+            finite = all_finite(summed.total)
+        else:  # one read of the device for both (`status.read`): a finite sum settles the check (`all_finite`)
+            summed_finite = torch.isfinite(summed.total.sum(dtype=torch.float32)).to(torch.int64) * GOOD
+            status = read(summed_finite, magnitude=wire.magnitude.nan_to_num(nan=0.0, posinf=0.0))
+            finite = status.good or all_finite(summed.total)
+            if finite and status.magnitude:  # else this rank's was not finite: every rank raises
+                adaptive = self.parts.adaptive
+                assert adaptive is not None
+                adaptive.measuring.saw_magnitude(status.magnitude)
+        if not finite:
             raise non_finite_sum(call.key)
         if wire.fp16 or wire.carrying is not None:
             return wire.home.copy_(summed.total)
