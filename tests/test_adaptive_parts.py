@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import sparsecomm as sc
+from sparsecomm.adaptive.config import Mode, Plan
 from sparsecomm.components import Adaptive, DGCMomentum, Feedback, Int8Values, NoFeedback, Residual
 from sparsecomm.errors import PayloadError, SpecError
 
@@ -222,3 +223,36 @@ def test_a_dense_step_that_fails_before_its_sum_arrives_changes_no_momentum():
     feedback.flush(laplace(1000, seed=7), state, again)
     assert torch.equal(first, again) and not torch.equal(first, laplace(1000, seed=7))  # it sent what was held
     assert all(torch.equal(state[name], value) for name, value in held.items())
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_an_untimed_dense_step_is_priced_by_what_its_all_reduce_puts_on_each_link(world_size):
+    """The link's throughput is timed as a ring all_reduce's 2(P−1)/P of the tensor on each rank's
+    link over its time: the same all_reduce is predicted to take that time again."""
+    from sparsecomm.adaptive.config import AdaptiveConfig
+    from sparsecomm.adaptive.costs import Costs
+
+
+    numel, compute_s, all_reduce_s = 1_000_000, 0.010, 0.060
+    costs = Costs(AdaptiveConfig(), Adaptive(dense_start=0), world_size)
+    costs.total_numel = costs.budget_numel = numel
+    throughput = 2 * (world_size - 1) / world_size * 4 * numel / all_reduce_s
+    costs.observe_link(throughput, 2 * throughput)  # fp16's link carries as many bytes a second
+    costs.compute_s.append(compute_s)
+    costs.max_magnitude = 1.0  # fp16 allowed
+    predicted = costs.predicted(costs.step_budget())
+    assert predicted[Mode.FP32][0] == pytest.approx(compute_s + all_reduce_s)
+    fp16 = compute_s + all_reduce_s / 4  # half the bytes at twice the rate, and fp16's margin
+    assert predicted[Mode.FP16][0] == pytest.approx(fp16 * (1 + AdaptiveConfig().fp16_margin))
+
+
+def test_a_checkpoint_keeps_the_last_plans_density():
+    """Whether an exploring step follows a sparse one held back at the floor reads its density."""
+    from sparsecomm.adaptive.planner import Planner
+
+
+    planner = Planner(Adaptive(), 2)
+    planner.current = Plan(Mode.SPARSE, 0.0005)
+    resumed = Planner(Adaptive(), 2)
+    resumed.load_state_dict(planner.state_dict())
+    assert resumed.current == Plan(Mode.SPARSE, 0.0005)

@@ -215,15 +215,11 @@ def on_a_slow_link(rank: int, world: int, steps: int, device: str = "cpu") -> di
 
 
 def test_on_a_slow_link_sparse_steps_run_at_the_density_every_ranks_gradient_agreed_on():
-    agree_on_sparse_steps_at_the_preferred_density(run_local(2, on_a_slow_link, 40))
-
-
-def agree_on_sparse_steps_at_the_preferred_density(runs: list[dict],
-                                                   routes: set[Mode] = frozenset({SPARSE, Mode.DEVICE})) -> None:
-    """Every step sparse, on either route (the trials try the device route too)."""
+    runs = run_local(2, on_a_slow_link, 40)
     assert runs[0]["plans"] == runs[1]["plans"] and runs[0]["digest"] == runs[1]["digest"]
-    preferred = runs[0]["preferred"]
+    routes = {SPARSE, Mode.DEVICE}  # every step sparse, on either route (the trials try the device route too)
     assert {plan.mode for plan in runs[0]["plans"]} <= routes and SPARSE in {plan.mode for plan in runs[0]["plans"]}
+    preferred = runs[0]["preferred"]
     assert preferred == runs[1]["preferred"] and len(preferred) >= 5  # one every 4th sparse step, agreed
     assert all(0.001 <= density <= 0.25 for density in preferred)
     last = runs[0]["plans"][-1]

@@ -269,16 +269,32 @@ def nonfinite_low_rank(rank: int, world: int) -> dict:
                 grad[3, 5] = float("nan")
             before = reducer.pipeline.states["w"].feedback["residual"].clone() if step == 2 else None
             try:
-                reducer.allreduce_([("w", grad)])
+                reducer.allreduce_([("w", grad.clone())])
             except sc.SparseCommError as err:
                 after = reducer.pipeline.states["w"].feedback["residual"]
-                return {"error": str(err), "kept": torch.allclose(before, after, atol=1e-5)}
+                # the finite rank keeps its gradient too
+                expected = before + grad.reshape(before.shape) if rank == 0 else before
+                return {"error": str(err), "kept": torch.allclose(expected, after, atol=1e-5),
+                        "step": reducer.pipeline.states["w"].step}
     return {"error": "no error", "kept": False}
 
 
 def test_a_non_finite_gradient_in_a_low_rank_step_fails_every_rank_and_loses_nothing():
     runs = run_local(2, nonfinite_low_rank)
-    assert all("non-finite" in run["error"] and run["kept"] for run in runs), runs
+    assert all("non-finite" in run["error"] and run["kept"] and run["step"] == 2 for run in runs), runs
+
+
+def empty_matrix_low_rank(rank: int, world: int) -> list[float]:
+    with sc.GradientReducer(SPEC) as reducer:
+        forced_low_rank(reducer)
+        grads = [("empty", torch.zeros(0, 7)), ("w", torch.full((48, 40), float(rank)))]
+        reducer.allreduce_(grads)
+        return [float(grads[1][1].mean()), reducer.adaptive.planner.step]
+
+
+def test_an_empty_matrix_goes_exactly_in_a_low_rank_step():
+    for mean, step in run_local(2, empty_matrix_low_rank):
+        assert mean == pytest.approx(0.5, abs=0.01) and step == 1  # the step ran, the matrix beside it low-rank
 
 
 def half_precision_low_rank(rank: int, world: int, dtype: torch.dtype, steps: int) -> tuple[str, float]:

@@ -4,6 +4,8 @@ otherwise, another optimizer) makes every rank raise at the step's agreement, th
 reason, and the next step goes on; a step refused for a rank's NaN leaves the ranks at one step,
 and a finite rank's gradient in its feedback."""
 
+import math
+
 import pytest
 import torch
 
@@ -125,3 +127,92 @@ def reduces_one_that_requires_grad(rank: int, world: int) -> list[float]:
 
 def test_reduce_of_a_tensor_that_requires_grad_on_one_rank_returns_the_average_on_every_rank():
     assert run_local(2, reduces_one_that_requires_grad, timeout=HANG_S) == [[1.5, 1.5]] * 2
+
+
+ADAPTIVE_SPEC = "adaptive(low_rank=2)+residual+rice+int8+allgather"
+"""``adaptive`` under error feedback: dense steps and low-rank steps flush residuals into their wire"""
+
+
+def adaptive_refused_for_a_nan(rank: int, world: int, mode: str) -> tuple[list[int], float, float]:
+    """A sparse step (the residual then holds what it did not send), a ``mode`` step refused for
+    rank 1's NaN, a sparse step, then two on the device route (which check the ranks' steps)."""
+    from sparsecomm.adaptive.config import Mode, Plan
+
+    fed = torch.zeros(300, 200, dtype=torch.float64)
+    delivered = torch.zeros_like(fed)
+    steps, conserved = [], math.nan
+    with sc.GradientReducer(ADAPTIVE_SPEC) as reducer:
+        for index, planned in enumerate((Mode.SPARSE, Mode(mode), Mode.SPARSE, Mode.DEVICE, Mode.DEVICE)):
+            reducer.adaptive.planner.plan = lambda planned=planned: Plan(planned, 0.01)
+            gradient = torch.randn(300, 200, generator=torch.Generator().manual_seed(index)) * (rank == 0)
+            if index == 1 and rank == 1:
+                gradient[3, 4] = float("nan")
+            sent = gradient.clone()
+            try:
+                reducer.allreduce_([("w", sent)])
+                delivered += sent.double() * world
+            except sc.SparseCommError:
+                assert index == 1
+            fed += gradient.nan_to_num().double()
+            steps.append(reducer.pipeline.states["w"].step)
+            if index == 2:
+                held = reducer.pipeline.states["w"].feedback["residual"].double().view_as(fed)
+                conserved = float((fed - delivered - held).abs().max())
+    return steps, conserved, float(fed.abs().max())
+
+
+@pytest.mark.parametrize("mode", ["fp32", "fp16", "low rank"])
+def test_a_dense_or_low_rank_step_refused_for_one_ranks_nan_keeps_the_ranks_at_one_step_and_the_gradient(mode):
+    """Every rank raises; the finite rank's flush put back what it sent (its residual and this
+    step's gradient), and its step count, so the device route's later steps find the ranks alike."""
+    (steps, conserved, scale), (other_steps, _, _) = run_local(2, adaptive_refused_for_a_nan, mode, timeout=HANG_S)
+    assert steps == other_steps == [1, 1, 2, 3, 4]
+    assert conserved <= 1e-4 * scale, conserved
+
+
+def fails_once_when_posting(rank: int, world: int) -> list[str]:
+    """The dense step's local stage fails on every rank at the first step: the step still ends."""
+    from sparsecomm.adaptive.config import Mode, Plan
+    from sparsecomm.reducer.call import Route
+
+    outcomes = []
+    with sc.GradientReducer(ADAPTIVE_SPEC) as reducer:
+        reducer.adaptive.planner.plan = lambda: Plan(Mode.FP32)
+        reducer.allreduce_([("w", torch.ones(300, 200))])
+        path = reducer.runtime.paths[Route.DENSE_STEP]
+        post = path.post
+
+        def failing(*args, **kwargs):
+            path.post = post
+            raise sc.SparseCommError("this stage failed")
+
+        path.post = failing
+        for _ in range(2):
+            outcomes.append(outcome(reducer.allreduce_, [("w", torch.ones(300, 200))]))
+        outcomes.append(f"planner step {reducer.adaptive.planner.step}, steps {reducer.stats.steps}")
+    return outcomes
+
+
+def test_an_error_while_posting_a_call_ends_the_step_and_the_next_one_runs():
+    for outcomes in run_local(2, fails_once_when_posting, timeout=HANG_S):
+        assert "this stage failed" in outcomes[0] and outcomes[1:] == ["ok", "planner step 3, steps 3"], outcomes
+
+
+def same_stream_twice(rank: int, world: int) -> list[list[float]]:
+    """Two calls of one stream on the wire at once, on fp16 steps (a scratch wire each)."""
+    from sparsecomm.adaptive.config import Mode, Plan
+
+    with sc.GradientReducer(ADAPTIVE_SPEC) as reducer:
+        reducer.adaptive.planner.plan = lambda: Plan(Mode.FP16)
+        averages = []
+        for step in range(2):
+            first = reducer.reduce_async("w", torch.full((100, 100), float(rank + step)))
+            second = reducer.reduce_async("w", torch.full((100, 100), float(100 * (rank + step))))
+            reducer.finish_step()
+            averages.append([float(first.wait().mean()), float(second.wait().mean())])
+    return averages
+
+
+def test_two_calls_of_one_stream_in_a_step_each_get_their_own_average():
+    for averages in run_local(2, same_stream_twice, timeout=HANG_S):
+        assert averages == [[0.5, 50.0], [1.5, 150.0]], averages

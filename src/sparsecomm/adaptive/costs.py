@@ -196,14 +196,15 @@ class Costs:
         that runs it; with ``device``, a sparse step on the device route too, at the same density
         (predicted as dear as on the codecs until a trial has timed it, so it is never chosen
         unmeasured); with ``low_rank``, a low-rank step in the sparse steps' place."""
-        config, dense_bytes = self.config, self.dense_bytes()
+        config = self.config
+        on_link = self.dense_bytes() * (self.world_size - 1)  # a ring all_reduce's 2(P-1)/P of it, as measured
         throughput, compute = statistics.median(self.throughput), statistics.median(self.compute_s)
-        fp32_cost = typical(self.fp32_step_s) if self.fp32_step_s else compute + dense_bytes / throughput
+        fp32_cost = typical(self.fp32_step_s) if self.fp32_step_s else compute + on_link / throughput
         costs = {Mode.FP32: (fp32_cost, Plan(Mode.FP32))}
         if self.fp16_allowed():
             fp16_throughput = statistics.median(self.fp16_throughput) if self.fp16_throughput else throughput
             fp16_cost = (typical(self.fp16_step_s) if self.fp16_step_s
-                         else fp32_cost - dense_bytes / throughput + dense_bytes / 2 / fp16_throughput)
+                         else fp32_cost - on_link / throughput + on_link / 2 / fp16_throughput)
             costs[Mode.FP16] = (fp16_cost * (1 + config.fp16_margin), Plan(Mode.FP16))
         if low_rank:
             low_rank_cost = typical(self.low_rank_step_s) if self.low_rank_step_s else compute

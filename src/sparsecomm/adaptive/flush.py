@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from sparsecomm.adaptive.flat_residual import FlatResidual
+from sparsecomm.feedback.base import held
 from sparsecomm.feedback.residual import Residual
 from sparsecomm.pipeline import Pipeline, Segment, StepReport, TensorState, screen_nonfinite, with_codec_error
 
@@ -39,7 +40,7 @@ def flush(pipeline: Pipeline, grad: torch.Tensor, key: str = "", segments: Seque
     screened: torch.Tensor | None = flat
     must_raise = False
     left_to_sum = sum_checked and pipeline.nonfinite == "raise"
-    if not (left_to_sum and _reads_only(pipeline, flat, segments, wire.dtype, scale)):
+    if not (left_to_sum and reads_only(pipeline, flat, segments, wire.dtype, scale)):
         screened, must_raise = screen_nonfinite(flat, pipeline.nonfinite)
     if must_raise:
         for segment in segments:
@@ -112,8 +113,8 @@ def _flush_bucket(states: list[TensorState], segments: Sequence[Segment], screen
             state.feedback["clear"] = clear
 
 
-def _reads_only(pipeline: Pipeline, flat: torch.Tensor, segments: Sequence[Segment], wire_dtype: torch.dtype,
-                      scale: float) -> bool:
+def reads_only(pipeline: Pipeline, flat: torch.Tensor, segments: Sequence[Segment], wire_dtype: torch.dtype,
+               scale: float) -> bool:
     """Whether `flush` changes no tensor's state: each feedback's flush only reads it, and no
     tensor sent whole has a codec's error to send along."""
     for segment in segments:
@@ -125,6 +126,23 @@ def _reads_only(pipeline: Pipeline, flat: torch.Tensor, segments: Sequence[Segme
                                                      state.feedback, wire_dtype, scale):
             return False
     return True
+
+
+def withdraw(pipeline: Pipeline, key: str, segments: Sequence[Segment] | None, numel: int,
+             sent: torch.Tensor | None, scale: float = 1.0) -> None:
+    """A flushed call every rank refused (a rank's gradient was non-finite): each tensor's step
+    count goes back, so the ranks stay at one step, and where the flush moved residuals into the
+    wire, ``sent`` (a copy of the wire as flushed) goes back into them: a residual then holds
+    what it held before and this step's gradient, as the codecs' route keeps what it selected. A
+    flush that only read its state (DGC's momentum) has nothing else to undo."""
+    for segment in segments or (Segment(key, 0, numel),):
+        state = pipeline.states[segment.key]
+        state.step -= 1
+        if sent is None or segment.whole:
+            continue
+        piece = sent[segment.start:segment.start + segment.numel]
+        held(state.feedback, "residual", piece).view(-1).add_(piece, alpha=1.0 / scale)
+        state.feedback["clear"] = False
 
 
 def update_flushed(pipeline: Pipeline, averaged: torch.Tensor, key: str = "",

@@ -258,7 +258,7 @@ class Planner:
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "costs": self.costs.state_dict(), "trials": self.trials.state_dict(),
                 "last_compute_s": self.last_compute_s, "sparse_steps": self.sparse_steps,
-                "reports_read": self.reports_read, "mode": self.current.mode.value,
+                "reports_read": self.reports_read, "mode": self.current.mode.value, "density": self.current.density,
                 "mode_steps": {mode.value: count for mode, count in self.mode_steps.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -267,6 +267,7 @@ class Planner:
         self.trials.load_state_dict(state["trials"])
         self.last_compute_s, self.sparse_steps = state["last_compute_s"], state["sparse_steps"]
         self.reports_read = state["reports_read"]
-        self.current = Plan(Mode(state["mode"]))  # the last step's mode: whether the next one switches
+        # the last step's plan: whether the next one switches, and (exploring) whether it held back
+        self.current = Plan(Mode(state["mode"]), state.get("density", 1.0))
         self.mode_steps = {Mode(mode): count for mode, count in state["mode_steps"].items()}
         self.finished = None

@@ -17,7 +17,7 @@ from sparsecomm.adaptive.controller import AdaptiveController
 from sparsecomm.pipeline import Pipeline, Segment
 from sparsecomm.reducer.buckets import BucketLayouts
 from sparsecomm.reducer.call import Call, Route, route_of
-from sparsecomm.reducer.completion import attach
+from sparsecomm.reducer.completion import attach, result_future
 from sparsecomm.reducer.config import ReducerConfig
 from sparsecomm.reducer.paths.base import Parts, Path
 from sparsecomm.reducer.paths.compressed import CompressedPath
@@ -106,7 +106,13 @@ class Runtime:
         self.counts[key] = number + 1
         call = Call(key, tensor, segments, stats_key, number, last, in_step, sparse_dim)
         path = self.paths[route]
-        pending = path.post(call, plan, start)
+        try:
+            pending = path.post(call, plan, start)
+        except Exception as err:  # noqa: BLE001 - the call fails as a collective's would: the step still ends
+            failed = result_future(call.tensor)
+            failed.set_exception(err)
+            self.calls.in_flight.append(failed)
+            return failed
         stats.route = route.value
         stats.select_s += pending.submitted - start
         return attach(self.parts, call, path, pending, stats)

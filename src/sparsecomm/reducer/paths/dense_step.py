@@ -18,12 +18,13 @@ import torch
 
 from sparsecomm.adaptive.config import Mode, Plan
 from sparsecomm.adaptive.flat_residual import FlatResidual
-from sparsecomm.adaptive.flush import flush, update_flushed
+from sparsecomm.adaptive.flush import flush, reads_only, update_flushed, withdraw
 from sparsecomm.device.status import GOOD, read
 from sparsecomm.finite import all_finite
-from sparsecomm.pipeline import screen_nonfinite
+from sparsecomm.pipeline import Segment, screen_nonfinite
 from sparsecomm.reducer.call import Call, Route, Summed
 from sparsecomm.reducer.paths.base import Path, Pending, non_finite_sum
+from sparsecomm.reducer.paths.scratch import Scratch
 from sparsecomm.transport.collectives import on_wire
 from sparsecomm.transport.side_numbers import read_tail, tail_elements, write_tail
 
@@ -44,6 +45,11 @@ class Wire:
     magnitude: torch.Tensor | None = None
     """the largest magnitude sent (0-d, on the gradient's device), read with the sum's check: only
     where the planner must hear it"""
+    stepped: bool = False
+    """the flush counted this rank's tensors' step"""
+    kept: torch.Tensor | None = None
+    """a copy of the wire as flushed, where the flush moved residuals into it and a refused step
+    must put them back (`withdraw`)"""
 
 
 class DenseStepPath(Path):
@@ -51,9 +57,9 @@ class DenseStepPath(Path):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._wires: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._wires = Scratch()
         """per stream and wire dtype: the buffer it sends when it cannot send the gradient's own
-        (fp16, or with a report's tail); scratch, not checkpointed"""
+        (fp16, or with a report's tail); not checkpointed"""
         self._residuals: dict[str, FlatResidual] = {}
         """per stream: its parameters' residuals as one buffer (`flush`); the parameters' states
         hold its views, and it is rebuilt from them where they no longer do"""
@@ -94,6 +100,7 @@ class DenseStepPath(Path):
         full = self._buffer(call.key, home, torch.float16 if half else home.dtype) if half or side else None
         sent = full[:home.numel()] if full is not None else home
         scale = 1.0 / config.world_size if half else 1.0  # as DDP's fp16 hook: the sum of P values stays in range
+        kept = None
         if as_it_is:  # no feedback: sent as it is
             screened, must_raise = (home, False) if config.nonfinite == "raise" else screen_nonfinite(home,
                                                                                                     config.nonfinite)
@@ -102,8 +109,12 @@ class DenseStepPath(Path):
             elif screened is not sent:
                 sent.copy_(screened)
         else:
+            # what the flush moves out of the feedback a refused step puts back: a copy, where it moves any
+            keeps = config.nonfinite == "raise" and not reads_only(parts.pipeline, home, segments or (
+                Segment(call.key, 0, home.numel()),), sent.dtype, scale)
             sent, must_raise = flush(parts.pipeline, home, call.key, segments, out=sent, scale=scale, sum_checked=True,
                                      buckets=self._residuals)
+            kept = sent.clone() if keeps and not must_raise else None
         wire, carrying = sent, None
         if side is not None:  # then full is the wire buffer
             assert full is not None
@@ -114,15 +125,13 @@ class DenseStepPath(Path):
             sent.fill_(math.nan)
         elif sent.numel() and adaptive.report_needed(parts.stats.steps):
             magnitude = torch.linalg.vector_norm(sent, math.inf, dtype=torch.float32) / scale
-        return Wire(wire, wire.numel() * wire.element_size(), home, not as_it_is, half, carrying, magnitude)
+        return Wire(wire, wire.numel() * wire.element_size(), home, not as_it_is, half, carrying, magnitude,
+                    stepped=not as_it_is and not must_raise, kept=kept)
 
     def _buffer(self, key: str, home: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The stream's reusable wire of ``dtype``: room for the gradient and a report's tail."""
         numel = home.numel() + tail_elements(self.parts.config.world_size)
-        buffer = self._wires.get((key, dtype))
-        if buffer is None or buffer.numel() != numel or buffer.device != home.device:
-            buffer = self._wires[(key, dtype)] = torch.empty(numel, dtype=dtype, device=home.device)
-        return buffer
+        return self._wires.take((key, dtype), (numel,), dtype, home.device)
 
     def summed(self, call: Call, pending: Pending, done: torch.futures.Future) -> Summed:
         wire: Wire = pending.sent
@@ -151,8 +160,19 @@ class DenseStepPath(Path):
         if not finite:
             raise non_finite_sum(call.key)
         if wire.fp16 or wire.carrying is not None:
-            return wire.home.copy_(summed.total)
+            wire.home.copy_(summed.total)
+            self._wires.give_back((call.key, wire.tensor.dtype), wire.tensor)
+            return wire.home
         return summed.total
+
+    def withdrawn(self, call: Call, pending: Pending) -> None:
+        """Every rank raises at this call: where this rank flushed, its tensors' steps and what its
+        residuals sent go back (`withdraw`)."""
+        wire: Wire = pending.sent
+        self._wires.give_back((call.key, wire.tensor.dtype), wire.tensor)
+        if wire.stepped:
+            scale = 1.0 / self.parts.config.world_size if wire.fp16 else 1.0
+            withdraw(self.parts.pipeline, call.key, call.segments, wire.home.numel(), wire.kept, scale)
 
     def measured(self, call: Call, pending: Pending, summed: Summed) -> None:
         adaptive = self.parts.adaptive

@@ -36,6 +36,7 @@ from sparsecomm.finite import all_finite
 from sparsecomm.pipeline import Segment, TensorState
 from sparsecomm.reducer.call import Call, Route, Summed
 from sparsecomm.reducer.paths.base import Parts, Path, Pending, non_finite_sum
+from sparsecomm.reducer.paths.scratch import Scratch
 from sparsecomm.transport.collectives import on_wire
 from sparsecomm.transport.side_numbers import read_tail, tail_elements, write_tail
 
@@ -129,7 +130,7 @@ class LowRankPath(Path):
         self.shapes = dict(shapes or {})
         """each parameter's shape by name (a DDP model's); a call's own tensor tells its shape otherwise"""
         self._layouts: dict[tuple[str, int], Layout] = {}
-        self._scratch: dict[str, torch.Tensor] = {}
+        self._scratch = Scratch()
         """per stream: the buffer its gradient plus residual is flushed into"""
         self._qs: dict[tuple[str, tuple[int, int], int], torch.Tensor] = {}
         """per stream, matrix shape and rank: the group's Qs stacked, each matrix's state a view"""
@@ -176,7 +177,12 @@ class LowRankPath(Path):
                        sent=Sent(flat, home, layout, matrices, qs, carrying, posted, nbytes, must_raise))
 
     def summed(self, call: Call, pending: Pending, done: torch.futures.Future) -> Summed:
-        sent: Sent = pending.sent
+        try:
+            return self._summed(call, pending.sent, done)
+        finally:  # the matrices are read: the stream's buffer is free for its next call
+            self._scratch.give_back(call.key, pending.sent.flat)
+
+    def _summed(self, call: Call, sent: Sent, done: torch.futures.Future) -> Summed:
         device, dtype = sent.flat.device, sent.flat.dtype
         # each collective's own future: waiting on it makes a CUDA stream wait for NCCL's
         # (collect_all's future knows no devices, and value() waits for nothing)
@@ -241,18 +247,21 @@ class LowRankPath(Path):
         home.index_copy_(0, sent.layout.exact, exact.to(home.dtype))
 
     def _restore(self, call: Call, sent: Sent) -> None:
-        """A step every rank raises in: where this rank's gradient was finite and its flush moved its
-        residuals into the call, they hold again what they held (to rounding). A rank whose own
-        gradient raised flushed nothing."""
+        """A step every rank raises in: where this rank's gradient was finite, its tensors' step
+        counts go back (the ranks stay at one step) and their residuals hold what the flush moved
+        into the call, what they held and this step's gradient, as the codecs' route keeps what it
+        selected. A rank whose own gradient raised flushed nothing."""
         if sent.raised:
             return
         for segment in self._segments(call):
             state = self.parts.pipeline.states.get(segment.key)
+            if state is not None:
+                state.step -= 1
             if segment.whole or state is None or state.feedback.get("clear") is not True:
                 continue
             span = slice(segment.start, segment.start + segment.numel)
             if all_finite(sent.home[span]):
-                held(state.feedback, "residual", sent.flat[span]).copy_(sent.flat[span] - sent.home[span])
+                held(state.feedback, "residual", sent.flat[span]).copy_(sent.flat[span])  # with this step's gradient
                 state.feedback["clear"] = False
 
     def checked(self, call: Call, pending: Pending, summed: Summed) -> torch.Tensor:
@@ -273,11 +282,9 @@ class LowRankPath(Path):
         return call.segments or (Segment(call.key, 0, call.tensor.numel()),)
 
     def _buffer(self, key: str, home: torch.Tensor) -> torch.Tensor:
-        """The stream's gradient plus residual, in the dtype the residual is kept in (`state_dtype`)."""
-        dtype, buffer = state_dtype(home.dtype), self._scratch.get(key)
-        if buffer is None or buffer.shape != home.shape or buffer.dtype != dtype or buffer.device != home.device:
-            buffer = self._scratch[key] = torch.empty_like(home, dtype=dtype)
-        return buffer
+        """The stream's gradient plus residual, in the dtype the residual is kept in (`state_dtype`),
+        taken until `summed` has read it."""
+        return self._scratch.take(key, home.shape, state_dtype(home.dtype), home.device)
 
     def _layout(self, call: Call, rank_r: int, device: torch.device) -> Layout:
         """The call's matrices by shape and its exact positions (worked out once per stream)."""
@@ -337,7 +344,8 @@ def _stride(segments: list[Segment]) -> tuple[int, int] | None:
 
 
 def _as_matrix(shape: tuple[int, ...] | None, numel: int) -> tuple[int, int] | None:
-    """A tensor of ``shape`` as a matrix: (first dimension, the rest); None for a vector or an unknown shape."""
-    if shape is None or len(shape) < 2 or math.prod(shape) != numel:
+    """A tensor of ``shape`` as a matrix: (first dimension, the rest); None for a vector, an empty
+    tensor or an unknown shape (each sent exactly)."""
+    if shape is None or len(shape) < 2 or numel == 0 or math.prod(shape) != numel:
         return None
     return shape[0], numel // shape[0]
