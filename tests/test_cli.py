@@ -116,8 +116,43 @@ def test_benches_say_which_device_they_ran_on(tmp_path):
         (["bench", "codecs", "--pair", "rice/nope", "--numel", "100"], "unknown value 'nope'"),
         (["bench", "codecs", "--source", "missing.npy"], "no such gradient file"),
         (["bench", "sparsify", "--sparsifier", "topk(ratio=2)", "--numel", "100"], "ratio must be in"),
+        (["bench", "sparsify", "--device", "gpu", "--numel", "100"], "unknown device 'gpu'"),
+        (["bench", "ddp-step", "--presets", "dgc,bogus", "--numel", "2000"], "unknown component 'bogus'"),
+        (["bench", "ddp-step", "--numel", "1000000", "--width", "64"], "needs more than the 64 layers"),
+        (["bench", "collectives", "--codecs", "rice/nope", "--numel", "100"], "unknown value 'nope'"),
+        (["calibrate", "--workers", "1"], "--workers must be at least 2"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
+    """Refused before any worker starts."""
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["train", "--workers", "2.9"], "must be a whole number"),
+    (["train", "--steps", "inf"], "must be a whole number"),
+    (["train", "--lr", "-0.1"], "must be a finite number > 0"),
+    (["bench", "sparsify", "--numel", "x"], "not a number"),
+])
+def test_numbers_that_are_not_what_an_argument_takes_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_scaling_refuses_a_result_that_is_not_a_training_runs(tmp_path, capsys):
+    other = tmp_path / "ddp_step.json"
+    other.write_text(json.dumps({"benchmark": "ddp-step", "rows": []}))
+    assert main(["scaling", "--from", str(other)]) == 2
+    assert "is not a `sparsecomm train --json` result" in capsys.readouterr().err
+
+
+def test_a_sparsifier_with_its_own_count_is_raced_against_topk_at_that_count(tmp_path):
+    out = tmp_path / "s.json"
+    assert main(["bench", "sparsify", "--numel", "200000", "--density", "0.001", "--repeat", "1",
+                 "--sparsifier", "topk(ratio=0.1)", "--sparsifier", "topk(ratio=0.001)", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    own, at_density = result["rows"]
+    assert own["target"] == 20_000 and at_density["target"] == result["k"] == 200
+    assert at_density["topk_ms"] == result["topk_ms"] and own["topk_ms"] != result["topk_ms"]

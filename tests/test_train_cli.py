@@ -340,6 +340,46 @@ def test_the_verdict_names_the_fastest_preset_against_ddp_and_the_best_hook():
         "verdict on 100mbit: no sparsecomm row reached the target loss in 300 steps")
 
 
+def test_a_row_whose_seeds_did_not_all_reach_the_target_is_not_named_by_the_verdict():
+    """Its median over seeds is unknown: no seed's own time stands in for it."""
+    from sparsecomm.train.summary import verdict
+
+    result = result_with({"torch-allreduce": 0.1, "dgc": 0.2})
+    result["rows"][0]["time_to_target_median_s"] = 0.1
+    result["rows"][1]["time_to_target_median_s"] = None  # seed 0 reached it in 0.2 s, seed 1 never
+    assert verdict(result) == "verdict on 100mbit: no sparsecomm row reached the target loss in 300 steps"
+
+
+def test_on_several_nodes_the_dense_rows_are_references_not_contenders():
+    from sparsecomm.train.summary import intro, verdict
+
+    said = verdict(result_with({"dense": 1.0, "hier:dense": 0.5, "fsdp:dense": 0.6, "hier:dgc": 0.8}))
+    assert said.startswith("verdict on 100mbit: hier:dgc reached the target loss in 0.8 s, 1.25x as fast as "
+                           "the dense preset (1 s)")
+    assert "which of 1 sparsecomm preset " in intro("digits", ["dense", "hier:dense", "hier:dgc"], 1, 10, 2, "x", 1)
+
+
+def test_a_reference_that_did_not_improve_sets_no_target():
+    from sparsecomm.train.runner import default_target
+
+    assert default_target({"dense": {"losses": [2.0, 3.0, 50.0, 1e9]}}) is None
+    assert default_target({"dense": {"losses": [2.0, 1.0]}}) is not None
+
+
+def test_results_are_saved_before_a_plot_that_cannot_be_drawn(tmp_path, capsys):
+    import argparse
+
+    from sparsecomm.cli.main import _save
+
+    def failing(result: dict, path: str) -> None:
+        raise OSError("no room")
+
+    args = argparse.Namespace(json=str(tmp_path / "out" / "r.json"), plot=str(tmp_path / "p" / "r.png"))
+    assert _save(args, {"benchmark": "train"}, failing) == 0
+    assert json.loads((tmp_path / "out" / "r.json").read_text())["benchmark"] == "train"
+    assert "no plot written" in capsys.readouterr().err
+
+
 def test_the_last_line_registers_the_row_the_verdict_names_as_that_row_reduced():
     from sparsecomm.train.summary import usage
 

@@ -13,6 +13,7 @@ speed once the link has idled, in a fraction of its wire time — which flatters
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import shutil
 import subprocess
@@ -39,8 +40,8 @@ def bits_per_second(rate: str) -> float:
         value = float(number) * scale
     except ValueError:
         raise SparseCommError(f"cannot read link rate {rate!r}; use e.g. 100mbit or 1gbit") from None
-    if value <= 0:
-        raise SparseCommError(f"link rate must be positive, got {rate!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise SparseCommError(f"link rate must be a finite number > 0, got {rate!r}")
     return value
 
 

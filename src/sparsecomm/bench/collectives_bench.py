@@ -171,8 +171,8 @@ def measure(rank: int, world: int, numel: int, densities: list[float], transport
         dist.all_reduce(reference)
         scale = float(reference.abs().max())
         built = {text: parse_spec(text).transport for text in transports}
-        request = Request(key=f"density {density}", seed=seed, index_codec=INDEX_CODECS.create(index_codec),
-                          value_codec=VALUE_CODECS.create(value_codec))
+        request = Request(key=f"density {density}", seed=seed, index_codec=INDEX_CODECS.parse(index_codec),
+                          value_codec=VALUE_CODECS.parse(value_codec))
         bytes_sent = dict.fromkeys(transports, 0)
         chosen = dict.fromkeys(transports, "")
         out = torch.empty(numel)  # one result buffer, reused: no transport pays for a fresh 4·N bytes

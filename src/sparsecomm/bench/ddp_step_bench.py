@@ -27,10 +27,15 @@ WIDTH, BATCH, MAX_LAYERS = 2048, 64, 64
 BASELINE = "ddp-allreduce"
 
 
+def layers_for(numel: int, width: int = WIDTH) -> int:
+    """The model's layers: enough of ``width`` to hold about ``numel`` parameters, at most `MAX_LAYERS`."""
+    return max(1, min(MAX_LAYERS, math.ceil(numel / (width * width + width))))
+
+
 def model_of(numel: int, device: str, width: int = WIDTH) -> nn.Module:
     """Square linear layers of ``width`` (ReLU between them) holding about ``numel`` parameters, the
     same weights for every row (from a seeded generator of their own)."""
-    layers = max(1, min(MAX_LAYERS, math.ceil(numel / (width * width + width))))
+    layers = layers_for(numel, width)
     stack: list[nn.Module] = []
     for index in range(layers):
         stack += [nn.Linear(width, width)] + ([nn.ReLU()] if index < layers - 1 else [])

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import re
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from sparsecomm.cli.table import format_table, write_json
@@ -47,10 +49,27 @@ def _seed_list(text: str) -> list[int]:
 
 
 def _positive_int(text: str) -> int:
-    value = int(float(text))
-    if value < 1:
+    """A whole number >= 1 (``1e6`` too)."""
+    try:
+        number = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(number) or number != int(number):
+        raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}")
+    if number < 1:
         raise argparse.ArgumentTypeError("must be >= 1")
-    return value
+    return int(number)
+
+
+def _positive_float(text: str) -> float:
+    """A finite number > 0."""
+    try:
+        number = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(number) or number <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, not {text!r}")
+    return number
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="per-worker batch size (default: the workload's: 32, gpt 8)")
     train.add_argument("--optimizer", choices=("sgd", "adamw"), default=None,
                        help="every row's optimizer (default: the workload's): sgd (Nesterov momentum 0.9) or adamw")
-    train.add_argument("--lr", type=float, default=None, help="learning rate (default: the workload's)")
+    train.add_argument("--lr", type=_positive_float, default=None, help="learning rate (default: the workload's)")
     train.add_argument("--seed", type=_seed_list, default=[0],
                        help="seed, or comma-separated seeds: the metric is then reported as mean ± std over them")
     train.add_argument("--bandwidth", default="1gbit", help="link rate for the modeled communication time")
@@ -216,6 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _fuzz(args)
         if args.command == "scaling":
             return _scaling(args)
+        from sparsecomm.train.runner import check_device
+
+        check_device(getattr(args, "device", "cpu"))
         if args.bench == "sparsify":
             return _bench_sparsify(args)
         if args.bench == "collectives":
@@ -293,12 +315,18 @@ def _bench_codecs(args: argparse.Namespace) -> int:
 
 
 def _save(args: argparse.Namespace, result: dict[str, Any], plot: Callable[[dict[str, Any], str], None]) -> int:
-    """The ``--plot`` PNG and the ``--json`` file a command was asked for."""
-    if args.plot:
-        plot(result, args.plot)
-        print(f"\nplot: {args.plot}")
+    """The ``--json`` file and the ``--plot`` PNG a command was asked for, the results first: a plot
+    that cannot be drawn is reported, and loses nothing."""
     if args.json:
         write_json(args.json, result)
+    if args.plot:
+        try:
+            Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+            plot(result, args.plot)
+        except (OSError, ValueError) as err:
+            print(f"sparsecomm: no plot written to {args.plot}: {err}", file=sys.stderr)
+        else:
+            print(f"\nplot: {args.plot}")
     return 0
 
 
@@ -309,7 +337,7 @@ def _specs(text: str) -> list[str]:
 
 def _bench_ddp_step(args: argparse.Namespace) -> int:
     from sparsecomm.bench import ddp_step_bench
-    from sparsecomm.presets import available_presets
+    from sparsecomm.presets import available_presets, resolve
     from sparsecomm.train.baselines import SHORT_NAMES
 
     presets = _specs(args.presets) if args.presets else available_presets()
@@ -317,6 +345,12 @@ def _bench_ddp_step(args: argparse.Namespace) -> int:
     unknown = [name for name in names if name not in SHORT_NAMES or name == "allreduce"]
     if unknown:
         raise SparseCommError(f"--baselines takes fp16, powersgd-r1, powersgd-r2, not {', '.join(unknown)}")
+    for preset in presets:
+        resolve(preset)  # refused here, before any worker starts
+    layers = ddp_step_bench.layers_for(args.numel, args.width)
+    if layers * (args.width * args.width + args.width) < args.numel / 2:
+        raise SparseCommError(f"--numel {args.numel:,} at --width {args.width} needs more than the "
+                              f"{ddp_step_bench.MAX_LAYERS} layers the model has: widen the layers")
     result = ddp_step_bench.run(presets, args.numel, args.device, args.repeat, args.workers, args.width,
                                 tuple(SHORT_NAMES[name] for name in names), args.count)
     print(f"\nddp-step: {result['parameters']:,} parameters in {result['tensors']} tensors, batch {result['batch']}, "
@@ -333,11 +367,16 @@ def _bench_ddp_step(args: argparse.Namespace) -> int:
 
 def _bench_collectives(args: argparse.Namespace) -> int:
     from sparsecomm.bench import collectives_bench
+    from sparsecomm.encode.base import INDEX_CODECS, VALUE_CODECS
     from sparsecomm.netns import ShapedNetwork
+    from sparsecomm.spec import parse_spec
 
     index_codec, sep, value_codec = args.codecs.partition("/")
     if not sep:
         raise SparseCommError(f"--codecs takes INDEX/VALUE, got {args.codecs!r}")
+    INDEX_CODECS.parse(index_codec), VALUE_CODECS.parse(value_codec)  # refused here, before any worker starts
+    for transport in args.transport or ():
+        parse_spec(transport)
     runs: list[str | None] = [None]
     if args.shaped:
         ok, why = ShapedNetwork.available()
@@ -485,6 +524,9 @@ def _train(args: argparse.Namespace) -> int:
         print(format_table(result["rows"], [
             "preset", "final_metric_mean", "final_metric_std", "metric_vs_reference", "final_metric_by_seed",
         ]))
+    if result["target_loss"] is None and args.target_loss is None:
+        print(f"\nno time to target: {result['reference']} did not improve its training loss (give one with "
+              "--target-loss)")
     if result["target_loss"] is not None:
         print(f"\ntime to a smoothed training loss of {result['target_loss']:.4g} (never reached: -); speed-up over "
               f"{result['reference']}\n")
@@ -560,9 +602,13 @@ def _scaling(args: argparse.Namespace) -> int:
 
     def load(path: str) -> dict[str, Any]:
         try:
-            return json.loads(Path(path).read_text())
+            result = json.loads(Path(path).read_text())
         except (OSError, ValueError) as err:
             raise SparseCommError(f"cannot read a train result from {path}: {err}") from None
+        if not isinstance(result, dict) or result.get("benchmark") != "train" or not any(
+                row.get("preset") in ("dense", "torch-allreduce") for row in result.get("rows", [])):
+            raise SparseCommError(f"{path} is not a `sparsecomm train --json` result with a dense row to project from")
+        return result
 
     from sparsecomm.train import node_scaling
 
@@ -607,6 +653,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     from sparsecomm.launch import run_local
     from sparsecomm.transport.cost_model import DEFAULT_PATH
 
+    if args.workers < 2:
+        raise SparseCommError("calibrate times the link between workers: --workers must be at least 2")
     if args.shaped:
         from sparsecomm.netns import ShapedNetwork
 

@@ -366,7 +366,9 @@ def over_seeds(runs: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
                      "speedup_mean": float(speedups.mean()) if speedups is not None else None,
                      "speedup_std": float(speedups.std()) if speedups is not None and len(speedups) > 1 else None,
                      "time_to_target_median_s": statistics.median(times.tolist()) if times is not None else None,
-                     "time_to_target_by_seed": "-" if times is None else " ".join(f"{v:.3g}" for v in times.tolist())})
+                     "time_to_target_by_seed": " ".join("-" if run["rows"][index].get("time_to_target_s") is None
+                                                        else f"{run['rows'][index]['time_to_target_s']:.3g}"
+                                                        for run in runs)})
     result.update(rows=rows, seeds=seeds, runs=runs if len(runs) > 1 else [])
     return result
 
@@ -443,10 +445,12 @@ def smoothed(losses: list[float]) -> list[float]:
 def default_target(curves: dict[str, dict[str, list[float]]], reference: str | None = "dense") -> float | None:
     """The smoothed training loss at which the reference row has made 95% of its improvement over
     the run: a loss it reaches only late (a margin in percent of the loss would be reached early on
-    a slowly flattening curve)."""
+    a slowly flattening curve). None where it made none (a diverging run: no target to race to)."""
     if reference not in curves or not curves[reference]["losses"]:
         return None
     curve = smoothed(curves[reference]["losses"])
+    if not curve[-1] < curve[0]:
+        return None
     return curve[-1] + TARGET_SLACK * (curve[0] - curve[-1])
 
 

@@ -31,7 +31,7 @@ def estimate_seconds(rows: list[str], seeds: int, steps: int, compute_s: float, 
 def intro(workload: str, rows: list[str], seeds: int, steps: int, workers: int, link: str, seconds: float) -> str:
     """The line printed before training: what the tables will show, and about how long it takes."""
     minutes = f"about {round(seconds / 30) / 2:g} min" if seconds >= 90 else f"about {seconds:.0f} s"
-    ours = [row for row in rows if not _pytorchs(row) and row not in DENSE_ROWS]
+    ours = [row for row in rows if not _pytorchs(row) and preset_of(row) not in DENSE_ROWS]
     hooks = [row for row in rows if _pytorchs(row) and row not in DENSE_ROWS]
     contenders = f"{len(ours)} sparsecomm preset{'s' * (len(ours) != 1)}"
     if hooks:
@@ -53,14 +53,16 @@ def verdict(result: dict[str, Any]) -> str:
     link = result["link"]
     reached = _reached(result)
     hooks = {name: s for name, s in reached.items() if _pytorchs(name) and name != "torch-allreduce"}
-    plain = reached.get("torch-allreduce", reached.get("dense"))
+    plain_row = "torch-allreduce" if "torch-allreduce" in reached else "dense"
+    plain = reached.get(plain_row)
     best = _fastest(reached)
     if best is None:
         return f"verdict on {link}: no sparsecomm row reached the target loss in {result['steps']} steps"
     metrics = {row["preset"]: row.get("final_metric_mean", row.get("final_metric")) for row in result["rows"]}
     said = [f"verdict on {link}: {best} reached the target loss in {reached[best]:.3g} s"]
     if plain is not None:
-        said.append(f"{plain / reached[best]:.3g}x as fast as DDP's allreduce ({plain:.3g} s)")
+        against = "DDP's allreduce" if plain_row == "torch-allreduce" else "the dense preset"
+        said.append(f"{plain / reached[best]:.3g}x as fast as {against} ({plain:.3g} s)")
     if hooks:
         hook = min(hooks, key=hooks.__getitem__)
         said.append(f"{hooks[hook] / reached[best]:.3g}x as fast as the best PyTorch hook "
@@ -93,11 +95,13 @@ def _reached(result: dict[str, Any]) -> dict[str, float]:
 
 def _fastest(reached: dict[str, float]) -> str | None:
     """The sparsecomm row that reached the target first (None: none did)."""
-    ours = {name: seconds for name, seconds in reached.items() if not _pytorchs(name) and name not in DENSE_ROWS}
+    ours = {name: seconds for name, seconds in reached.items()
+            if not _pytorchs(name) and preset_of(name) not in DENSE_ROWS}
     return min(ours, key=ours.__getitem__) if ours else None
 
 
 def _time_to_target(row: dict[str, Any]) -> float | None:
-    """The row's time to the target: the median over seeds where there are several."""
-    median = row.get("time_to_target_median_s")
-    return median if median is not None else row.get("time_to_target_s")
+    """The row's time to the target: the median over its seeds (None where a seed missed it)."""
+    if "time_to_target_median_s" in row:
+        return row["time_to_target_median_s"]
+    return row.get("time_to_target_s")
