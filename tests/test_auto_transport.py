@@ -219,3 +219,31 @@ def test_auto_takes_the_global_top_k_for_a_pipeline_whose_feedback_keeps_the_res
         assert result["chosen"][False][0] != "sparse_allreduce(algorithm=topk_sa)"
         assert result["expected"] == {"sparse_allreduce(algorithm=topk_sa)"}
         torch.testing.assert_close(result["delivered_and_held"], result["fed"], rtol=0, atol=1e-4)
+
+
+def one_rank_sends_a_bad_part(rank: int, world: int, case: str) -> str:
+    """Rank 1's part holds a NaN, a repeated index or one out of range; ``auto`` without a session
+    (the dense-or-sparse choice made after its agreement step)."""
+    from sparsecomm.sparse_gradient import SparseGradient
+    from sparsecomm.transport.request import Request
+
+    indices, values = torch.tensor([rank, 10 + rank, 20]), torch.tensor([1.0, 2.0, 4.0])
+    if rank == 1:
+        if case == "nan":
+            values = torch.tensor([1.0, float("nan"), 4.0])
+        else:
+            indices = torch.tensor([1, 1, 20]) if case == "repeat" else torch.tensor([1, 20, 100])
+    transport = sc.parse_spec("auto(explore=0)").transport
+    try:
+        transport.reduce(SparseGradient(indices, values, torch.Size([100])), request=Request(key="w"))
+    except sc.SparseCommError as err:
+        return str(err)
+    return "summed"
+
+
+@pytest.mark.parametrize(("case", "says"), [("nan", "non-finite"), ("repeat", "repeats"), ("range", "outside")])
+def test_a_part_the_chosen_transport_would_refuse_is_refused_on_every_rank(case, says):
+    """Not summed without it on the others and with it on its own rank."""
+    outcomes = run_local(3, one_rank_sends_a_bad_part, case, timeout=60)
+    assert all(outcome != "summed" for outcome in outcomes), outcomes
+    assert says in outcomes[1], outcomes

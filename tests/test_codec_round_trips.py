@@ -146,6 +146,14 @@ def test_same_rng_seed_gives_same_bytes():
     assert one == two
 
 
+def test_a_calls_generator_takes_a_negative_seed_as_any_other():
+    """Seeds are any integer (the reducer's, a sketch's): the stochastic codecs' generator too."""
+    from sparsecomm.transport.request import Request
+
+    draws = [Request(key="w", seed=seed, step=3).rng(1).random() for seed in (-1, 1, -1)]
+    assert draws[0] == draws[2] != draws[1]
+
+
 def test_payload_as_uint8_tensor_decodes_too():
     grad = random_sparse(100, 10, seed=6)
     payload = sc.encode(grad, "huffman", "fp16")

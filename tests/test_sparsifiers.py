@@ -173,3 +173,21 @@ def test_the_host_and_device_samples_of_dgc_begin_at_the_same_draw_and_inside_th
     host = sampled_threshold(big, 100, 0.01, torch.Generator().manual_seed(3))
     device_path = device_sampled_threshold(big, 100, 100, torch.Generator().manual_seed(3))  # torch's ops, on the CPU
     assert host == float(device_path)
+
+
+@pytest.mark.parametrize("spec", ["adaptive(density=0.01)", "dgc(ratio=0.01)"])
+def test_where_fewer_than_k_entries_are_nonzero_only_those_are_kept(spec):
+    """A zero sends nothing: 100 nonzero entries of 200,000 at a target of 2,000 keep 100."""
+    sparsifier = sc.parse_spec(spec).sparsifier
+    flat = torch.zeros(200_000)
+    flat[::2000] = torch.linspace(1, 2, 100)
+    selection = sparsifier.sparsify(flat, torch.Generator().manual_seed(0))
+    assert selection.nnz == 100 and bool((selection.values != 0).all())
+
+
+def test_ties_at_the_kth_magnitude_are_kept_in_index_order_up_to_k():
+    from sparsecomm.sparsify.dgc_threshold import refined_selection
+
+    flat = torch.tensor([1.0, 3.0, 1.0, 0.0, -1.0, 2.0, 1.0, 0.0])
+    kept = refined_selection(flat, 4, 0.0, lower=1.0, upper=1.0, decay=0.5, retries=0, in_order=True)
+    assert kept.tolist() == [0, 1, 2, 5]  # 3 and 2, then the first two of the four 1s

@@ -107,8 +107,9 @@ def refined_selection(flat: torch.Tensor, k: int, threshold: float | torch.Tenso
                       decay: float, retries: int, in_order: bool = False) -> torch.Tensor:
     """Indices of the entries of ``flat`` at or above an estimated ``threshold``, corrected towards
     k: lowered by ``decay`` while fewer than ``lower``·k pass (at most ``retries`` times), and cut
-    when more than ``upper``·k pass — to exactly k by a top-k, or with ``in_order`` to those at or
-    above the k-th largest magnitude, in index order (no sort needed later)."""
+    when more than ``upper``·k pass — to k by a top-k, or with ``in_order`` to the k largest
+    magnitudes in index order (ties at the k-th in index order too; no sort needed later). An entry
+    of magnitude 0 is never among those cut to: where fewer than k are nonzero, fewer are kept."""
     indices = indices_at_or_above(flat, threshold).to(flat.device)
     for _ in range(retries):
         if indices.numel() >= lower * k or threshold == 0.0:
@@ -117,7 +118,10 @@ def refined_selection(flat: torch.Tensor, k: int, threshold: float | torch.Tenso
         indices = indices_at_or_above(flat, threshold).to(flat.device)
     if indices.numel() > upper * k:
         magnitudes = flat[indices].abs()
-        if in_order:
-            return indices[magnitudes >= torch.topk(magnitudes, k, sorted=False).values.min()]
-        return indices[torch.topk(magnitudes, k, sorted=False).indices]
+        top = torch.topk(magnitudes, k, sorted=False)
+        if in_order:  # those above the k-th magnitude, then its ties in index order up to k; never a zero
+            kth = top.values.min()
+            above, tied = magnitudes > kth, (magnitudes == kth) & (kth > 0)
+            return indices[above | (tied & (tied.cumsum(0) <= k - above.sum()))]
+        return indices[top.indices[top.values > 0]]  # a zero sends nothing
     return indices

@@ -100,6 +100,18 @@ def build(name: str) -> Transport:
     return SparseAllreduce(algorithm=name.split("=")[1].rstrip(")"))
 
 
+def _screened(sparse: SparseGradient) -> tuple[bool, str]:
+    """Whether ``sparse`` holds a non-finite value, and why its indices make no sparse gradient
+    ("": they do): out of range, or (where they are sorted) repeated. One read of its device."""
+    indices, values = sparse.indices, sparse.values
+    if indices.numel() == 0:
+        return False, ""
+    flags = torch.stack([~torch.isfinite(values).all(), (indices.min() < 0) | (indices.max() >= sparse.numel),
+                         (indices[1:] == indices[:-1]).any()]).tolist()
+    why = f"an index is outside [0, {sparse.numel})" if flags[1] else "an index repeats" if flags[2] else ""
+    return bool(flags[0]), why
+
+
 @TRANSPORTS.register("auto")
 @dataclass(frozen=True)
 class AutoTransport(Transport):
@@ -142,6 +154,11 @@ class AutoTransport(Transport):
             if expected == "allgather" or not codecs_lossless(*codecs_of(request), sparse.dtype):
                 payload, request = payload_or_refusal(sparse.sorted(), group, request)
                 request = replace(request, payload=payload)
+            elif request.payload is None and not (request.nonfinite or request.refused):
+                # what the transport chosen after the agreement step would refuse alone (allgather's
+                # codecs, a dense sum's scatter), refused on every rank at it instead
+                nonfinite, unsound = _screened(sparse)
+                request = replace(request, nonfinite=nonfinite, refused=unsound)
         config = fingerprint(self.to_spec(), tuple(sparse.shape), sparse.dtype, model.fingerprint(),
                              split_points_of(session, request, sparse.numel, workers))
         if expected == "allgather" and session is not None and takes_short_messages(group):

@@ -70,7 +70,7 @@ class Request:
 
     def rng(self, rank: int) -> np.random.Generator:
         """A generator for this call on ``rank``: the same on every run, different per rank and step."""
-        return np.random.default_rng([self.seed, self.key_hash, self.step, rank])
+        return np.random.default_rng([word % (1 << 64) for word in (self.seed, self.key_hash, self.step, rank)])
 
 
 T = TypeVar("T")
