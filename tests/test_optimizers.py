@@ -134,3 +134,15 @@ def switched_late(rank: int, world: int) -> str:
 
 def test_suiting_the_optimizer_after_the_first_step_is_refused_on_every_rank():
     assert all("before the first step" in message for message in run_local(2, switched_late))
+
+
+def test_an_optimizer_sharded_by_zero_is_taken_for_the_one_it_holds():
+    """torch's ZeroRedundancyOptimizer keeps its rank's optimizer in ``optim``."""
+    from sparsecomm.reducer.optimizers import normalizes
+
+    class Sharding:
+        def __init__(self, local: torch.optim.Optimizer) -> None:
+            self.optim = local
+
+    assert not normalizes(Sharding(torch.optim.SGD(parameters(), lr=0.1)))
+    assert normalizes(Sharding(torch.optim.AdamW(parameters())))

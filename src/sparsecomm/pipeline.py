@@ -359,7 +359,8 @@ class Pipeline:
         """Raise unless ``state`` (what `state_dict` returned) is for this spec and seed."""
         if parse_spec(state["spec"]) != self.spec or state["seed"] != self.seed:
             raise SparseCommError(
-                f"state is for {state['spec']!r} seed {state['seed']}, this pipeline is {self!r}"
+                f"state is for {state['spec']!r} seed {state['seed']}, this pipeline is {self!r} (a run whose "
+                "pipeline `check_optimizer` changed resumes by calling it before `load_state_dict`)"
             )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

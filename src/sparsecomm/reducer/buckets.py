@@ -67,12 +67,17 @@ class BucketLayout:
         return in_ddp_layout
 
 
+def unwrapped(model: nn.Module | None) -> nn.Module | None:
+    """The model a DDP wrapper trains (whose names its parameters' states go by), else ``model``."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
 class BucketLayouts:
     """Per DDP bucket, its layout (a cache of what DDP's layout implies), and per set of parameters
     sharing a bucket, the order it was last reduced in (checkpointed)."""
 
     def __init__(self, model: nn.Module | None, sends_whole: Callable[[torch.Size], bool]) -> None:
-        module = getattr(model, "module", model)
+        module = unwrapped(model)
         self._names = {id(p): name for name, p in module.named_parameters()} if module is not None else {}
         """parameter object → its name in the model"""
         self.shapes = {name: tuple(p.shape) for name, p in module.named_parameters()} if module is not None else {}

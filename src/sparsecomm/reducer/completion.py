@@ -39,7 +39,7 @@ def attach(parts: Parts, call: Call, path: Path, pending: Pending, stats: Tensor
         parts.calls.finish_with_step(pending.future, finish)
     else:
         pending.future.add_done_callback(finish)
-    parts.calls.in_flight.append(result)
+    parts.calls.track(result, call.in_step)
     return result
 
 

@@ -55,8 +55,9 @@ def normalizes(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer a trainer's wrapper holds (Accelerate's ``optimizer``, Lightning's ``_optimizer``)."""
-    for attribute in ("optimizer", "_optimizer"):
+    """The optimizer a wrapper holds (Accelerate's ``optimizer``, Lightning's ``_optimizer``, the
+    local optimizer of torch's ``ZeroRedundancyOptimizer`` in ``optim``)."""
+    for attribute in ("optimizer", "_optimizer", "optim"):
         inner = getattr(optimizer, attribute, None)
         if isinstance(inner, torch.optim.Optimizer):
             return _unwrapped(inner)

@@ -34,6 +34,7 @@ from sparsecomm.adaptive.density import share_density
 from sparsecomm.errors import SparseCommError
 from sparsecomm.pipeline import Pipeline, Segment
 from sparsecomm.presets import resolve
+from sparsecomm.reducer.buckets import unwrapped
 from sparsecomm.reducer.checkpoint import FORMAT, migrate
 from sparsecomm.reducer.config import DENSE_BELOW, ReducerConfig
 from sparsecomm.reducer.named import agree_on_step, agree_on_suited, by_name, check_segments, problem, travels
@@ -92,7 +93,10 @@ class GradientReducer:
         """what every rank agrees on (its world size is 0 until the reducer starts)"""
         self.built_with = self.config.spec
         """the spec it was built with, which a call may name though `suit_optimizer` changed it"""
-        self.group, self._model = group, model
+        # the module, not a DDP wrapper: DDP holds this reducer as its hook's state, and a reference
+        # back would keep both alive (and the wrapper's autograd hooks live) after the user drops them
+        self.group = group if group is not None else getattr(model, "process_group", None)
+        self._model = unwrapped(model)
         self.stats = ReducerStats()
         self._loaded: dict[str, Any] | None = None
         """a checkpoint loaded before the reducer started, restored when it starts"""
@@ -113,8 +117,6 @@ class GradientReducer:
             return self.runtime
         if not dist.is_initialized():
             raise SparseCommError("torch.distributed is not initialised: call init_process_group first")
-        if self.group is None and self._model is not None:
-            self.group = getattr(self._model, "process_group", None)
         self.config = replace(self.config, world_size=dist.get_world_size(self.group))
         self.runtime = Runtime(self.config, self.group, self._model, self.stats)
         if self._loaded is not None:  # kept, steps too, only once restored (another run's restores nothing)
@@ -122,15 +124,22 @@ class GradientReducer:
             self.load_state_dict(loaded)
         return self.runtime
 
+    def _begun(self) -> Runtime:
+        """The runtime of a reducer that has started, else a clear refusal."""
+        if not self.started:
+            raise SparseCommError("this reducer has not started (torch.distributed was not initialised at its "
+                                  "construction and it has reduced nothing yet)")
+        return self.runtime
+
     @property
     def pipeline(self) -> Pipeline:
         """Every parameter's pipeline state (residuals, momenta, step counts), by name."""
-        return self.runtime.pipeline
+        return self._begun().pipeline
 
     @property
     def adaptive(self) -> AdaptiveController | None:
         """The ``adaptive`` sparsifier's controller (None for other pipelines)."""
-        return self.runtime.adaptive
+        return self._begun().adaptive
 
     def suit_optimizer(self, optimizer: torch.optim.Optimizer) -> str | None:
         """Before the first step, take a pipeline that suits ``optimizer`` (`suited_spec`: no momentum
@@ -220,7 +229,7 @@ class GradientReducer:
         Raises:
             SparseCommError: the first error any of the step's calls met.
         """
-        errors = self.runtime.calls.finish()
+        errors = self._begun().calls.finish()
         if self.adaptive is not None and self.adaptive.plan is not None:
             share_density(self.pipeline)
             self.adaptive.end_step(self.stats.steps)
@@ -258,13 +267,15 @@ class GradientReducer:
             ```
         """
         future = self.reduce_async(key, tensor, segments)
-        self.runtime.calls.in_flight.remove(future)
+        aside = self.runtime.calls.aside
+        if future in aside:
+            aside.remove(future)
         return future.wait()
 
     def reduce_async(self, key: str, tensor: torch.Tensor,
                      segments: tuple[Segment, ...] | None = None) -> torch.futures.Future[torch.Tensor]:
-        """`reduce` without waiting: a future of the average (errors reach it). The call belongs to
-        the open step, which `finish_step` waits for."""
+        """`reduce` without waiting: a future of the average (errors reach it, and only it). The
+        call belongs to the open step, which `finish_step` waits for."""
         return self._running().submit(key, tensor, segments, in_step=False)
 
     def reduce_flat_async(self, key: str, flat: torch.Tensor, segments: tuple[Segment, ...], stats_key: str = "",

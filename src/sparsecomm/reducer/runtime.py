@@ -15,7 +15,7 @@ from torch import nn
 
 from sparsecomm.adaptive.controller import AdaptiveController
 from sparsecomm.pipeline import Pipeline, Segment
-from sparsecomm.reducer.buckets import BucketLayouts
+from sparsecomm.reducer.buckets import BucketLayouts, unwrapped
 from sparsecomm.reducer.call import Call, Route, route_of
 from sparsecomm.reducer.completion import attach, result_future
 from sparsecomm.reducer.config import ReducerConfig
@@ -53,7 +53,7 @@ class Runtime:
         if config.world_size > 1:  # groups its calls need, made now with the others rather than in a step
             config.spec.transport.prepare(self.async_group, self.session)
         self.adaptive = AdaptiveController.of(config.spec, config.world_size, self.async_group, self.wire_device,
-                                              getattr(model, "module", model))
+                                              unwrapped(model))
         """the adaptive sparsifier's controller (None for other pipelines)"""
         self.calls = StepCalls(self.async_group, self.session)
         self.counts: dict[str, int] = {}
@@ -102,6 +102,8 @@ class Runtime:
         sparse_dim = tensor.sparse_dim() if tensor.is_sparse else 0
         if sparse_dim and route is not Route.ROWS:  # a sparsifier that selects from rows takes them dense
             tensor = tensor.to_dense()
+        if not in_step and not tensor.is_sparse:  # `reduce`: the average is a tensor of its own, the caller's stays
+            tensor = tensor.detach().clone()
         number = self.counts.get(key, 0)
         self.counts[key] = number + 1
         call = Call(key, tensor, segments, stats_key, number, last, in_step, sparse_dim)
@@ -111,7 +113,7 @@ class Runtime:
         except Exception as err:  # noqa: BLE001 - the call fails as a collective's would: the step still ends
             failed = result_future(call.tensor)
             failed.set_exception(err)
-            self.calls.in_flight.append(failed)
+            self.calls.track(failed, in_step)
             return failed
         stats.route = route.value
         stats.select_s += pending.submitted - start

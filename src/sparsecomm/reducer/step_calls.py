@@ -38,7 +38,10 @@ class StepCalls:
     def __init__(self, group: dist.ProcessGroup | None, session: TransportSession) -> None:
         self.group, self.session = group, session
         self.in_flight: list[torch.futures.Future] = []
-        """the results the step waits for"""
+        """the results the step waits for, and whose first error it raises"""
+        self.aside: list[torch.futures.Future] = []
+        """the results of calls outside the step's (`reduce_async`): the step waits for them too, and
+        their errors reach their own futures alone"""
         self._deferred: list[tuple[FusedCall, torch.futures.Future]] = []
         """small calls waiting to travel with the step's last"""
         self._unfinished: list[tuple[torch.futures.Future, Finish]] = []
@@ -74,6 +77,13 @@ class StepCalls:
         collectives by order)."""
         self.session.drain()
 
+    def track(self, result: torch.futures.Future, in_step: bool) -> None:
+        """A call's result, which the step waits for (``in_step``: and raises its error)."""
+        if in_step:
+            self.in_flight.append(result)
+        else:
+            self.aside = [*(future for future in self.aside if not future.done()), result]
+
     def finish_with_step(self, done: torch.futures.Future, finish: Finish) -> None:
         """Run ``finish(done)`` when the step finishes, on the thread that finishes it."""
         self._unfinished.append((done, finish))
@@ -97,6 +107,10 @@ class StepCalls:
                 future.wait()
             except BaseException as err:  # noqa: BLE001 - raised by the caller, after every call ended
                 errors.append(err)
+        aside, self.aside = self.aside, []
+        for future in aside:
+            with contextlib.suppress(Exception):  # its waiter hears of it
+                future.wait()
         return errors
 
     def abandon(self, why: str) -> None:
@@ -104,8 +118,8 @@ class StepCalls:
         `SparseCommError` (``why``) rather than leaving its waiter waiting; the calls waiting to be
         fused never leave this rank."""
         error = SparseCommError(why)
-        waiting = [future for _, future in self._deferred] + self.in_flight
-        self._deferred, self._unfinished, self.in_flight = [], [], []
+        waiting = [future for _, future in self._deferred] + self.in_flight + self.aside
+        self._deferred, self._unfinished, self.in_flight, self.aside = [], [], [], []
         for future in waiting:
             if not future.done():
                 future.set_exception(error)
