@@ -53,7 +53,8 @@ def test_an_error_handed_to_a_reduce_async_future_is_not_raised_again_by_the_nex
     assert run_local(2, handled_error_then_steps, timeout=HANG_S) == [["refused", "step", "step"]] * 2
 
 
-@pytest.mark.parametrize("spec", ["dense", "topk(ratio=1.0)+residual+rice+fp32", "adaptive+residual+rice+int8+allgather"])
+@pytest.mark.parametrize("spec", ["dense", "topk(ratio=1.0)+residual+rice+fp32",
+                                  "adaptive+residual+rice+int8+allgather"])
 def test_reduce_leaves_its_input_alone(spec):
     for mine, average in run_local(2, reduced_alone, spec, timeout=HANG_S):
         assert mine != average == pytest.approx(1.5)
