@@ -88,7 +88,8 @@ def result(steps_s: dict[str, float], nodes: int = 2, workers: int = 4) -> dict:
     rows = [{"preset": name, "steps": 10, "compute_s": 0.1, "encode_s": 0.01, "decode_s": 0.01, "workers": workers,
              "bytes_per_step": 4e5 if name.endswith("dense") else 4e3} for name in steps_s]
     curves = {name: {"elapsed_s": [step * (i + 1) for i in range(10)]} for name, step in steps_s.items()}
-    return {"workload": "toy", "workers": workers, "nodes": nodes, "link": "100mbit", "rows": rows, "curves": curves}
+    return {"benchmark": "train", "workload": "toy", "workers": workers, "nodes": nodes, "link": "100mbit",
+            "rows": rows, "curves": curves}
 
 
 def test_rows_are_anchored_at_the_runs_layout_and_fsdp_rows_are_left_out():

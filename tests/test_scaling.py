@@ -62,7 +62,7 @@ def run(link: str, steps_s: dict[str, float], workers: int = 2) -> dict:
     rows = [{"preset": name, "steps": 10, "compute_s": 0.1, "encode_s": 0.0, "decode_s": 0.0, "workers": workers,
              "bytes_per_step": 4e5 if name == "dense" else 4e3} for name in steps_s]
     curves = {name: {"elapsed_s": [step * (i + 1) for i in range(10)]} for name, step in steps_s.items()}
-    return {"workload": "toy", "workers": workers, "link": link, "rows": rows, "curves": curves}
+    return {"benchmark": "train", "workload": "toy", "workers": workers, "link": link, "rows": rows, "curves": curves}
 
 
 def test_rows_are_anchored_at_the_runs_own_steps_and_checked_against_other_runs():

@@ -267,9 +267,7 @@ class GradientReducer:
             ```
         """
         future = self.reduce_async(key, tensor, segments)
-        aside = self.runtime.calls.aside
-        if future in aside:
-            aside.remove(future)
+        self.runtime.calls.forget(future)
         return future.wait()
 
     def reduce_async(self, key: str, tensor: torch.Tensor,

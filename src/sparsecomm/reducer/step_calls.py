@@ -84,6 +84,11 @@ class StepCalls:
         else:
             self.aside = [*(future for future in self.aside if not future.done()), result]
 
+    def forget(self, result: torch.futures.Future) -> None:
+        """A call's result its caller waits for at once (`GradientReducer.reduce`): not the step's."""
+        if result in self.aside:
+            self.aside.remove(result)
+
     def finish_with_step(self, done: torch.futures.Future, finish: Finish) -> None:
         """Run ``finish(done)`` when the step finishes, on the thread that finishes it."""
         self._unfinished.append((done, finish))
