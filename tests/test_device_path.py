@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -444,3 +445,39 @@ def test_a_dense_step_after_sparse_ones_on_the_device_route_sends_what_their_mom
     it each rank's own again, so the next dense step sends what they held back and empties it."""
     held = run_local(2, switching)[0]
     assert held[0] == 0 and held[1] > 0 and held[2] > 0 and held[3] == 0, held
+
+
+def laid_out_anew(rank: int, world: int, sizes: tuple[int, int]) -> tuple[dict, dict, dict, str]:
+    """One stream whose two parameters swap places (and, with other sizes, whose buffer shrinks)
+    halfway: what each parameter fed, was given and holds."""
+    names = ("p0", "p1")
+    fed = {name: torch.zeros(size, dtype=torch.float64) for name, size in zip(names, sizes, strict=True)}
+    given = {name: torch.zeros_like(total) for name, total in fed.items()}
+    with sc.GradientReducer("dgc(ratio=0.01)+residual+raw+fp32+allgather", seed=1, dense_below=0,
+                            average=False) as reducer:
+        for step in range(6):
+            order = names if step < 3 else names[::-1]
+            segments, start = [], 0
+            for name in order:
+                segments.append(Segment(name, start, fed[name].numel()))
+                start += fed[name].numel()
+            gradient = torch.randn(start, generator=torch.Generator().manual_seed(100 * rank + step))
+            average = reducer.reduce("bucket", gradient.clone(), tuple(segments))
+            for segment in segments:
+                span = slice(segment.start, segment.start + segment.numel)
+                fed[segment.key] += gradient[span].double()
+                given[segment.key] += average[span].double()
+        held = {name: reducer.pipeline.states[name].feedback["residual"].double().reshape(-1) for name in names}
+        route = reducer.stats.tensors["bucket"].route
+    dist.all_reduce(fed["p0"]), dist.all_reduce(fed["p1"])
+    dist.all_reduce(held["p0"]), dist.all_reduce(held["p1"])
+    return fed, given, held, route
+
+
+def test_a_stream_laid_out_anew_keeps_each_parameters_state_by_name_on_the_device_route():
+    """A custom loop may lay a stream's parameters out otherwise (another order, a parameter gone):
+    the route rebuilds the bucket from the states by name, and nothing goes to the wrong one."""
+    fed, given, held, route = run_local(2, laid_out_anew, (100, 4900))[0]
+    assert route == "device"
+    for name in ("p0", "p1"):
+        assert float((fed[name] - given[name] - held[name]).abs().max()) < 1e-4, name

@@ -103,16 +103,17 @@ class Bucket:
         self.forms[capacity] = form
         return form
 
-    def current(self, states: dict[str, TensorState], uncompressed: dict[str, dict[str, Any]],
-                device: torch.device) -> bool:
-        """Whether the bucket still serves gradients on ``device`` (not after the model moved) and
+    def current(self, segments: tuple[Segment, ...], numel: int, states: dict[str, TensorState],
+                uncompressed: dict[str, dict[str, Any]], device: torch.device) -> bool:
+        """Whether the bucket still serves a call laid out as ``segments`` over ``numel`` entries
+        (a caller may lay one stream out anew) on ``device`` (not after the model moved), and
         every parameter's state still is this bucket's view: the pipeline's (``states``) and the
         uncompressed feedback's are the ones it was built on (not after a checkpoint was loaded) and
         hold its views (not after the parameter moved to another bucket). The codec's error of the
         entries sent whole is reclaimed instead (`WholeError.reclaim`)."""
-        segments = zip(self.layout.segments, self.states, strict=True)
-        return (self.layout.device == device
-                and all(states.get(segment.key) is state for segment, state in segments)
+        if self.layout.numel != numel or self.layout.segments != segments or self.layout.device != device:
+            return False
+        return (all(states.get(segment.key) is state for segment, state in zip(segments, self.states, strict=True))
                 and all(state.feedback.get(name) is view for state, name, view in self.held.views)
                 and (self.whole_momentum is None or self.whole_momentum.current(uncompressed)))
 
@@ -285,8 +286,9 @@ class DevicePath(Path):
 
     def _bucket(self, key: str, segments: tuple[Segment, ...], flat: torch.Tensor, step: int) -> Bucket:
         bucket = self._buckets.get(key)
-        if bucket is None or not bucket.current(self.parts.pipeline.states, self.parts.uncompressed.states,
-                                                flat.device):  # first built, or its states replaced (a load)
+        # first built, laid out anew, or its states replaced (a load)
+        if bucket is None or not bucket.current(segments, flat.numel(), self.parts.pipeline.states,
+                                                self.parts.uncompressed.states, flat.device):
             bucket = self._build(segments, flat)
             self._agree_layout(key, bucket.layout, step)
             self._buckets[key] = bucket
