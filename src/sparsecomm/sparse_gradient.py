@@ -189,12 +189,14 @@ class SparseGradient:
             return
         lo, hi = int(self.indices.min()), int(self.indices.max())
         if lo < 0 or hi >= self.numel:
-            raise SparseCommError(f"index out of range [0, {self.numel}): saw {lo}..{hi}")
+            raise SparseCommError(f"index out of range, outside [0, {self.numel}): saw {lo}..{hi}")
+        if _strictly_increasing(self.indices):  # sorted, as a selection is: no sort to find a repeat
+            return
         ordered = torch.sort(self.indices).values
         duplicate = ordered[1:] == ordered[:-1]
         if bool(duplicate.any()):
             first = int(ordered[1:][duplicate][0])
-            raise SparseCommError(f"duplicate index {first}: a sparse gradient holds each index once")
+            raise SparseCommError(f"duplicate index {first}: an index repeats, where a sparse gradient holds each once")
 
     def __repr__(self) -> str:
         return (

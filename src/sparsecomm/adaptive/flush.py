@@ -16,7 +16,7 @@ from sparsecomm.pipeline import Pipeline, Segment, StepReport, TensorState, scre
 
 def flush(pipeline: Pipeline, grad: torch.Tensor, key: str = "", segments: Sequence[Segment] | None = None,
           out: torch.Tensor | None = None, scale: float = 1.0, sum_checked: bool = False,
-          buckets: dict[str, FlatResidual] | None = None) -> tuple[torch.Tensor, bool]:
+          buckets: dict[str, FlatResidual] | None = None, reads: bool | None = None) -> tuple[torch.Tensor, bool]:
     """A dense step: each tensor's gradient plus what its feedback sends with it (`Feedback.flush`),
     to be sent whole, times ``scale``, in ``out``'s dtype (a new tensor of ``grad``'s without
     ``out``, which may be ``grad`` itself); after the all_reduce, `update_flushed`. A narrower
@@ -33,14 +33,17 @@ def flush(pipeline: Pipeline, grad: torch.Tensor, key: str = "", segments: Seque
     A bucket of several tensors flushes in a few passes over the whole of it, not a few per
     tensor, where every tensor's feedback sends the gradient alone (`Feedback.flush_sends_gradient`:
     DGC's momentum once it is common) — one pass — or under ``residual`` feedback with ``buckets``,
-    the caller's `FlatResidual` per bucket key, which this keeps."""
+    the caller's `FlatResidual` per bucket key, which this keeps. ``reads``: `reads_only` of these
+    arguments, where the caller has asked it already."""
     flat = grad.detach().reshape(-1)
     segments = segments or (Segment(key, 0, flat.numel()),)
     wire = out.view(-1) if out is not None else torch.empty_like(flat)
     screened: torch.Tensor | None = flat
     must_raise = False
     left_to_sum = sum_checked and pipeline.nonfinite == "raise"
-    if not (left_to_sum and reads_only(pipeline, flat, segments, wire.dtype, scale)):
+    if reads is None and left_to_sum:
+        reads = reads_only(pipeline, flat, segments, wire.dtype, scale)
+    if not (left_to_sum and reads):
         screened, must_raise = screen_nonfinite(flat, pipeline.nonfinite)
     if must_raise:
         for segment in segments:

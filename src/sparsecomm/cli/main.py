@@ -48,12 +48,17 @@ def _seed_list(text: str) -> list[int]:
     return _integers(text, minimum=None)
 
 
-def _positive_int(text: str) -> int:
-    """A whole number >= 1 (``1e6`` too)."""
+def _number(text: str) -> float:
+    """A number, or the argument's clear refusal."""
     try:
-        number = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def _positive_int(text: str) -> int:
+    """A whole number >= 1 (``1e6`` too)."""
+    number = _number(text)
     if not math.isfinite(number) or number != int(number):
         raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}")
     if number < 1:
@@ -63,10 +68,7 @@ def _positive_int(text: str) -> int:
 
 def _positive_float(text: str) -> float:
     """A finite number > 0."""
-    try:
-        number = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    number = _number(text)
     if not math.isfinite(number) or number <= 0:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, not {text!r}")
     return number

@@ -47,11 +47,9 @@ from sparsecomm.spec import PipelineSpec, format_spec
 class GradientReducer:
     """Averages gradients over ``group`` with the pipeline named by ``spec`` (a spec or a preset).
 
-    The engine behind the DDP hook (`ddp_comm_hook`) and custom loops (`allreduce_`). Its `Runtime`
-    holds all runtime state; it checkpoints it with `state_dict` and releases it with `close` (or
-    ``with``). ``stats`` counts what it sent (``stats.summary()``). Build one on every rank, with the
-    same arguments. Built before torch.distributed is initialised (a trainer such as Lightning
-    initialises it), it starts — joins the group and checks the ranks agree — at its first call.
+    The engine behind the DDP hook (`ddp_comm_hook`) and custom loops (`allreduce_`); its `Runtime`
+    holds the state `state_dict` saves; ``stats`` counts what it sent. Build one on every rank, alike; built
+    before torch.distributed is initialised (as under Lightning), it starts at its first call.
 
     Args:
         spec: a preset name (``"dgc"``), a pipeline spec string, or a parsed `PipelineSpec`.
@@ -127,8 +125,8 @@ class GradientReducer:
     def _begun(self) -> Runtime:
         """The runtime of a reducer that has started, else a clear refusal."""
         if not self.started:
-            raise SparseCommError("this reducer has not started (torch.distributed was not initialised at its "
-                                  "construction and it has reduced nothing yet)")
+            raise SparseCommError("this reducer has not started: torch.distributed was not initialised at its "
+                                  "construction and it has reduced nothing yet (nor has it a state to save)")
         return self.runtime
 
     @property
@@ -272,8 +270,7 @@ class GradientReducer:
 
     def reduce_async(self, key: str, tensor: torch.Tensor,
                      segments: tuple[Segment, ...] | None = None) -> torch.futures.Future[torch.Tensor]:
-        """`reduce` without waiting: a future of the average (errors reach it, and only it). The
-        call belongs to the open step, which `finish_step` waits for."""
+        """`reduce` without waiting: a future of the average (errors reach it alone); `finish_step` waits for it."""
         return self._running().submit(key, tensor, segments, in_step=False)
 
     def reduce_flat_async(self, key: str, flat: torch.Tensor, segments: tuple[Segment, ...], stats_key: str = "",
@@ -325,12 +322,9 @@ class GradientReducer:
             assert resumed.stats.steps == 1
             ```
         """
-        if not self.started:
-            if self._loaded is None:
-                raise SparseCommError("this reducer has not started (torch.distributed was not initialised at "
-                                      "its construction and it has reduced nothing): there is no state to save")
+        if not self.started and self._loaded is not None:
             return self._loaded
-        return {"format": FORMAT, "steps": self.stats.steps, **self.runtime.state_dict()}
+        return {"format": FORMAT, "steps": self.stats.steps, **self._begun().state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a checkpoint of any format this version reads (`migrate`).

@@ -39,6 +39,7 @@ from sparsecomm.encode.base import codecs_lossless
 from sparsecomm.encode.index.rice import RiceIndices
 from sparsecomm.encode.value.floats import Float32Values
 from sparsecomm.errors import SparseCommError
+from sparsecomm.finite import all_finite
 from sparsecomm.sparse_gradient import SparseGradient
 from sparsecomm.transport.agreement import agree
 from sparsecomm.transport.allgather import AllgatherTransport, codecs_of, payload_or_refusal
@@ -102,14 +103,12 @@ def build(name: str) -> Transport:
 
 def _screened(sparse: SparseGradient) -> tuple[bool, str]:
     """Whether ``sparse`` holds a non-finite value, and why its indices make no sparse gradient
-    ("": they do): out of range, or (where they are sorted) repeated. One read of its device."""
-    indices, values = sparse.indices, sparse.values
-    if indices.numel() == 0:
-        return False, ""
-    flags = torch.stack([~torch.isfinite(values).all(), (indices.min() < 0) | (indices.max() >= sparse.numel),
-                         (indices[1:] == indices[:-1]).any()]).tolist()
-    why = f"an index is outside [0, {sparse.numel})" if flags[1] else "an index repeats" if flags[2] else ""
-    return bool(flags[0]), why
+    ("": they do, `SparseGradient.validate`)."""
+    try:
+        sparse.validate()
+    except SparseCommError as unsound:
+        return not all_finite(sparse.values), str(unsound)
+    return not all_finite(sparse.values), ""
 
 
 @TRANSPORTS.register("auto")

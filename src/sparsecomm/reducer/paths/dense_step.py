@@ -110,11 +110,11 @@ class DenseStepPath(Path):
                 sent.copy_(screened)
         else:
             # what the flush moves out of the feedback a refused step puts back: a copy, where it moves any
-            keeps = config.nonfinite == "raise" and not reads_only(parts.pipeline, home, segments or (
+            reads = config.nonfinite == "raise" and reads_only(parts.pipeline, home, segments or (
                 Segment(call.key, 0, home.numel()),), sent.dtype, scale)
             sent, must_raise = flush(parts.pipeline, home, call.key, segments, out=sent, scale=scale, sum_checked=True,
-                                     buckets=self._residuals)
-            kept = sent.clone() if keeps and not must_raise else None
+                                     buckets=self._residuals, reads=reads)
+            kept = sent.clone() if config.nonfinite == "raise" and not reads and not must_raise else None
         wire, carrying = sent, None
         if side is not None:  # then full is the wire buffer
             assert full is not None
