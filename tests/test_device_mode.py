@@ -286,14 +286,15 @@ def test_a_format_1_checkpoint_starts_the_device_routes_costs_unmeasured():
 
 def non_finite_after_codecs(rank: int, world: int, policy: str) -> dict:
     """A device step after one on the codecs, rank 1's gradient holding a NaN: what each rank
-    raised, whether its residuals were kept, and the model's digest after two more steps."""
+    raised, whether its residual was kept as it was or took in the step's gradient, and the
+    model's digest after two more steps."""
     model = mlp(0)
     plans = [Plan(SPARSE, 0.05), Plan(DEVICE, 0.05), Plan(DEVICE, 0.05), Plan(SPARSE, 0.05)]
     reducer = sc.GradientReducer(SPEC, seed=5, nonfinite=policy)
     scripted = iter(plans)
     reducer.adaptive.planner.plan = lambda: next(scripted)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    outcome, kept = "ok", None
+    outcome, kept, took_in = "ok", None, None
     for step, (data, labels) in enumerate(batches(rank, world, len(plans))):
         optimizer.zero_grad()
         F.cross_entropy(model(data), labels).backward()
@@ -302,24 +303,27 @@ def non_finite_after_codecs(rank: int, world: int, policy: str) -> dict:
         before = None
         if step == 1:  # in the shape the codecs kept it
             before = reducer.pipeline.states["0.weight"].feedback["residual"].reshape(-1).clone()
+            gradient = model[0].weight.grad.reshape(-1).clone()
         try:
             reducer.allreduce_((n, p.grad) for n, p in model.named_parameters())
             optimizer.step()
         except sc.SparseCommError as error:
             outcome = str(error)
         if before is not None:
-            kept = torch.equal(before, reducer.pipeline.states["0.weight"].feedback["residual"].reshape(-1))
+            after = reducer.pipeline.states["0.weight"].feedback["residual"].reshape(-1)
+            kept = torch.equal(before, after)
+            took_in = torch.allclose(before + gradient, after, atol=1e-6)
     reducer.close()
-    return {"outcome": outcome, "kept": kept, "digest": digest(model)}
+    return {"outcome": outcome, "kept": kept, "took_in": took_in, "digest": digest(model)}
 
 
 @pytest.mark.parametrize("policy", ["raise", "skip"])
-def test_a_non_finite_gradient_on_the_device_route_after_the_codecs_keeps_the_state_and_the_ranks_alike(policy):
+def test_a_non_finite_gradient_on_the_device_route_after_the_codecs_loses_nothing_and_keeps_the_ranks_alike(policy):
     first, second = run_local(2, non_finite_after_codecs, policy, timeout=120)
     assert first["digest"] == second["digest"]  # every rank went on alike
-    if policy == "raise":
+    if policy == "raise":  # the finite rank holds its gradient for a later step; the other keeps its residual
         assert "non-finite" in first["outcome"] and "non-finite" in second["outcome"]
-        assert first["kept"] and second["kept"]
+        assert first["took_in"] and not first["kept"] and second["kept"]
     else:
         assert first["outcome"] == second["outcome"] == "ok"
         assert second["kept"] and not first["kept"]  # only the rank with the NaN keeps its residual

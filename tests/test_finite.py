@@ -1,9 +1,12 @@
-"""`all_finite` agrees with torch.isfinite on every value it can be given."""
+"""`all_finite` agrees with torch.isfinite on every value it can be given; `largest_magnitude` is
+the inf norm, NaN included."""
+
+import math
 
 import pytest
 import torch
 
-from sparsecomm.finite import all_finite
+from sparsecomm.finite import all_finite, largest_magnitude
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -48,3 +51,12 @@ def test_finite_values_whose_sum_overflows_are_finite(dtype):
 def test_opposite_infinities_are_not_finite(dtype):
     assert not all_finite(torch.tensor([float("inf"), 1.0, float("-inf")], dtype=dtype))
     assert not all_finite(torch.randn(100_000, dtype=dtype).index_fill_(0, torch.tensor([7, 99_000]), float("inf")))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_largest_magnitude_is_that_of_the_most_negative_or_positive_entry_and_nan_stays(dtype):
+    assert float(largest_magnitude(torch.tensor([-7.0, 3.0, 5.0], dtype=dtype))) == 7.0
+    assert float(largest_magnitude(torch.tensor([-2.0, 6.0], dtype=dtype))) == 6.0
+    assert largest_magnitude(torch.tensor([1.0, 2.0], dtype=dtype)).dtype == dtype
+    assert math.isnan(float(largest_magnitude(torch.tensor([1.0, math.nan, -3.0], dtype=dtype))))
+    assert math.isinf(float(largest_magnitude(torch.tensor([1.0, -math.inf], dtype=dtype))))

@@ -161,12 +161,47 @@ def adaptive_refused_for_a_nan(rank: int, world: int, mode: str) -> tuple[list[i
     return steps, conserved, float(fed.abs().max())
 
 
-@pytest.mark.parametrize("mode", ["fp32", "fp16", "low rank"])
-def test_a_dense_or_low_rank_step_refused_for_one_ranks_nan_keeps_the_ranks_at_one_step_and_the_gradient(mode):
-    """Every rank raises; the finite rank's flush put back what it sent (its residual and this
-    step's gradient), and its step count, so the device route's later steps find the ranks alike."""
+@pytest.mark.parametrize("mode", ["fp32", "fp16", "low rank", "device"])
+def test_a_step_refused_for_one_ranks_nan_keeps_the_ranks_at_one_step_and_the_gradient(mode):
+    """Every rank raises; the finite rank keeps in its feedback what it sent (its residual and this
+    step's gradient) and its step count, so the device route's later steps find the ranks alike."""
     (steps, conserved, scale), (other_steps, _, _) = run_local(2, adaptive_refused_for_a_nan, mode, timeout=HANG_S)
     assert steps == other_steps == [1, 1, 2, 3, 4]
+    assert conserved <= 1e-4 * scale, conserved
+
+
+def device_steps_refused_for_a_nan(rank: int, world: int) -> tuple[list[int], float, float]:
+    """Device-route steps of a bucket holding a matrix and a bias (sent whole, its int8 rounding
+    error kept), as DDP lays one out, the second refused for rank 1's NaN: what rank 0 fed in less
+    what it was given is what it holds."""
+    from sparsecomm.adaptive.config import Mode, Plan
+
+    segments = (Segment("w", 0, 60_000), Segment("b", 60_000, 200, whole=True))
+    fed = torch.zeros(60_200, dtype=torch.float64)
+    delivered = torch.zeros_like(fed)
+    steps = []
+    with sc.GradientReducer(ADAPTIVE_SPEC) as reducer:
+        reducer.adaptive.planner.plan = lambda: Plan(Mode.DEVICE, 0.01)
+        for index in range(3):
+            gradient = torch.randn(60_200, generator=torch.Generator().manual_seed(index)) * (rank == 0)
+            if index == 1 and rank == 1:
+                gradient[3] = float("nan")
+            try:
+                future = reducer.reduce_flat_async("bucket", gradient.clone(), segments, last=True)
+                reducer.finish_step()
+                delivered += future.wait().double() * world
+            except sc.SparseCommError:
+                assert index == 1
+            fed += gradient.nan_to_num().double()
+            steps.append(reducer.pipeline.states["w"].step)
+        states = reducer.pipeline.states
+        held = torch.cat([states["w"].feedback["residual"].reshape(-1), states["b"].codec_error.reshape(-1)])
+    return steps, float((fed - delivered - held.double()).abs().max()), float(fed.abs().max())
+
+
+def test_a_device_step_refused_for_one_ranks_nan_keeps_the_finite_ranks_gradient_and_rounding():
+    (steps, conserved, scale), (other_steps, _, _) = run_local(2, device_steps_refused_for_a_nan, timeout=HANG_S)
+    assert steps == other_steps == [1, 1, 2]
     assert conserved <= 1e-4 * scale, conserved
 
 

@@ -1,8 +1,9 @@
 """A feedback's step on a bucket's flat buffers, in two halves: `propose` computes the tensor to
 select from and the state the step would leave into a spare set of buffers, touching nothing
 else; `commit` settles what was sent in it, and the caller swaps it in once the sum is known good
-and this rank's gradient was finite (both known from the call's one host read; otherwise the old
-state stays, and the spare is overwritten next time). The same arithmetic as
+and this rank's gradient was finite (both known from the call's one host read; a call every
+rank refused keeps a finite rank's proposal with nothing sent; otherwise the old state stays, and
+the spare is overwritten next time). The same arithmetic as
 `sparsecomm.feedback`'s, whose per-parameter state names the buffers carry, so a checkpoint reads
 the same either way."""
 

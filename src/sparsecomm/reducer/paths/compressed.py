@@ -11,6 +11,7 @@ import torch
 
 from sparsecomm.adaptive.config import Plan
 from sparsecomm.errors import SparseCommError
+from sparsecomm.finite import largest_magnitude
 from sparsecomm.pipeline import Segment
 from sparsecomm.reducer.call import Call, Route, Summed
 from sparsecomm.reducer.paths.base import Pending, Sent, TransportPath, refused
@@ -71,8 +72,7 @@ class CompressedPath(TransportPath):
         measuring = adaptive.measuring
         measuring.finished(time.perf_counter(), summed.bytes_sent, payload_nnz=contribution.nnz)
         if contribution.nnz and adaptive.report_needed(self.parts.stats.steps):
-            low, high = torch.aminmax(contribution.values)
-            measuring.saw_magnitude(max(-float(low), float(high)))
+            measuring.saw_magnitude(float(largest_magnitude(contribution.values)))
 
     def take_back(self, call: Call, lost: SparseGradient) -> None:
         self.parts.pipeline.take_back(lost, call.key, call.segments)

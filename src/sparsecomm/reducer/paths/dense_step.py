@@ -20,7 +20,7 @@ from sparsecomm.adaptive.config import Mode, Plan
 from sparsecomm.adaptive.flat_residual import FlatResidual
 from sparsecomm.adaptive.flush import flush, reads_only, update_flushed, withdraw
 from sparsecomm.device.status import GOOD, read
-from sparsecomm.finite import all_finite
+from sparsecomm.finite import all_finite, largest_magnitude
 from sparsecomm.pipeline import Segment, screen_nonfinite
 from sparsecomm.reducer.call import Call, Route, Summed
 from sparsecomm.reducer.paths.base import Path, Pending, non_finite_sum
@@ -124,7 +124,7 @@ class DenseStepPath(Path):
         if must_raise:
             sent.fill_(math.nan)
         elif sent.numel() and adaptive.report_needed(parts.stats.steps):
-            magnitude = torch.linalg.vector_norm(sent, math.inf, dtype=torch.float32) / scale
+            magnitude = largest_magnitude(sent).to(torch.float32) / scale
         return Wire(wire, wire.numel() * wire.element_size(), home, not as_it_is, half, carrying, magnitude,
                     stepped=not as_it_is and not must_raise, kept=kept)
 

@@ -2,7 +2,8 @@
 (`sparsecomm.device.support`): one pass over the bucket, in fixed sizes — the feedback proposes,
 a capacity's worth of entries is selected, one fixed-size buffer is packed and all-gathered, the
 ranks' buffers are summed — and the one host read of the call is the sum's check. The feedback's
-state is committed once the sum is known good, so a failed step leaves it as it was.
+state is committed once the sum is known good; where every rank raises, a rank whose gradient
+was finite keeps what it proposed, nothing sent.
 
 Each bucket's feedback lives in flat buffers; each parameter's state in the pipeline is a view of
 its segment, under the names the host path uses, so a checkpoint is the same either way and
@@ -33,6 +34,7 @@ from sparsecomm.encode.index.packed import PackedIndices
 from sparsecomm.errors import SparseCommError
 from sparsecomm.feedback.base import hold_in, state_dtype
 from sparsecomm.feedback.dgc_momentum import DGCMomentum
+from sparsecomm.finite import largest_magnitude
 from sparsecomm.pipeline import Segment, TensorState, key_hash, seeded_generator
 from sparsecomm.reducer.call import Call, Route, Summed
 from sparsecomm.reducer.paths.base import Path, Pending, non_finite_sum
@@ -170,6 +172,8 @@ class DeviceSent:
     """whether the selection kept to the planned density's capacity (a user's byte budget)"""
     agreed_share: torch.Tensor | None = None
     """the largest share any rank proposed, once the sum is known"""
+    whole_sent: torch.Tensor | None = None
+    """the entries sent whole with their codec's earlier error, where the codec rounds them"""
 
 
 class DevicePath(Path):
@@ -221,14 +225,16 @@ class DevicePath(Path):
             values = torch.where(finite, values, math.nan if config.nonfinite == "raise" else 0.0)
         magnitude = None  # the largest sent, where adaptive's report needs it: read with the sum's check
         if adaptive is not None and adaptive.report_needed(parts.stats.steps):
-            magnitude = torch.linalg.vector_norm(values, math.inf) if values.numel() else values.new_zeros(())
+            magnitude = largest_magnitude(values) if values.numel() else values.new_zeros(())
         form = bucket.form(indices.numel(), spec)
         # a new buffer per call: a stream's earlier call (reduce_async) may still be on the wire
         wire = torch.empty(form.words, dtype=torch.int32, device=flat.device)
         # the codecs take fp32 (as a half-precision gradient's feedback is kept: `state_dtype`)
         delivered = form.pack(wire, header, indices, values.float(), proposed)
+        whole_sent = None
         if bucket.whole_error is not None:
-            bucket.whole_error.propose(values[form.capacity:], delivered[form.capacity:])
+            whole_sent = values[form.capacity:]
+            bucket.whole_error.propose(whole_sent, delivered[form.capacity:])
         posted = on_wire(wire, parts.wire_device)
         parts.calls.in_order()  # after a custom loop's plain calls on the worker thread
         gathered = torch.empty(config.world_size * wire.numel(), dtype=wire.dtype, device=posted.device)
@@ -236,7 +242,7 @@ class DevicePath(Path):
         sent = DeviceSent(bucket, spare, form, indices,
                           None if device_values.lossless(form.values) else delivered[:form.capacity],
                           proposal, finite, gathered, wire.numel() * wire.element_size(), header, magnitude=magnitude,
-                          share=proposed, within=within)
+                          share=proposed, within=within, whole_sent=whole_sent)
         submitted = time.perf_counter()
         if adaptive is not None:
             # planned: the floors' count, so that a share's bytes count as the cost of a planned entry
@@ -391,6 +397,23 @@ class DevicePath(Path):
         measuring, now = self.parts.adaptive.measuring, time.perf_counter()
         measuring.finished(now, summed.bytes_sent - whole_bytes, payload_nnz=form.capacity)
         measuring.finished(now, whole_bytes)
+
+    def withdrawn(self, call: Call, pending: Pending) -> None:
+        """Every rank raises at this call: where this rank's gradient was finite, its proposal is
+        kept as if nothing had been sent, so its feedback holds this step's gradient too, to go
+        out with a later step (as the codecs' route takes back what it selected), and so does the
+        codec's error of the entries sent whole, where the codec rounds them (an exact codec keeps
+        no error: their step's gradient is lost); its step count stays, as on every rank."""
+        sent: DeviceSent = pending.sent
+        bucket = sent.bucket
+        if not sent.kept:
+            bucket.spare = sent.spare
+            return
+        commit(self.spec.feedback, sent.proposal, sent.indices[:0], bucket.layout.whole)
+        bucket.keep(sent.spare)
+        if bucket.whole_error is not None and sent.whole_sent is not None:
+            bucket.whole_error.spare.copy_(sent.whole_sent)
+            bucket.whole_error.keep()
 
     def after_average(self, call: Call, pending: Pending, total: torch.Tensor) -> torch.Tensor:
         sent: DeviceSent = pending.sent
