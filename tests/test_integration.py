@@ -274,3 +274,21 @@ def test_no_module_level_mutable_state_and_no_global_statements():
                     isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "") in ("dict", "list", "set"))
                 private = [n for n in names if n.startswith("_") and not n.startswith("__")]
                 assert not (mutable and private), f"{path.name}: {private}"
+
+
+def warnings_under_find_unused_parameters(rank: int, world: int) -> list[bool]:
+    """Whether a reducer warns of DDP's ``find_unused_parameters``, with and without feedback."""
+    import warnings
+
+    warned = []
+    for spec, find_unused in (("dgc", True), ("topk(ratio=0.05)+none+raw+fp32", True), ("dgc", False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = DDP(mlp(0), find_unused_parameters=find_unused)
+            sc.register_ddp_hook(model, spec).close()
+        warned.append(any("find_unused_parameters" in str(warning.message) for warning in caught))
+    return warned
+
+
+def test_ddp_finding_unused_parameters_is_warned_of_where_feedback_would_lose_what_it_sent():
+    assert run_local(2, warnings_under_find_unused_parameters) == [[True, False, False]] * 2

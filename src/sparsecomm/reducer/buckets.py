@@ -11,6 +11,7 @@ says where each parameter goes back to).
 
 from __future__ import annotations
 
+import warnings
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from sparsecomm.errors import SparseCommError
+from sparsecomm.feedback.base import Feedback
+from sparsecomm.feedback.none import NoFeedback
 from sparsecomm.pipeline import Segment
 from sparsecomm.reducer.completion import result_future
 
@@ -70,6 +73,17 @@ class BucketLayout:
 def unwrapped(model: nn.Module | None) -> nn.Module | None:
     """The model a DDP wrapper trains (whose names its parameters' states go by), else ``model``."""
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def warn_of_unused_parameters(model: nn.Module | None, feedback: Feedback) -> None:
+    """Warn where ``model`` is a DDP wrapper that finds unused parameters and ``feedback`` holds
+    back what a step does not send: DDP writes no average into a parameter that no rank used in a
+    step, so what its feedback sent then is lost."""
+    if getattr(model, "find_unused_parameters", False) and not isinstance(feedback, NoFeedback):
+        warnings.warn("DDP(find_unused_parameters=True): a step's average is not written into a parameter no "
+                      f"rank used in it, so what the {feedback.name!r} feedback sent for it then is lost; keep "
+                      "parameters unused for whole phases out of the DDP model, or use 'none' feedback "
+                      "(docs: known-issues)", stacklevel=3)
 
 
 class BucketLayouts:

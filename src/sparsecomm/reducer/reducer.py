@@ -34,7 +34,7 @@ from sparsecomm.adaptive.density import share_density
 from sparsecomm.errors import SparseCommError
 from sparsecomm.pipeline import Pipeline, Segment
 from sparsecomm.presets import resolve
-from sparsecomm.reducer.buckets import unwrapped
+from sparsecomm.reducer.buckets import unwrapped, warn_of_unused_parameters
 from sparsecomm.reducer.checkpoint import FORMAT, migrate
 from sparsecomm.reducer.config import DENSE_BELOW, ReducerConfig
 from sparsecomm.reducer.named import agree_on_step, agree_on_suited, by_name, check_segments, problem, travels
@@ -91,10 +91,10 @@ class GradientReducer:
         """what every rank agrees on (its world size is 0 until the reducer starts)"""
         self.built_with = self.config.spec
         """the spec it was built with, which a call may name though `suit_optimizer` changed it"""
-        # the module, not a DDP wrapper: DDP holds this reducer as its hook's state, and a reference
-        # back would keep both alive (and the wrapper's autograd hooks live) after the user drops them
         self.group = group if group is not None else getattr(model, "process_group", None)
+        # the module, not DDP's wrapper: DDP holds this reducer, and a reference back would keep both alive
         self._model = unwrapped(model)
+        warn_of_unused_parameters(model, self.config.spec.feedback)
         self.stats = ReducerStats()
         self._loaded: dict[str, Any] | None = None
         """a checkpoint loaded before the reducer started, restored when it starts"""
