@@ -205,6 +205,39 @@ def test_a_device_step_refused_for_one_ranks_nan_keeps_the_finite_ranks_gradient
     assert conserved <= 1e-4 * scale, conserved
 
 
+def beyond_fp16(rank: int, world: int, mode: str) -> tuple[list[str], bool, float]:
+    """``mode`` steps whose wire is fp16 (fp16 dense steps, or the device route with fp16 values),
+    rank 0's finite gradient at the second holding an entry beyond fp16's range: what each step
+    did, whether the residual stayed finite, and the largest magnitude the planner knew after the
+    second."""
+    from sparsecomm.adaptive.config import Mode, Plan
+
+    outcomes, magnitude = [], 0.0
+    with sc.GradientReducer("adaptive+residual+rice+fp16+allgather") as reducer:
+        reducer.adaptive.planner.plan = lambda: Plan(Mode(mode), 0.01)
+        for index in range(4):
+            gradient = torch.randn(300, 200, generator=torch.Generator().manual_seed(index))
+            if index == 1 and rank == 0:
+                gradient[3, 4] = 1e6
+            outcomes.append(outcome(reducer.allreduce_, [("w", gradient)]))
+            if index == 1:
+                magnitude = reducer.adaptive.planner.costs.max_magnitude
+        residual = reducer.pipeline.states["w"].feedback["residual"]
+        return outcomes, bool(torch.isfinite(residual).all()), magnitude
+
+
+@pytest.mark.parametrize("mode", ["fp16", "device"])
+def test_a_finite_entry_beyond_fp16s_range_refuses_one_step_and_the_next_go_on(mode):
+    """Every rank refuses the step whose fp16 wire overflowed; the finite rank keeps no Inf in its
+    feedback (it would overflow every later step), and an fp16 dense step turns fp16 off until the
+    largest magnitude is measured again."""
+    for outcomes, finite, magnitude in run_local(2, beyond_fp16, mode, timeout=HANG_S):
+        assert outcomes[0] == "ok" and "non-finite" in outcomes[1] and outcomes[2:] == ["ok", "ok"], outcomes
+        assert finite
+        if mode == "fp16":
+            assert magnitude == math.inf
+
+
 def fails_once_when_posting(rank: int, world: int) -> list[str]:
     """The dense step's local stage fails on every rank at the first step: the step still ends."""
     from sparsecomm.adaptive.config import Mode, Plan

@@ -136,15 +136,18 @@ def withdraw(pipeline: Pipeline, key: str, segments: Sequence[Segment] | None, n
     """A flushed call every rank refused (a rank's gradient was non-finite): each tensor's step
     count goes back, so the ranks stay at one step, and where the flush moved residuals into the
     wire, ``sent`` (a copy of the wire as flushed) goes back into them: a residual then holds
-    what it held before and this step's gradient, as the codecs' route keeps what it selected. A
-    flush that only read its state (DGC's momentum) has nothing else to undo."""
+    what it held before and this step's gradient, as the codecs' route keeps what it selected —
+    but for an entry the wire could not hold (beyond fp16's range: Inf), which is lost, so that no
+    later step sends it again. A flush that only read its state (DGC's momentum) has nothing else
+    to undo."""
     for segment in segments or (Segment(key, 0, numel),):
         state = pipeline.states[segment.key]
         state.step -= 1
         if sent is None or segment.whole:
             continue
         piece = sent[segment.start:segment.start + segment.numel]
-        held(state.feedback, "residual", piece).view(-1).add_(piece, alpha=1.0 / scale)
+        residual = held(state.feedback, "residual", piece).view(-1).add_(piece, alpha=1.0 / scale)
+        residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # what rounding kept of an Inf: ±Inf, or NaN
         state.feedback["clear"] = False
 
 

@@ -11,6 +11,8 @@ says where each parameter goes back to).
 
 from __future__ import annotations
 
+import inspect
+import os
 import warnings
 import zlib
 from collections.abc import Callable
@@ -79,11 +81,15 @@ def warn_of_unused_parameters(model: nn.Module | None, feedback: Feedback) -> No
     """Warn where ``model`` is a DDP wrapper that finds unused parameters and ``feedback`` holds
     back what a step does not send: DDP writes no average into a parameter that no rank used in a
     step, so what its feedback sent then is lost."""
-    if getattr(model, "find_unused_parameters", False) and not isinstance(feedback, NoFeedback):
-        warnings.warn("DDP(find_unused_parameters=True): a step's average is not written into a parameter no "
-                      f"rank used in it, so what the {feedback.name!r} feedback sent for it then is lost; keep "
-                      "parameters unused for whole phases out of the DDP model, or use 'none' feedback "
-                      "(docs: known-issues)", stacklevel=3)
+    if not getattr(model, "find_unused_parameters", False) or isinstance(feedback, NoFeedback):
+        return
+    package, frame, level = os.path.dirname(os.path.dirname(__file__)) + os.sep, inspect.currentframe(), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):  # the user's line, however reached
+        frame, level = frame.f_back, level + 1
+    warnings.warn("DDP(find_unused_parameters=True): a step's average is not written into a parameter no rank "
+                  f"used in it, so what the {feedback.name!r} feedback sent for it then is lost; keep parameters "
+                  "unused for whole phases out of the DDP model, or use 'none' feedback (docs: known-issues)",
+                  stacklevel=level)
 
 
 class BucketLayouts:

@@ -167,8 +167,13 @@ class DenseStepPath(Path):
 
     def withdrawn(self, call: Call, pending: Pending) -> None:
         """Every rank raises at this call: where this rank flushed, its tensors' steps and what its
-        residuals sent go back (`withdraw`)."""
+        residuals sent go back (`withdraw`). A refused fp16 step may have overflowed fp16 with
+        finite gradients: fp16 waits until a step has measured the largest magnitude again (every
+        rank refused the same sum, so every rank's planner does the same)."""
         wire: Wire = pending.sent
+        adaptive = self.parts.adaptive
+        if wire.fp16 and adaptive is not None:
+            adaptive.planner.costs.max_magnitude = math.inf
         self._wires.give_back((call.key, wire.tensor.dtype), wire.tensor)
         if wire.stepped:
             scale = 1.0 / self.parts.config.world_size if wire.fp16 else 1.0

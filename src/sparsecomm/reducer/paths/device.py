@@ -143,8 +143,8 @@ class Bucket:
 @dataclass
 class DeviceSent:
     """What one call sent and proposed: its buffer's format, the indices and their values as
-    delivered, the feedback's proposal, this rank's finiteness (None: no check), the gathered
-    buffers and their bytes."""
+    delivered, the feedback's proposal, whether this rank's gradient and what it delivered were
+    finite (None: no check), the gathered buffers and their bytes."""
 
     bucket: Bucket
     spare: BufferSet
@@ -231,6 +231,9 @@ class DevicePath(Path):
         wire = torch.empty(form.words, dtype=torch.int32, device=flat.device)
         # the codecs take fp32 (as a half-precision gradient's feedback is kept: `state_dtype`)
         delivered = form.pack(wire, header, indices, values.float(), proposed)
+        if finite is not None and not device_values.lossless(form.values):
+            # a finite entry beyond a narrow codec's range arrives as Inf: a refused call keeps no such proposal
+            finite = finite & torch.isfinite(delivered.sum())
         whole_sent = None
         if bucket.whole_error is not None:
             whole_sent = values[form.capacity:]
