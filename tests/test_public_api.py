@@ -10,7 +10,7 @@ PUBLIC = [
     "Pipeline", "PRESETS", "available_presets", "parse_spec",  # pipelines and presets
     "SPARSIFIERS", "FEEDBACKS", "INDEX_CODECS", "VALUE_CODECS", "TRANSPORTS",  # their components, by name
     "SparseGradient", "encode", "decode", "read_info",  # payloads
-    "SparseCommError", "SpecError", "PayloadError",  # errors
+    "SparseCommError", "SpecError", "PayloadError", "NonFiniteError",  # errors
     "keep_freed_host_memory",
 ]
 

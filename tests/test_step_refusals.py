@@ -238,6 +238,35 @@ def test_a_finite_entry_beyond_fp16s_range_refuses_one_step_and_the_next_go_on(m
             assert magnitude == math.inf
 
 
+def dgc_momentum_after_a_sparse_step_with_a_nan(rank: int, world: int, policy: str) -> list[list[float]]:
+    """``adaptive`` under DGC's momentum: a dense step (the momentum then common), a sparse step
+    with rank 1's NaN (refused, or skipped by that rank), then dense steps: what each step handed back."""
+    from sparsecomm.adaptive.config import Mode, Plan
+
+    plans = iter([Plan(Mode.FP32), Plan(Mode.SPARSE, 0.01), Plan(Mode.FP32), Plan(Mode.FP32)])
+    handed = []
+    with sc.GradientReducer("adaptive", nonfinite=policy) as reducer:
+        reducer.adaptive.planner.plan = lambda: next(plans)
+        for index in range(4):
+            gradient = torch.randn(300, 200, generator=torch.Generator().manual_seed(10 * index + rank))
+            if index == 1 and rank == 1:
+                gradient[3, 4] = float("nan")
+            try:
+                reducer.allreduce_([("w", gradient)])
+            except sc.SparseCommError:
+                assert index == 1 and policy == "raise"
+            handed.append(gradient.reshape(-1)[:50].tolist())
+    return handed
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_after_a_sparse_step_with_one_ranks_nan_dgcs_momentum_stays_one_on_every_rank(policy):
+    """The rank with the NaN steps its momentum with zeros, as the finite rank stepped its own: the
+    dense steps after it hand every rank the same update."""
+    first, second = run_local(2, dgc_momentum_after_a_sparse_step_with_a_nan, policy, timeout=HANG_S)
+    assert first[2:] == second[2:]
+
+
 def fails_once_when_posting(rank: int, world: int) -> list[str]:
     """The dense step's local stage fails on every rank at the first step: the step still ends."""
     from sparsecomm.adaptive.config import Mode, Plan

@@ -10,7 +10,7 @@ What is exported here is what a user calls; every other piece is importable from
 
 from sparsecomm import components as components  # every component, loaded in one place (fills the registries)
 from sparsecomm.encode.base import INDEX_CODECS, VALUE_CODECS
-from sparsecomm.errors import PayloadError, SparseCommError, SpecError
+from sparsecomm.errors import NonFiniteError, PayloadError, SparseCommError, SpecError
 from sparsecomm.feedback.base import FEEDBACKS
 from sparsecomm.host_memory import keep_freed_host_memory
 from sparsecomm.payload import decode, encode, read_info
@@ -58,6 +58,7 @@ __all__ = [
     "SparseCommError",
     "SpecError",
     "PayloadError",
+    "NonFiniteError",
     # the host
     "keep_freed_host_memory",
 ]

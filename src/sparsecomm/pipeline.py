@@ -241,7 +241,10 @@ class Pipeline:
         screened, must_raise = screen_nonfinite(flat, self.nonfinite)
         if screened is None:
             for segment in segments:
-                self.states.setdefault(segment.key, TensorState()).last = StepReport(0, None, segment.numel, 0, True)
+                state = self.states.setdefault(segment.key, TensorState())
+                state.last = StepReport(0, None, segment.numel, 0, True)
+                if not must_raise:  # skipped: the step of a zero gradient, as every other rank takes its own
+                    self.idle(segment, state, flat)
             empty = SparseGradient(torch.zeros(0, dtype=torch.int64, device=grad.device),
                                    torch.zeros(0, dtype=grad.dtype, device=grad.device), grad.shape)
             return StepOutput(empty, None, nonfinite=must_raise)
@@ -290,6 +293,15 @@ class Pipeline:
                                                 device=part.values.device)
             state.codec_error.index_add_(0, part.indices.to(state.codec_error.device),
                                          part.values.to(state.codec_error.device, state.codec_error.dtype))
+
+    def idle(self, segment: Segment, state: TensorState, like: torch.Tensor, counted: bool = True) -> None:
+        """A step this rank sits out (its gradient was non-finite): its feedback takes a zero
+        gradient, so that its state stays of the other ranks' kind (DGC's momentum: each rank's own
+        once any rank's step made it so), and, ``counted``, its step count moves on with theirs."""
+        if not segment.whole:
+            self.spec.feedback.accumulate(like.new_zeros(segment.numel), state.feedback)
+        if counted:
+            state.step += 1
 
     def _select(self, flat: torch.Tensor, segments: Sequence[Segment], shapes: list[torch.Size],
                 states: list[TensorState],

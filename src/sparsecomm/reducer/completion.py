@@ -5,11 +5,12 @@ result, never the thread that finished it."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 
-from sparsecomm.errors import SparseCommError
+from sparsecomm.errors import NonFiniteError, SparseCommError
 from sparsecomm.reducer.call import Call
 from sparsecomm.reducer.paths.base import Parts, Path, Pending
 from sparsecomm.reducer.stats import TensorStats
@@ -56,8 +57,10 @@ def complete(parts: Parts, call: Call, path: Path, pending: Pending, stats: Tens
                 parts.adaptive.reports.carried(summed.sides)
             path.measured(call, pending, summed)
         total = path.checked(call, pending, summed)
-    except SparseCommError:  # every rank raises at this call, and none applies it
+    except SparseCommError as error:  # every rank raises at this call, and none applies it
         path.withdrawn(call, pending)
+        if isinstance(error, NonFiniteError) and parts.config.nonfinite == "propagate":
+            return not_a_number(call.tensor)  # as DDP's own all_reduce would sum it: a GradScaler skips the step
         raise
     if summed.lost is not None:
         path.take_back(call, summed.lost)
@@ -70,3 +73,12 @@ def complete(parts: Parts, call: Call, path: Path, pending: Pending, stats: Tens
     total = path.after_average(call, pending, total)
     total = total.reshape(call.tensor.shape).to(call.tensor.dtype)
     return nonzero_rows(total, call.sparse_dim) if call.sparse_dim else total
+
+
+def not_a_number(tensor: torch.Tensor) -> torch.Tensor:
+    """A call's average under ``nonfinite="propagate"`` where its sum was non-finite: NaN in every
+    entry of ``tensor``'s shape, dtype and kind (a sparse gradient's rows, each NaN)."""
+    if tensor.is_sparse:
+        rows = tensor.coalesce()
+        return torch.sparse_coo_tensor(rows.indices(), torch.full_like(rows.values(), math.nan), rows.shape)
+    return torch.full_like(tensor, math.nan)

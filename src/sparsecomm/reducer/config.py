@@ -21,6 +21,9 @@ from sparsecomm.transport.agreement import agree
 from sparsecomm.transport.collectives import fingerprint
 from sparsecomm.transport.request import Request
 
+NONFINITE_SURFACED = (*NONFINITE_POLICIES, "propagate")
+"""a reducer's non-finite policies: the pipeline's, and ``propagate`` — screened as ``raise``, every
+rank's average of the call then NaN where it would raise (`ReducerConfig.screening`)"""
 DENSE_BELOW = 4096
 """tensors (and DDP buckets) with fewer elements take the plain route: compressing them saves nothing"""
 
@@ -37,10 +40,16 @@ class ReducerConfig:
     world_size: int = 1
 
     def __post_init__(self) -> None:
-        if self.nonfinite not in NONFINITE_POLICIES:
-            raise SparseCommError(f"nonfinite must be one of {', '.join(NONFINITE_POLICIES)}")
+        if self.nonfinite not in NONFINITE_SURFACED:
+            raise SparseCommError(f"nonfinite must be one of {', '.join(NONFINITE_SURFACED)}")
         if self.dense_below < 0:
             raise SparseCommError("dense_below must be >= 0 elements")
+
+    @property
+    def screening(self) -> str:
+        """How the paths treat a non-finite gradient (the pipeline's policy): as the reducer's
+        ``nonfinite`` says, ``propagate`` as ``raise`` (`complete` then hands back NaN)."""
+        return "raise" if self.nonfinite == "propagate" else self.nonfinite
 
     def sends_whole(self, shape: torch.Size) -> bool:
         """Whether a tensor of ``shape`` goes whole, not through the sparsifier (`Sparsifier.sends_whole`)."""

@@ -32,7 +32,7 @@ def allreduce_gradients(named_gradients: Iterable[tuple[str, torch.Tensor]], spe
         state: the reducer this function returned on the previous step (None on the first).
         group: the process group (default: the world).
         seed: seeds every random choice; every rank must pass the same.
-        nonfinite: ``"raise"``, ``"skip"`` or ``"zero"`` (see `GradientReducer`).
+        nonfinite: ``"raise"``, ``"propagate"``, ``"skip"`` or ``"zero"`` (see `GradientReducer`).
         dense_below: tensors with fewer elements take a plain fp32 all_reduce.
 
     Returns:

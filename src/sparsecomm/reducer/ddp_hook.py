@@ -83,7 +83,8 @@ def register_ddp_hook(ddp_model: DistributedDataParallel, spec_or_preset: str | 
         ddp_model: the `DistributedDataParallel` model; its process group is the reducer's.
         spec_or_preset: a preset name (``"adaptive"``, ``"dgc"``) or a pipeline spec string.
         seed: seeds every random choice; every rank must pass the same.
-        nonfinite: ``"raise"``, ``"skip"`` or ``"zero"`` (see `GradientReducer`).
+        nonfinite: ``"raise"``, ``"propagate"`` (fp16 mixed precision's ``GradScaler``), ``"skip"``
+            or ``"zero"`` (see `GradientReducer`).
         dense_below: tensors and buckets with fewer elements take a plain fp32 all_reduce.
         topology: ranks per node (`Topology`; ``Topology.from_env()`` under torchrun); None: one
             flat group, every rank a peer.

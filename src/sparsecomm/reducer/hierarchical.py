@@ -225,7 +225,7 @@ class HierarchicalReducer(AcrossNodes):
         this rank owns across nodes."""
         local_size = self.groups.topology.local_size
         mine = grad.coalesce()
-        if self.across.config.nonfinite != "raise":
+        if self.across.config.screening != "raise":
             mine = torch.sparse_coo_tensor(mine.indices(), self._screened(mine.values()), mine.shape).coalesce()
         self._scatters.post_landed(wait=True)  # the hop between nodes takes calls in call order
         if local_size > 1:
@@ -242,7 +242,7 @@ class HierarchicalReducer(AcrossNodes):
         (no host read): its NaN and Inf entries zero, or all of it where any is, so the node's sum
         holds every other rank's gradient, as a flat group's does. Under ``"raise"`` it goes as it
         is, and the sum's check between nodes raises on every rank."""
-        policy = self.across.config.nonfinite
+        policy = self.across.config.screening
         if policy == "zero" and values.is_floating_point():
             return torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
         if policy == "skip" and values.is_floating_point():

@@ -39,7 +39,7 @@ class Runtime:
     def __init__(self, config: ReducerConfig, group: dist.ProcessGroup | None, model: nn.Module | None,
                  stats: ReducerStats) -> None:
         self.config, self.group, self.stats = config, group, stats
-        self.pipeline = Pipeline(config.spec, seed=config.seed, nonfinite=config.nonfinite,
+        self.pipeline = Pipeline(config.spec, seed=config.seed, nonfinite=config.screening,
                                  world_size=config.world_size)
         self.session = TransportSession()
         self.buckets = BucketLayouts(model, config.sends_whole)
@@ -78,7 +78,7 @@ class Runtime:
         config.agree(self.group)
         self.config = config
         self.takes_device_form = None
-        self.pipeline = Pipeline(config.spec, seed=config.seed, nonfinite=config.nonfinite,
+        self.pipeline = Pipeline(config.spec, seed=config.seed, nonfinite=config.screening,
                                  world_size=config.world_size)
         if self.adaptive is not None:
             self.adaptive.planner.suit(config.spec)

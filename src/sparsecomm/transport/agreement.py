@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsecomm.errors import SparseCommError
+from sparsecomm.errors import NonFiniteError, SparseCommError
 from sparsecomm.transport.collectives import Group, all_gather_single, on_wire, wire_device, world
 from sparsecomm.transport.request import Agreement, Request
 from sparsecomm.transport.side_numbers import SIDE_FIELDS, side_words, sides_of_table
@@ -74,7 +74,7 @@ def check_table(table: torch.Tensor, request: Request, numel: int, config: int) 
             f"ranks disagree on tensor size or transport configuration for {key!r} (this rank: numel "
             f"{numel}, config {config:#x}; across ranks numel {min(numels)}..{max(numels)})")
     if any(row[_FLAG] for row in rows):
-        raise SparseCommError(f"a rank had a non-finite gradient (NaN or Inf) in {key!r}; no rank applied it"
+        raise NonFiniteError(f"a rank had a non-finite gradient (NaN or Inf) in {key!r}; no rank applied it"
                               + (" — including this one" if request.nonfinite else ""))
     sizes = tuple(row[_NBYTES] for row in rows)
     nnzs = [row[_NNZ] for row in rows]

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from sparsecomm.adaptive.config import Plan
 from sparsecomm.adaptive.controller import AdaptiveController
-from sparsecomm.errors import SparseCommError
+from sparsecomm.errors import NonFiniteError
 from sparsecomm.pipeline import Pipeline
 from sparsecomm.reducer.call import Call, Route, Summed
 from sparsecomm.reducer.config import ReducerConfig
@@ -164,9 +164,9 @@ class TransportPath(Path):
                       sides=agreement.sides if agreement is not None else None, lost=reduction.lost)
 
 
-def non_finite_sum(key: str) -> SparseCommError:
+def non_finite_sum(key: str) -> NonFiniteError:
     """The error every rank raises where a step's sum is non-finite: a rank's NaN or Inf, or an overflow."""
-    return SparseCommError(f"a rank had a non-finite gradient (NaN or Inf) in {key!r}, or the sum overflowed; "
+    return NonFiniteError(f"a rank had a non-finite gradient (NaN or Inf) in {key!r}, or the sum overflowed; "
                            "no rank applied it")
 
 

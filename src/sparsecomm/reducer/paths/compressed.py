@@ -12,7 +12,7 @@ import torch
 from sparsecomm.adaptive.config import Plan
 from sparsecomm.errors import SparseCommError
 from sparsecomm.finite import largest_magnitude
-from sparsecomm.pipeline import Segment
+from sparsecomm.pipeline import Segment, TensorState
 from sparsecomm.reducer.call import Call, Route, Summed
 from sparsecomm.reducer.paths.base import Pending, Sent, TransportPath, refused
 from sparsecomm.sparse_gradient import SparseGradient
@@ -79,15 +79,21 @@ class CompressedPath(TransportPath):
 
     def withdrawn(self, call: Call, pending: Pending) -> None:
         """What this rank selected goes back into its feedback, to go out with a later step, and its
-        tensors' step counts go back, so the ranks stay at one step (a rank whose gradient was
-        non-finite, or whose codec refused its values, never took the step)."""
+        tensors' step counts go back, so the ranks stay at one step. A rank whose gradient was
+        non-finite, or whose codec refused its values, never took the step: its feedback takes one
+        of zeros, as under ``nonfinite="skip"``, so that every rank's state is of one kind (DGC's
+        momentum: each rank's own from this step on, where a dense step had made it common)."""
         sent: Sent = pending.sent
+        pipeline = self.parts.pipeline
+        segments = call.segments or (Segment(call.key, 0, call.flat.numel()),)
         if not sent.stepped:
+            for segment in segments:
+                pipeline.idle(segment, pipeline.states.setdefault(segment.key, TensorState()), call.flat, counted=False)
             return
         assert isinstance(sent.contribution, SparseGradient)
-        self.parts.pipeline.take_back(sent.contribution.sorted(), call.key, call.segments)
-        for segment in call.segments or (Segment(call.key, 0, call.flat.numel()),):
-            self.parts.pipeline.states[segment.key].step -= 1
+        pipeline.take_back(sent.contribution.sorted(), call.key, call.segments)
+        for segment in segments:
+            pipeline.states[segment.key].step -= 1
 
     def after_average(self, call: Call, pending: Pending, total: torch.Tensor) -> torch.Tensor:
         return self.parts.uncompressed.apply(total, call.key, call.segments, whole_only=True)

@@ -102,19 +102,19 @@ class DenseStepPath(Path):
         scale = 1.0 / config.world_size if half else 1.0  # as DDP's fp16 hook: the sum of P values stays in range
         kept = None
         if as_it_is:  # no feedback: sent as it is
-            screened, must_raise = (home, False) if config.nonfinite == "raise" else screen_nonfinite(home,
-                                                                                                    config.nonfinite)
+            screened, must_raise = (home, False) if config.screening == "raise" else screen_nonfinite(home,
+                                                                                                    config.screening)
             if screened is None:
                 sent.zero_()
             elif screened is not sent:
                 sent.copy_(screened)
         else:
             # what the flush moves out of the feedback a refused step puts back: a copy, where it moves any
-            reads = config.nonfinite == "raise" and reads_only(parts.pipeline, home, segments or (
+            reads = config.screening == "raise" and reads_only(parts.pipeline, home, segments or (
                 Segment(call.key, 0, home.numel()),), sent.dtype, scale)
             sent, must_raise = flush(parts.pipeline, home, call.key, segments, out=sent, scale=scale, sum_checked=True,
                                      buckets=self._residuals, reads=reads)
-            kept = sent.clone() if config.nonfinite == "raise" and not reads and not must_raise else None
+            kept = sent.clone() if config.screening == "raise" and not reads and not must_raise else None
         wire, carrying = sent, None
         if side is not None:  # then full is the wire buffer
             assert full is not None

@@ -222,7 +222,7 @@ class DevicePath(Path):
             whole = bucket.whole_error.sent(grad) if bucket.whole_error is not None else grad[layout.whole]
             values = torch.cat([values, whole])
         if finite is not None:  # a non-finite rank sends NaN (raise: every rank raises) or nothing (skip)
-            values = torch.where(finite, values, math.nan if config.nonfinite == "raise" else 0.0)
+            values = torch.where(finite, values, math.nan if config.screening == "raise" else 0.0)
         magnitude = None  # the largest sent, where adaptive's report needs it: read with the sum's check
         if adaptive is not None and adaptive.report_needed(parts.stats.steps):
             magnitude = largest_magnitude(values) if values.numel() else values.new_zeros(())
@@ -289,7 +289,7 @@ class DevicePath(Path):
         """The gradient to use and, unless the policy is ``zero``, whether it was finite: a 0-d bool
         on the device, read by no one here (one reduction: a sum that overflows counts as
         non-finite). What a non-finite gradient proposes is sent as the policy says, never kept."""
-        if self.parts.config.nonfinite == "zero":
+        if self.parts.config.screening == "zero":
             return torch.nan_to_num(flat, nan=0.0, posinf=0.0, neginf=0.0), None
         return flat, torch.isfinite(flat.sum())
 

@@ -22,7 +22,7 @@ class PlainPath(TransportPath):
 
     def contribution(self, call: Call, request: Request, plan: Plan | None) -> tuple[Transport, torch.Tensor, Request]:
         config = self.parts.config
-        screened, nonfinite = screen_nonfinite(call.tensor.detach(), config.nonfinite)
+        screened, nonfinite = screen_nonfinite(call.tensor.detach(), config.screening)
         dense = screened if screened is not None else torch.zeros_like(call.tensor)
         transport = config.spec.transport if config.spec.transport.name == "dense" else DenseTransport()
         return transport, dense, replace(request, nonfinite=nonfinite)

@@ -43,7 +43,7 @@ class RowsPath(TransportPath):
         if not transport.exact or transport.name == "dense":
             transport = AllgatherTransport()
         sparse = SparseGradient.from_sparse_coo(call.tensor.detach())
-        values, nonfinite = screen_nonfinite(sparse.values, self.parts.config.nonfinite)
+        values, nonfinite = screen_nonfinite(sparse.values, self.parts.config.screening)
         given_index, given_value = codecs_of(request)
         raw = plan is not None and plan.dense  # a dense step sends every row exactly, and cheaply
         index_codec, value_codec = (raw_codecs(sparse.dtype, math.prod(sparse.shape)) if raw
