@@ -267,6 +267,27 @@ def test_after_a_sparse_step_with_one_ranks_nan_dgcs_momentum_stays_one_on_every
     assert first[2:] == second[2:]
 
 
+def codec_refusal_under_dgc_momentum(rank: int, world: int) -> float:
+    """A step rank 1's fp16 codec refuses (a finite 1e6): how far rank 1's momentum is from one
+    step of its gradient, m·b + g, but for the entry fp16 cannot carry, which is dropped (0)."""
+    with sc.GradientReducer("topk(ratio=0.01)+dgc_momentum(momentum=0.9)+rice+fp16+allgather") as reducer:
+        reducer.allreduce_([("w", torch.randn(300, 200, generator=torch.Generator().manual_seed(rank)))])
+        before = reducer.pipeline.states["w"].feedback["momentum_buffer"].clone().reshape(-1)
+        gradient = torch.randn(300, 200, generator=torch.Generator().manual_seed(10 + rank))
+        if rank == 1:
+            gradient[3, 4] = 1e6
+        with pytest.raises(sc.SparseCommError, match="could not make its part"):
+            reducer.allreduce_([("w", gradient.clone())])
+        after = reducer.pipeline.states["w"].feedback["momentum_buffer"].reshape(-1)
+        expected = 0.9 * before + gradient.reshape(-1)
+        expected[expected.abs() > 65504] = 0.0
+        return float((after - expected).abs().max())
+
+
+def test_a_rank_whose_codec_refused_a_step_took_one_momentum_step_and_dropped_what_it_cannot_carry():
+    assert run_local(2, codec_refusal_under_dgc_momentum, timeout=HANG_S)[1] <= 1e-5
+
+
 def fails_once_when_posting(rank: int, world: int) -> list[str]:
     """The dense step's local stage fails on every rank at the first step: the step still ends."""
     from sparsecomm.adaptive.config import Mode, Plan

@@ -7,7 +7,7 @@ with per-tensor state.
 
 Non-finite gradients are handled before anything enters residuals or momenta, by ``nonfinite``:
 ``"raise"`` (default) refuses the step, ``"skip"`` sends nothing from this tensor this step and
-leaves its state untouched, ``"zero"`` replaces NaN/±Inf entries by 0 and goes on.
+steps its state as with a zero gradient, ``"zero"`` replaces NaN/±Inf entries by 0 and goes on.
 
 A step may cover several named tensors laid out in one flat buffer (a DDP bucket): each `Segment`
 keeps its own state — residual, momentum, step — and is sparsified on its own, and the step sends
@@ -131,7 +131,7 @@ class Pipeline:
         seed: seeds every random choice.
         nonfinite: what a gradient holding NaN or ±Inf does, before anything enters its state:
             ``"raise"`` refuses the step, ``"skip"`` sends nothing from this tensor this step and
-            leaves its state untouched, ``"zero"`` replaces those entries by 0 and goes on.
+            steps its state as with a zero gradient, ``"zero"`` replaces those entries by 0 and goes on.
         world_size: the number of ranks (feeds DGC's local clipping threshold).
 
     Raises:

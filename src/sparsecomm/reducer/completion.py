@@ -60,7 +60,7 @@ def complete(parts: Parts, call: Call, path: Path, pending: Pending, stats: Tens
     except SparseCommError as error:  # every rank raises at this call, and none applies it
         path.withdrawn(call, pending)
         if isinstance(error, NonFiniteError) and parts.config.nonfinite == "propagate":
-            return not_a_number(call.tensor)  # as DDP's own all_reduce would sum it: a GradScaler skips the step
+            return not_a_number(call)  # as DDP's own all_reduce would sum it: a GradScaler skips the step
         raise
     if summed.lost is not None:
         path.take_back(call, summed.lost)
@@ -75,10 +75,14 @@ def complete(parts: Parts, call: Call, path: Path, pending: Pending, stats: Tens
     return nonzero_rows(total, call.sparse_dim) if call.sparse_dim else total
 
 
-def not_a_number(tensor: torch.Tensor) -> torch.Tensor:
-    """A call's average under ``nonfinite="propagate"`` where its sum was non-finite: NaN in every
-    entry of ``tensor``'s shape, dtype and kind (a sparse gradient's rows, each NaN)."""
-    if tensor.is_sparse:
-        rows = tensor.coalesce()
-        return torch.sparse_coo_tensor(rows.indices(), torch.full_like(rows.values(), math.nan), rows.shape)
-    return torch.full_like(tensor, math.nan)
+def not_a_number(call: Call) -> torch.Tensor:
+    """A call's average under ``nonfinite="propagate"`` where its sum was non-finite, in its
+    gradient's shape, dtype and kind: NaN in every entry of a dense gradient; a sparse one's first
+    row NaN, the same on every rank whatever rows it had (a GradScaler looks for one NaN)."""
+    tensor = call.tensor
+    sparse_dim = call.sparse_dim or (tensor.sparse_dim() if tensor.is_sparse else 0)
+    if not sparse_dim:
+        return torch.full_like(tensor, math.nan)
+    first = torch.zeros(sparse_dim, 1, dtype=torch.int64, device=tensor.device)
+    row = torch.full((1, *tensor.shape[sparse_dim:]), math.nan, dtype=tensor.dtype, device=tensor.device)
+    return torch.sparse_coo_tensor(first, row, tensor.shape, is_coalesced=True, check_invariants=False)  # row 0: sound

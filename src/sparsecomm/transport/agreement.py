@@ -47,7 +47,7 @@ def agree(group: Group, request: Request, numel: int, config: int, nnz: int = 0,
 def agreement_record(request: Request, numel: int, config: int, nnz: int = 0, nbytes: int = 0) -> torch.Tensor:
     """This rank's row of the agreement table (`RECORD_FIELDS` int64 values: the checked fields, then
     the request's side numbers)."""
-    flag = REFUSED if request.refused else NONFINITE if request.nonfinite else 0
+    flag = NONFINITE if request.nonfinite else REFUSED if request.refused else 0
     checked = [numel, config, request.key_hash, request.call, nnz, flag, nbytes]
     return torch.tensor(checked + side_words(request.side), dtype=torch.int64)
 

@@ -64,11 +64,13 @@ class Pending:
 class Sent:
     """What a transport call sent: this rank's contribution, the buffer the sum lands in, and
     whether making the contribution took a step of this rank's state (not where its gradient was
-    non-finite or its codec refused it)."""
+    non-finite or its codec refused it; a refusal still moved its feedback)."""
 
     contribution: SparseGradient | torch.Tensor
     out: torch.Tensor | None
     stepped: bool = False
+    sat_out: bool = False
+    """this rank's gradient was non-finite, and the call left its state untouched"""
 
 
 class Path(ABC):
@@ -127,6 +129,11 @@ class TransportPath(Path):
                           index_codec=parts.config.spec.index_codec, value_codec=parts.config.spec.value_codec,
                           side=side or ())
         transport, contribution, request = self.contribution(call, request, plan)
+        sat_out = request.nonfinite and not request.refused  # its gradient non-finite: its state untouched
+        if request.refused and parts.config.nonfinite == "propagate":
+            # a value its codec cannot carry (beyond fp16's range, as a scaled loss's overflow makes it)
+            # is non-finite on the wire: every rank's average NaN
+            request = replace(request, nonfinite=True)
         submitted = time.perf_counter()
         if adaptive is not None:
             adaptive.measuring.submitted(call.tensor.numel(), *self.budget_counts(call, plan), submitted - start,
@@ -139,7 +146,8 @@ class TransportPath(Path):
         waits = fuses and (expected is None or expected < FUSE_BELOW)
         future = parts.calls.post(transport, contribution, request, out, call.last, fuses, waits)
         stepped = not request.nonfinite and not request.refused
-        return Pending(future, submitted, carries_report=side is not None, sent=Sent(contribution, out, stepped))
+        return Pending(future, submitted, carries_report=side is not None,
+                       sent=Sent(contribution, out, stepped, sat_out))
 
     @abstractmethod
     def contribution(self, call: Call, request: Request,

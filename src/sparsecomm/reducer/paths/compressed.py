@@ -10,6 +10,7 @@ from dataclasses import replace
 import torch
 
 from sparsecomm.adaptive.config import Plan
+from sparsecomm.encode.base import ValueCodec
 from sparsecomm.errors import SparseCommError
 from sparsecomm.finite import largest_magnitude
 from sparsecomm.pipeline import Segment, TensorState
@@ -79,16 +80,22 @@ class CompressedPath(TransportPath):
 
     def withdrawn(self, call: Call, pending: Pending) -> None:
         """What this rank selected goes back into its feedback, to go out with a later step, and its
-        tensors' step counts go back, so the ranks stay at one step. A rank whose gradient was
-        non-finite, or whose codec refused its values, never took the step: its feedback takes one
-        of zeros, as under ``nonfinite="skip"``, so that every rank's state is of one kind (DGC's
-        momentum: each rank's own from this step on, where a dense step had made it common)."""
+        tensors' step counts go back, so the ranks stay at one step. A rank whose codec refused its
+        values never counted the step, and its feedback holds the gradient but for what the codec
+        cannot carry (`drop_beyond`); one whose gradient was non-finite never took the step: its
+        feedback takes one of zeros, as under ``nonfinite="skip"``, so that every rank's state is
+        of one kind (DGC's momentum: each rank's own from this step on, where a dense step had made
+        it common)."""
         sent: Sent = pending.sent
         pipeline = self.parts.pipeline
         segments = call.segments or (Segment(call.key, 0, call.flat.numel()),)
         if not sent.stepped:
             for segment in segments:
-                pipeline.idle(segment, pipeline.states.setdefault(segment.key, TensorState()), call.flat, counted=False)
+                state = pipeline.states.setdefault(segment.key, TensorState())
+                if sent.sat_out:
+                    pipeline.idle(segment, state, call.flat, counted=False)
+                else:
+                    drop_beyond(pipeline.spec.value_codec, state)
             return
         assert isinstance(sent.contribution, SparseGradient)
         pipeline.take_back(sent.contribution.sorted(), call.key, call.segments)
@@ -97,3 +104,16 @@ class CompressedPath(TransportPath):
 
     def after_average(self, call: Call, pending: Pending, total: torch.Tensor) -> torch.Tensor:
         return self.parts.uncompressed.apply(total, call.key, call.segments, whole_only=True)
+
+
+def drop_beyond(codec: ValueCodec, state: TensorState) -> None:
+    """Zero what a tensor's feedback holds beyond the largest value ``codec`` carries (a float
+    format's; others carry any finite value): a value the codec refused, which every later step
+    would send and the codec refuse again. That value is lost."""
+    wire = getattr(codec, "wire_dtype", None)
+    if not isinstance(wire, torch.dtype):
+        return
+    bound = torch.finfo(wire).max
+    held = [value for value in state.feedback.values() if isinstance(value, torch.Tensor) and value.is_floating_point()]
+    for value in [*held, *([state.codec_error] if state.codec_error is not None else [])]:
+        value.masked_fill_(value.abs() > bound, 0.0)
