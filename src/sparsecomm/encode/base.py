@@ -10,6 +10,7 @@ allocate more than the bound `sparsecomm.payload` documents.
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar
 
 import numpy as np
@@ -79,6 +80,11 @@ class ValueCodec(Component):
     def max_count(self, nbytes: int) -> int:
         """The most values ``nbytes`` of this codec's output can hold."""
         return 8 * nbytes
+
+    def largest(self) -> float:
+        """The largest magnitude a value may have for this codec to carry it (beyond it, `encode`
+        refuses): any finite one by default."""
+        return math.inf
 
     def lossless_for(self, dtype: torch.dtype) -> bool:
         """Whether values of ``dtype`` decode to exactly what was encoded."""

@@ -37,6 +37,9 @@ class FloatValues(ValueCodec):
     def max_count(self, nbytes: int) -> int:
         return nbytes // self.itemsize
 
+    def largest(self) -> float:
+        return torch.finfo(self.wire_dtype).max
+
     def lossless_for(self, dtype: torch.dtype) -> bool:
         return torch.promote_types(dtype, self.wire_dtype) == self.wire_dtype  # the wire holds every value
 

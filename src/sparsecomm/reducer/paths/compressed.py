@@ -4,6 +4,7 @@ bucket with its own state — and the spec's transport. A rank whose codec canno
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 
@@ -107,13 +108,12 @@ class CompressedPath(TransportPath):
 
 
 def drop_beyond(codec: ValueCodec, state: TensorState) -> None:
-    """Zero what a tensor's feedback holds beyond the largest value ``codec`` carries (a float
-    format's; others carry any finite value): a value the codec refused, which every later step
-    would send and the codec refuse again. That value is lost."""
-    wire = getattr(codec, "wire_dtype", None)
-    if not isinstance(wire, torch.dtype):
+    """Zero what a tensor's feedback holds beyond the largest value ``codec`` carries
+    (`ValueCodec.largest`): a value the codec refused, which every later step would send and the
+    codec refuse again. That value is lost."""
+    bound = codec.largest()
+    if math.isinf(bound):
         return
-    bound = torch.finfo(wire).max
     held = [value for value in state.feedback.values() if isinstance(value, torch.Tensor) and value.is_floating_point()]
     for value in [*held, *([state.codec_error] if state.codec_error is not None else [])]:
         value.masked_fill_(value.abs() > bound, 0.0)
