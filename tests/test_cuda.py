@@ -16,6 +16,7 @@ from sparsecomm.transport.request import Request
 from sparsecomm.transport.session import TransportSession
 from test_adaptive_reducer import on_a_slow_link
 from test_device_mode import moving
+from test_grad_scaler import scaled_steps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 
@@ -417,3 +418,14 @@ def test_steps_that_move_between_the_codecs_and_the_device_route_lose_nothing_on
     (model, missing, routes), (other, _, _) = run_local(2, moving, None, "cuda", timeout=240)
     assert model == other and missing < 1e-5, missing
     assert routes.count("device") == 4 and routes.count("compressed") == 3
+
+
+@pytest.mark.parametrize("preset", ["adaptive", "dgc", DEVICE_ROUTE])
+def test_fp16_autocast_and_a_grad_scaler_skip_one_ranks_overflow_on_every_rank_on_gpus(preset):
+    """`nonfinite="propagate"` with CUDA gradients under fp16 autocast (two ranks, gloo carrying
+    them): rank 1's overflow at the third step halves every rank's scale and the ranks stay alike."""
+    (scales, overflowed, first, _), (other_scales, other_overflowed, second, _) = run_local(
+        2, scaled_steps, preset, "mlp", float("inf"), "cuda", timeout=300)
+    assert overflowed == other_overflowed == [False, False, True, False, False]
+    assert scales == other_scales == [1024.0, 1024.0, 512.0, 512.0, 512.0]
+    assert first == second

@@ -37,20 +37,23 @@ def token_batches(rank: int, world: int, steps: int):
         yield torch.randint(0, 100, (8, 5), generator=generator), torch.randint(0, 10, (8,), generator=generator)
 
 
-def scaled_steps(rank: int, world: int, spec: str, model_kind: str = "mlp",
-                 overflow: float = float("inf")) -> tuple[list[float], list[bool], str, bool]:
+def scaled_steps(rank: int, world: int, spec: str, model_kind: str = "mlp", overflow: float = float("inf"),
+                 device: str = "cpu") -> tuple[list[float], list[bool], str, bool]:
     """Five steps under a GradScaler, rank 1's loss times ``overflow`` at `OVERFLOW_STEP`: each
     step's scale after it, whether the averaged gradients held a non-finite entry, the model's
-    digest and whether every rank's state stayed finite."""
-    model = DDP(mlp(0) if model_kind == "mlp" else Tagger())
+    digest and whether every rank's state stayed finite. On ``cuda``, under fp16 autocast."""
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    model = DDP((mlp(0) if model_kind == "mlp" else Tagger()).to(device))
     reducer = sc.register_ddp_hook(model, spec, nonfinite="propagate")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler = torch.amp.GradScaler(device, init_scale=1024.0)
     scales, overflowed = [], []
     data = batches(rank, world, 5) if model_kind == "mlp" else token_batches(rank, world, 5)
     for step, (inputs, labels) in enumerate(data):
         optimizer.zero_grad()
-        loss = F.cross_entropy(model(inputs), labels)
+        with torch.autocast(device, dtype=torch.float16, enabled=device == "cuda"):
+            loss = F.cross_entropy(model(inputs.to(device)), labels.to(device))
         if step == OVERFLOW_STEP and rank == 1:
             loss = loss * overflow
         scaler.scale(loss).backward()
@@ -62,7 +65,7 @@ def scaled_steps(rank: int, world: int, spec: str, model_kind: str = "mlp",
     state = reducer.state_dict()
     reducer.close()
     finite = all(bool(torch.isfinite(value).all()) for value in tensors(state))
-    return scales, overflowed, hashlib.sha256(b"".join(p.detach().numpy().tobytes()
+    return scales, overflowed, hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes()
                                                        for p in model.parameters())).hexdigest(), finite
 
 
