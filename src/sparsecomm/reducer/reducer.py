@@ -55,10 +55,9 @@ class GradientReducer:
         spec: a preset name (``"dgc"``), a pipeline spec string, or a parsed `PipelineSpec`.
         group: the process group (default: ``model``'s if it is a DDP model, else the world).
         seed: seeds every random choice; all ranks must pass the same.
-        nonfinite: ``"raise"`` (every rank raises, none applies the sum, a finite rank keeps its gradient
-            in its feedback), ``"propagate"`` (so, but each rank's average is NaN, as DDP's all_reduce
-            makes it: a ``GradScaler`` skips the step), ``"skip"`` (this rank sends nothing for
-            that tensor this step) or ``"zero"`` (NaN/Inf entries become 0).
+        nonfinite: ``"raise"`` (every rank raises, none applies the sum), ``"propagate"`` (every rank's
+            average NaN, as DDP's all_reduce makes it: a ``GradScaler`` skips the step), ``"skip"``
+            (this rank sends nothing for that tensor this step) or ``"zero"`` (NaN/Inf become 0).
         dense_below: tensors (and DDP buckets) with fewer elements take the plain route; inside a
             compressed bucket, parameters that small are sent whole.
         average: divide the sum by the world size.
