@@ -205,8 +205,8 @@ def test_the_device_routes_checkpoint_is_the_host_paths_state_by_name():
 
 def nonfinite_step(rank: int, world: int, policy: str) -> dict:
     """Rank 1's gradient holds a NaN at the second step: what each rank raised, whether its DGC
-    momentum state stayed as it was or took in the step's gradient (b ← 0.9·b + g, v ← v + b),
-    and whether it is finite."""
+    momentum state stayed as it was, took in the step's gradient (b ← 0.9·b + g, v ← v + b) or
+    the step of a zero gradient (b ← 0.9·b, v ← v + b), and whether it is finite."""
     model = mlp(0)
     reducer = sc.GradientReducer(DEVICE_SPEC, nonfinite=policy)
     outcome, before, after, gradient = "ok", None, None, None
@@ -235,21 +235,24 @@ def nonfinite_step(rank: int, world: int, policy: str) -> dict:
     momentum = 0.9 * flat_before["momentum_buffer"] + gradient.reshape(-1)
     took_in = (torch.allclose(flat_after["momentum_buffer"], momentum, atol=1e-6)
                and torch.allclose(flat_after["accumulated"], flat_before["accumulated"] + momentum, atol=1e-6))
+    decayed = 0.9 * flat_before["momentum_buffer"]
+    idled = (torch.allclose(flat_after["momentum_buffer"], decayed, atol=1e-6)
+             and torch.allclose(flat_after["accumulated"], flat_before["accumulated"] + decayed, atol=1e-6))
     finite = all(bool(torch.isfinite(v).all()) for v in after.values())
-    return {"outcome": outcome, "kept": kept, "took_in": took_in, "finite": finite}
+    return {"outcome": outcome, "kept": kept, "took_in": took_in, "idled": idled, "finite": finite}
 
 
 @pytest.mark.parametrize("policy", ["raise", "skip", "zero"])
 def test_a_non_finite_gradient_on_the_device_route_loses_nothing_and_raises_on_every_rank(policy):
     results = run_local(2, nonfinite_step, policy, timeout=120)
     assert all(r["finite"] for r in results)
-    if policy == "raise":  # the finite rank holds its gradient for a later step, the other its old state
+    if policy == "raise":  # the finite rank holds its gradient for a later step, the other a zero's step
         assert all("non-finite gradient" in r["outcome"] for r in results)
-        assert results[0]["took_in"] and results[1]["kept"]
+        assert results[0]["took_in"] and results[1]["idled"]
     else:
         assert all(r["outcome"] == "ok" for r in results)
-    if policy == "skip":
-        assert results[1]["kept"] and not results[0]["kept"]  # only the rank with NaN keeps its old state
+    if policy == "skip":  # the rank with the NaN takes a zero gradient's step, as the host path's does
+        assert results[1]["idled"] and not results[0]["kept"]
 
 
 def train_half(rank: int, world: int, spec: str, dtype: torch.dtype, steps: int) -> dict:

@@ -9,7 +9,8 @@ Each bucket's feedback lives in flat buffers; each parameter's state in the pipe
 its segment, under the names the host path uses, so a checkpoint is the same either way and
 follows a parameter into whatever bucket DDP puts it. A rank whose gradient is non-finite sends
 NaN under ``nonfinite="raise"`` (every rank's sum is then non-finite and every rank raises) and
-zeros under ``"skip"``, keeping its state; ``"zero"`` replaces those entries by 0."""
+zeros under ``"skip"``, its feedback taking a zero gradient's step; ``"zero"`` replaces those
+entries by 0."""
 
 from __future__ import annotations
 
@@ -359,7 +360,7 @@ class DevicePath(Path):
         sent: DeviceSent = pending.sent
         assert sent.agreed is not None and sent.sum_finite is not None
         # whether the sum is good (every rank's layout; finite, overflow included) and this rank's own
-        # gradient was finite (under "skip" it sent zeros, and keeps its state)
+        # gradient was finite (under "skip" it sent zeros, and its feedback takes a zero gradient's step)
         good = sent.agreed & sent.sum_finite
         flags = good * GOOD + (sent.finite if sent.finite is not None else good) * OWN_FINITE  # int64
         adaptive = self.parts.adaptive
@@ -410,13 +411,27 @@ class DevicePath(Path):
         sent: DeviceSent = pending.sent
         bucket = sent.bucket
         if not sent.kept:
-            bucket.spare = sent.spare
+            self._sit_out(sent)
             return
         commit(self.spec.feedback, sent.proposal, sent.indices[:0], bucket.layout.whole)
         bucket.keep(sent.spare)
         if bucket.whole_error is not None and sent.whole_sent is not None:
             bucket.whole_error.spare.copy_(sent.whole_sent)
             bucket.whole_error.keep()
+
+    def _sit_out(self, sent: DeviceSent) -> None:
+        """This rank's gradient (or what it delivered) was non-finite: its feedback takes the step
+        of a zero gradient, nothing sent, as the host path's does (`Pipeline.idle`) — DGC's
+        momentum decays as every other rank's steps — in the spare set, which becomes the state."""
+        bucket = sent.bucket
+        feedback = self.spec.feedback
+        if not isinstance(feedback, DGCMomentum):  # a zero gradient leaves any other feedback as it is
+            bucket.spare = sent.spare
+            return
+        zeros = bucket.held.buffers["momentum_buffer"].new_zeros(bucket.layout.numel)
+        proposal = propose(feedback, zeros, bucket.held.buffers, sent.spare.buffers)
+        commit(feedback, proposal, sent.indices[:0], bucket.layout.whole)
+        bucket.keep(sent.spare)
 
     def after_average(self, call: Call, pending: Pending, total: torch.Tensor) -> torch.Tensor:
         sent: DeviceSent = pending.sent
@@ -427,7 +442,7 @@ class DevicePath(Path):
             if sent.bucket.whole_error is not None:
                 sent.bucket.whole_error.keep()
         else:
-            sent.bucket.spare = sent.spare
+            self._sit_out(sent)
         states = self.parts.pipeline.states
         for segment in call.segments or (Segment(call.key, 0, total.numel()),):
             states[segment.key].step += 1
