@@ -79,8 +79,7 @@ def not_a_number(call: Call) -> torch.Tensor:
     """A call's average under ``nonfinite="propagate"`` where its sum was non-finite, in its
     gradient's shape, dtype and kind: NaN in every entry of a dense gradient; a sparse one's first
     row NaN, the same on every rank whatever rows it had (a GradScaler looks for one NaN)."""
-    tensor = call.tensor
-    sparse_dim = call.sparse_dim or (tensor.sparse_dim() if tensor.is_sparse else 0)
+    tensor, sparse_dim = call.tensor, call.sparse_dim
     if not sparse_dim:
         return torch.full_like(tensor, math.nan)
     first = torch.zeros(sparse_dim, 1, dtype=torch.int64, device=tensor.device)

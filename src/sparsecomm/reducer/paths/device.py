@@ -232,8 +232,9 @@ class DevicePath(Path):
         wire = torch.empty(form.words, dtype=torch.int32, device=flat.device)
         # the codecs take fp32 (as a half-precision gradient's feedback is kept: `state_dtype`)
         delivered = form.pack(wire, header, indices, values.float(), proposed)
-        if finite is not None and not device_values.lossless(form.values):
-            # a finite entry beyond a narrow codec's range arrives as Inf: a refused call keeps no such proposal
+        if finite is not None and not device_values.lossless(form.values) and math.isfinite(form.values.largest()):
+            # a finite entry beyond a narrow float format's range arrives as Inf: a refused call keeps no such
+            # proposal (fp32, and int8 with its scales, carry every finite value: no check)
             finite = finite & torch.isfinite(delivered.sum())
         whole_sent = None
         if bucket.whole_error is not None:
