@@ -32,7 +32,7 @@ def mlp(seed: int) -> nn.Module:
 
 
 def digest(model: nn.Module) -> str:
-    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    return hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())).hexdigest()
 
 
 def batches(rank: int, world: int, steps: int, batch: int = 32):
