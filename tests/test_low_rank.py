@@ -16,6 +16,7 @@ from sparsecomm.adaptive.config import Mode, Plan
 from sparsecomm.adaptive.planner import Planner
 from sparsecomm.adaptive.report import Report
 from sparsecomm.launch import run_local
+from sparsecomm.reducer.call import Route
 from sparsecomm.reducer.checkpoint import FORMAT, migrate
 from sparsecomm.sparsify.adaptive import Adaptive
 from test_training import batches, digest, mlp
@@ -257,6 +258,76 @@ def test_a_format_2_checkpoint_starts_the_low_rank_steps_costs_unmeasured():
     fresh.load_state_dict(migrated["adaptive"]["planner"])
     assert not fresh.costs.low_rank_step_s and fresh.costs.fp32_step_s == planner.costs.fp32_step_s
     assert fresh.trials.incumbent == Mode.LOW_RANK
+
+
+def several_matrices(rank: int, world: int, steps: int, deferred: bool) -> dict:
+    """``steps`` low-rank steps of three matrices and a vector, each its own call; ``deferred``:
+    every second all_reduce waits for the step's end (as over NCCL) rather than for the next call."""
+    generator = torch.Generator().manual_seed(rank)
+    shapes = {"w1": (48, 40), "w2": (40, 56), "v": (40,), "w3": (30, 48)}
+    averages, early = [], []
+    with sc.GradientReducer(SPEC) as reducer:
+        forced_low_rank(reducer)
+        for step in range(steps):
+            grads = [(name, torch.randn(shape, generator=generator)) for name, shape in shapes.items()]
+            if step == 1:  # the path exists
+                watch(reducer.runtime.paths[Route.LOW_RANK], early, deferred)
+            reducer.allreduce_(grads)
+            averages.append(torch.cat([grad.reshape(-1) for _, grad in grads]))
+    return {"averages": averages, "early": early}
+
+
+def watch(path, early: list[int], deferred: bool) -> None:
+    """``path``'s earlier calls' second all_reduces: counted into ``early`` as each call posts, or
+    left to the step's end (``deferred``)."""
+    post = path._post_second_rounds
+
+    def counted() -> None:
+        early.append(len(path._open))
+        post()
+
+    path._post_second_rounds = (lambda: None) if deferred else counted
+
+
+def test_over_gloo_a_calls_second_all_reduce_goes_at_the_next_calls_post_with_the_same_averages():
+    """Each call's Q is posted when the step's next call posts its P (while a DDP backward would
+    still compute), the same on every rank; the averages are those of Q posted at the step's end."""
+    early = run_local(2, several_matrices, 3, False)
+    deferred = run_local(2, several_matrices, 3, True)
+    # from the second step on (the path exists), three of the four calls each find the one before open
+    assert early[0]["early"] == early[1]["early"] == [0, 1, 1, 1] * 2
+    for ours, theirs in zip(early[0]["averages"], deferred[0]["averages"], strict=True):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(early[0]["averages"], early[1]["averages"], strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def nonfinite_earlier_call(rank: int, world: int) -> dict:
+    """Rank 1's first matrix holds a NaN at the third step, whose second all_reduce would go at the
+    next call's post: what each rank raised and holds."""
+    with sc.GradientReducer(SPEC) as reducer:
+        forced_low_rank(reducer)
+        generator = torch.Generator().manual_seed(rank)
+        for step in range(4):
+            grads = [("w", torch.randn(48, 40, generator=generator)), ("w2", torch.randn(40, 56, generator=generator))]
+            if step == 2 and rank == 1:
+                grads[0][1][3, 5] = float("nan")
+            before = reducer.pipeline.states["w"].feedback["residual"].clone() if step == 2 else None
+            fed = grads[0][1].clone()
+            try:
+                reducer.allreduce_([(name, grad.clone()) for name, grad in grads])
+            except sc.SparseCommError as err:
+                after = reducer.pipeline.states["w"].feedback["residual"]
+                expected = before + fed.reshape(before.shape) if rank == 0 else before
+                return {"error": str(err), "kept": torch.allclose(expected, after, atol=1e-5),
+                        "step": reducer.pipeline.states["w"].step}
+    return {"error": "no error", "kept": False}
+
+
+def test_a_non_finite_gradient_in_a_call_whose_q_goes_early_fails_every_rank_and_loses_nothing():
+    runs = run_local(2, nonfinite_earlier_call)
+    assert all("non-finite" in run["error"] and "'w'" in run["error"] and run["kept"] and run["step"] == 2
+               for run in runs), runs
 
 
 def nonfinite_low_rank(rank: int, world: int) -> dict:

@@ -61,10 +61,12 @@ class Baseline:
             return f"{self.name} cannot run here: PyTorch's hook does not take sparse gradients"
         return None
 
-    def wrap(self, module: torch.nn.Module) -> tuple[DistributedDataParallel, BytesMeter]:
-        """``module`` in DDP with this scheme's hook, and a meter of the bytes it sends."""
+    def wrap(self, module: torch.nn.Module, bucket_mb: float | None = None
+             ) -> tuple[DistributedDataParallel, BytesMeter]:
+        """``module`` in DDP with this scheme's hook, and a meter of the bytes it sends; its buckets
+        of ``bucket_mb`` (None: PyTorch's default), unless the scheme needs one."""
         numel = sum(p.numel() for p in module.parameters())
-        options: dict[str, Any] = {}
+        options: dict[str, Any] = {} if bucket_mb is None else {"bucket_cap_mb": bucket_mb}
         if self.one_bucket:
             options["bucket_cap_mb"] = max(1.0, 2 * numel * 4 / 2**20)  # one bucket: PowerSGD's gloo workaround
         model = DistributedDataParallel(module, **options)

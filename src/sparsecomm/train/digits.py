@@ -28,6 +28,8 @@ class Digits:
     default_batch, default_steps = 32, 300
     default_presets = None
     regime = RESNET50_ON_1GBE
+    ddp_bucket_mb: float | None = None
+    """the size of the DDP buckets its rows train in (None: PyTorch's default)"""
 
     def __init__(self) -> None:
         try:

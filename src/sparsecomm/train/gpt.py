@@ -67,9 +67,14 @@ class StdlibGPT:
     """the split's unit: every tenth block of this many bytes is held out"""
 
     def __init__(self, shape: GPTShape = SMALL, name: str = "gpt", default_batch: int = 8,
-                 default_steps: int = 120, max_bytes: int = 4_000_000) -> None:
+                 default_steps: int = 120, max_bytes: int = 4_000_000, ddp_bucket_mb: float | None = 2.0) -> None:
         self.shape, self.name = shape, name
         self.default_batch, self.default_steps = default_batch, default_steps
+        self.ddp_bucket_mb = ddp_bucket_mb
+        """the size of the DDP buckets its rows train in (None: PyTorch's default, 25 MB). PyTorch's
+        default holds the 8 MB default model in two buckets, the larger ready only as the backward
+        ends; in buckets of 2 MB (four) each bucket's collectives cross the link while the backward
+        computes the next"""
         text = _stdlib_source(max_bytes)
         if len(text) < 100_000:
             raise SparseCommError(f"found only {len(text)} bytes of standard-library source")

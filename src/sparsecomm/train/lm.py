@@ -29,6 +29,8 @@ class StdlibLanguageModel:
     warmup_share = 0.0
     """no warm-up: a constant learning rate (`UpdateRule.schedule`)"""
     default_batch, default_steps = 32, 300
+    ddp_bucket_mb: float | None = None
+    """the size of the DDP buckets its rows train in (None: PyTorch's default)"""
     default_presets = None
     regime = RESNET50_ON_1GBE
     CONTEXT, VOCAB, MAX_WORDS = 4, 5000, 400_000

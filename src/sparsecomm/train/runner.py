@@ -131,16 +131,18 @@ Reducer = GradientReducer | HierarchicalReducer | FSDPCompression | FlatFSDPComp
 """what a sparsecomm row reduces its gradients with"""
 
 
-def _wrapped(row: str, module: nn.Module, world: int, nodes: int, seed: int
+def _wrapped(row: str, module: nn.Module, world: int, nodes: int, seed: int, bucket_mb: float | None = None
              ) -> tuple[nn.Module, Reducer | None, BytesMeter | None]:
-    """The row's model, and what counts its bytes: its reducer, or a meter for PyTorch's rows."""
+    """The row's model, and what counts its bytes: its reducer, or a meter for PyTorch's rows.
+    ``bucket_mb``: the size of its DDP buckets (None: PyTorch's default)."""
     baseline = BASELINES.get(row)
     if baseline is not None:
-        model, meter = baseline.wrap(module)
+        model, meter = baseline.wrap(module, bucket_mb)
         return model, None, meter
     if is_sharded(row):
         return sharded.build(row, module, nodes, seed)
-    model = DistributedDataParallel(module)
+    model = DistributedDataParallel(module) if bucket_mb is None else DistributedDataParallel(module,
+                                                                                             bucket_cap_mb=bucket_mb)
     topology = Topology(world // nodes) if row.startswith(HIERARCHICAL) else None
     return model, register_ddp_hook(model, preset_of(row), seed=seed, topology=topology), None
 
@@ -152,7 +154,7 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
     of PyTorch's own schemes (`BASELINES`, `SHARDED_BASELINES`)."""
     device = worker_device(device_name, rank)
     compute_per_step = compute_seconds_per_step(task, batch, seed, device=device, rule=rule)
-    model, reducer, meter = _wrapped(row, task.model(seed).to(device), world, nodes, seed)
+    model, reducer, meter = _wrapped(row, task.model(seed).to(device), world, nodes, seed, task.ddp_bucket_mb)
     counted = meter if meter is not None else reducer.stats if reducer is not None else None
     assert counted is not None, "every row counts its bytes: a meter or a reducer's stats"
     optimizer, suited = rule.build(model, reducer)  # one update rule for every row

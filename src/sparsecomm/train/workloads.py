@@ -15,7 +15,7 @@ from sparsecomm.train.lm import StdlibLanguageModel
 Workload = Digits | StdlibLanguageModel | StdlibGPT | DigitsResNet
 WORKLOADS: Mapping[str, Callable[[], Workload]] = MappingProxyType({
     "digits": Digits, "cnn": DigitsResNet, "lm": StdlibLanguageModel, "gpt": StdlibGPT,
-    "gpt-large": lambda: StdlibGPT(LARGE, name="gpt-large", default_batch=32),
+    "gpt-large": lambda: StdlibGPT(LARGE, name="gpt-large", default_batch=32, ddp_bucket_mb=None),
 })
 """every workload by name: how to build it"""
 

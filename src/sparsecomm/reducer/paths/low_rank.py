@@ -12,19 +12,24 @@ P and Q travel in bf16 (`FACTORS`): half fp32's bytes, and fp32's range, which P
 of two gradient-sized factors underflows fp16); every rank orthonormalizes and multiplies the same
 rounded sums, and each residual is measured against that average, so the rounding is fed back too.
 
-The first all_reduces (P, and what travels exactly) are posted at once, the second (Q) when the
-step finishes, on the thread that finishes it, in the order the calls were posted — the same on
-every rank. Matrices of one shape go through each product together (batched), read and written in
-place where they lie at a regular stride in the call's flat tensor (a transformer's blocks), else
-gathered by an index."""
+The first all_reduces (P, and what travels exactly) are posted at once. Over gloo a call's second
+(Q) goes when the step's next call has posted its first, so it crosses the link while the backward
+pass computes, as the first did; over NCCL, and for the step's last call, it goes when the step
+finishes, on the thread that finishes it (reading a GPU's sums mid-backward would hold the host
+until the device caught up). Either way the calls' collectives come in one order on every rank.
+
+Matrices of one shape go through each product together (batched), read and written in place where
+they lie at a regular stride in the call's flat tensor (a transformer's blocks), else gathered by
+an index."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +44,7 @@ from sparsecomm.reducer.paths.base import Parts, Path, Pending, non_finite_sum
 from sparsecomm.reducer.paths.scratch import Scratch
 from sparsecomm.transport.collectives import on_wire
 from sparsecomm.transport.side_numbers import read_tail, tail_elements, write_tail
+from sparsecomm.transport.waiting import wait_polling
 
 FACTORS = torch.bfloat16
 """the dtype P and Q travel in"""
@@ -100,7 +106,24 @@ class Layout:
         return sum(len(g.keys) * g.shape[1] * rank_r for g in self.groups)
 
 
-@dataclass(frozen=True)
+@dataclass
+class SecondRound:
+    """A call's second all_reduce (Q), posted once its first was summed; or why none went."""
+
+    first: Summed
+    """the first all_reduces' sums: what the call returns where one was non-finite (the same on
+    every rank), and the report numbers they carried"""
+    orthonormal: list[torch.Tensor] = field(default_factory=list)
+    """per group: P̂, the summed P orthonormalized"""
+    exact: torch.Tensor | None = None
+    """the sum of what travelled exactly (None: a sum was non-finite, no Q went)"""
+    q_wire: torch.Tensor | None = None
+    work: torch.distributed.Work | None = None
+    error: BaseException | None = None
+    """what reading the first all_reduces or posting the second met: the call raises it"""
+
+
+@dataclass
 class Sent:
     """What a call's first all_reduces carried, and what its second needs."""
 
@@ -120,6 +143,8 @@ class Sent:
     nbytes: int
     raised: bool
     """this rank's own gradient was non-finite (it sent NaN, its state untouched)"""
+    second: SecondRound | None = None
+    """its second all_reduce, once posted"""
 
 
 class LowRankPath(Path):
@@ -135,6 +160,8 @@ class LowRankPath(Path):
         self._qs: dict[tuple[str, tuple[int, int], int], torch.Tensor] = {}
         """per stream, matrix shape and rank: the group's Qs stacked, each matrix's state a view"""
         self._residuals: dict[str, FlatResidual] = {}
+        self._open: list[tuple[Call, Sent, torch.futures.Future]] = []
+        """the step's calls whose second all_reduce waits for the next call's post"""
 
     def post(self, call: Call, plan: Plan | None, start: float) -> Pending:
         parts, adaptive = self.parts, self.parts.adaptive
@@ -173,52 +200,89 @@ class LowRankPath(Path):
             for work in works:
                 work.wait()
         future = torch.futures.collect_all([work.get_future() for work in works])
-        return Pending(future, submitted, finish_with_step=call.in_step, carries_report=side is not None,
-                       sent=Sent(flat, home, layout, matrices, qs, carrying, posted, nbytes, must_raise))
+        if call.in_step:
+            self._post_second_rounds()  # the earlier calls' Q, behind this call's P
+        sent = Sent(flat, home, layout, matrices, qs, carrying, posted, nbytes, must_raise)
+        if call.in_step and parts.wire_device.type == "cpu":
+            self._open.append((call, sent, future))
+        return Pending(future, submitted, finish_with_step=call.in_step, carries_report=side is not None, sent=sent)
 
     def summed(self, call: Call, pending: Pending, done: torch.futures.Future) -> Summed:
+        sent = pending.sent
         try:
-            return self._summed(call, pending.sent, done)
+            if sent.second is None:  # the step's last call, or one on NCCL
+                self._open = [entry for entry in self._open if entry[1] is not sent]
+                sent.second = self._second_round(call, sent, done)
+            return self._completed(call, sent, sent.second)
         finally:  # the matrices are read: the stream's buffer is free for its next call
-            self._scratch.give_back(call.key, pending.sent.flat)
+            self._scratch.give_back(call.key, sent.flat)
 
-    def _summed(self, call: Call, sent: Sent, done: torch.futures.Future) -> Summed:
-        device, dtype = sent.flat.device, sent.flat.dtype
+    def _post_second_rounds(self) -> None:
+        """The second all_reduce of each of the step's earlier calls, each once its first is summed:
+        posted from the backward pass, at the same place among the collectives on every rank."""
+        waiting, self._open = self._open, []
+        for call, sent, done in waiting:
+            sent.second = self._second_round(call, sent, done)
+
+    def _second_round(self, call: Call, sent: Sent, done: torch.futures.Future) -> SecondRound:
+        """Read the first all_reduces' sums and post Q (not where a sum is non-finite); an error is
+        kept for the call it belongs to to raise, not the call that is posting."""
+        try:
+            return self._post_q(call, sent, done)
+        except Exception as error:  # noqa: BLE001 - raised by its own call, in `summed`
+            return SecondRound(Summed(sent.flat.new_zeros(0), sent.nbytes), error=error)
+
+    def _post_q(self, call: Call, sent: Sent, done: torch.futures.Future) -> SecondRound:
+        with contextlib.suppress(Exception):  # a failed collective raises below, from its own future
+            wait_polling(done)
         # each collective's own future: waiting on it makes a CUDA stream wait for NCCL's
         # (collect_all's future knows no devices, and value() waits for nothing)
         sums = iter(each.wait()[0] for each in done.value())
+        device, dtype = sent.flat.device, sent.flat.dtype
         factors, exact = (next(sums).to(device, dtype) if posted else sent.flat.new_zeros(0) for posted in sent.posted)
         sides = None
         if sent.carrying is not None:
             sides = read_tail(exact[sent.carrying:])
             exact = exact[:sent.carrying]
         both = torch.cat([factors, exact])
-        refused = Summed(both, sent.nbytes, carried_report=sides is not None, sides=sides)
+        second = SecondRound(Summed(both, sent.nbytes, carried_report=sides is not None, sides=sides))
         if not all_finite(both):  # the same sums on every rank: none posts the second all_reduce
             self._restore(call, sent)
-            return refused
-        world_size, offset, orthonormal = self.parts.config.world_size, 0, []
+            return second
+        offset = 0
         for m, q in zip(sent.matrices, sent.qs, strict=True):
             p = factors[offset:offset + m.shape[0] * m.shape[1] * q.shape[2]].view(m.shape[0], m.shape[1], q.shape[2])
-            orthonormal.append(torch.linalg.qr(p.float()).Q.to(dtype))
+            second.orthonormal.append(torch.linalg.qr(p.float()).Q.to(dtype))
             offset += p.numel()
+        second.exact = exact
         if sent.matrices:
-            q_wire = on_wire(torch.cat([product(m.transpose(1, 2), p).reshape(-1)
-                                        for m, p in zip(sent.matrices, orthonormal, strict=True)]).to(FACTORS),
-                             self.parts.wire_device)
+            second.q_wire = on_wire(torch.cat([product(m.transpose(1, 2), p).reshape(-1)
+                                               for m, p in zip(sent.matrices, second.orthonormal, strict=True)]
+                                              ).to(FACTORS), self.parts.wire_device)
             self.parts.calls.in_order()
-            self.parts.process_group.allreduce([q_wire]).wait()
-            q_wire = q_wire.to(device, dtype)
+            second.work = self.parts.process_group.allreduce([second.q_wire])
+        return second
+
+    def _completed(self, call: Call, sent: Sent, second: SecondRound) -> Summed:
+        """The call's average, once its second all_reduce is summed (or why there is none)."""
+        if second.error is not None:
+            raise second.error
+        if second.exact is None:
+            return second.first
+        world_size = self.parts.config.world_size
+        if second.work is not None and second.q_wire is not None:
+            second.work.wait()
+            q_wire = second.q_wire.to(sent.flat.device, sent.flat.dtype)
             if not all_finite(q_wire):  # an overflow, the same on every rank
                 self._restore(call, sent)
-                return refused
+                return second.first
             offset = 0
             for q in sent.qs:
                 q.copy_(q_wire[offset:offset + q.numel()].view_as(q)).div_(world_size)
                 offset += q.numel()
-        self._finish(call, sent, orthonormal, exact.div_(world_size))
-        return Summed(sent.home, sent.nbytes, owned=True, averaged=True, carried_report=sides is not None,
-                      sides=sides)
+        self._finish(call, sent, second.orthonormal, second.exact.div_(world_size))
+        return Summed(sent.home, sent.nbytes, owned=True, averaged=True, carried_report=second.first.carried_report,
+                      sides=second.first.sides)
 
     def _finish(self, call: Call, sent: Sent, orthonormal: list[torch.Tensor], exact: torch.Tensor) -> None:
         """The average into the gradient's buffer; each matrix's residual keeps what the average
