@@ -302,45 +302,28 @@ def test_over_gloo_a_calls_second_all_reduce_goes_at_the_next_calls_post_with_th
         assert torch.equal(ours, theirs)
 
 
-def nonfinite_earlier_call(rank: int, world: int) -> dict:
-    """Rank 1's first matrix holds a NaN at the third step, whose second all_reduce would go at the
-    next call's post: what each rank raised and holds."""
-    with sc.GradientReducer(SPEC) as reducer:
-        forced_low_rank(reducer)
-        generator = torch.Generator().manual_seed(rank)
-        for step in range(4):
-            grads = [("w", torch.randn(48, 40, generator=generator)), ("w2", torch.randn(40, 56, generator=generator))]
-            if step == 2 and rank == 1:
-                grads[0][1][3, 5] = float("nan")
-            before = reducer.pipeline.states["w"].feedback["residual"].clone() if step == 2 else None
-            fed = grads[0][1].clone()
-            try:
-                reducer.allreduce_([(name, grad.clone()) for name, grad in grads])
-            except sc.SparseCommError as err:
-                after = reducer.pipeline.states["w"].feedback["residual"]
-                expected = before + fed.reshape(before.shape) if rank == 0 else before
-                return {"error": str(err), "kept": torch.allclose(expected, after, atol=1e-5),
-                        "step": reducer.pipeline.states["w"].step}
-    return {"error": "no error", "kept": False}
-
-
 def test_a_non_finite_gradient_in_a_call_whose_q_goes_early_fails_every_rank_and_loses_nothing():
-    runs = run_local(2, nonfinite_earlier_call)
+    """The NaN's matrix is followed by another call, so its second all_reduce would go at that
+    call's post."""
+    runs = run_local(2, nonfinite_low_rank, ("w", "w2"))
     assert all("non-finite" in run["error"] and "'w'" in run["error"] and run["kept"] and run["step"] == 2
                for run in runs), runs
 
 
-def nonfinite_low_rank(rank: int, world: int) -> dict:
+def nonfinite_low_rank(rank: int, world: int, names: tuple[str, ...] = ("w",)) -> dict:
+    """Rank 1's "w" holds a NaN at the third step, the step's calls ``names`` in that order (each
+    after "w" a 40 × 56 matrix): what each rank raised and "w"'s residual holds."""
     with sc.GradientReducer(SPEC) as reducer:
         forced_low_rank(reducer)
         generator = torch.Generator().manual_seed(rank)
         for step in range(3):
-            grad = torch.randn(48, 40, generator=generator)
+            grads = [(name, torch.randn((48, 40) if name == "w" else (40, 56), generator=generator)) for name in names]
+            grad = grads[0][1]
             if step == 2 and rank == 1:
                 grad[3, 5] = float("nan")
             before = reducer.pipeline.states["w"].feedback["residual"].clone() if step == 2 else None
             try:
-                reducer.allreduce_([("w", grad.clone())])
+                reducer.allreduce_([(name, each.clone()) for name, each in grads])
             except sc.SparseCommError as err:
                 after = reducer.pipeline.states["w"].feedback["residual"]
                 # the finite rank keeps its gradient too
