@@ -102,10 +102,11 @@ def test_the_first_step_is_dense_and_so_is_every_probe_step():
     assert modes.count(SPARSE) == 22
 
 
-def test_with_the_link_timed_at_start_up_the_first_step_is_sparse_at_the_floor():
-    plan = budget(probe=10, floor=0.002)
-    plan.costs.observe_link(12.5e6)
-    assert next_plan(plan) == Plan(SPARSE, 0.002)  # the compute is not timed yet: the cheapest step
+def test_with_the_link_timed_at_start_up_the_first_step_is_sparse_at_the_exploring_density():
+    for floor, density in ((0.002, CONFIG.explore_density), (0.1, 0.1)):  # a higher floor holds
+        plan = budget(probe=10, floor=floor)
+        plan.costs.observe_link(12.5e6)
+        assert next_plan(plan) == Plan(SPARSE, density)  # the compute is not timed yet: a cheap step
     slow = report(compute=0.002, throughput=12.5e6, per_nnz=2.0, magnitude=1.0)
     modes = [next_plan(plan, slow).mode for _ in range(1, 25)]
     assert modes[9] == FP32 and modes[19] == FP32 and modes.count(SPARSE) == 22  # probes as before
@@ -118,13 +119,14 @@ def test_a_link_that_carries_the_whole_gradient_within_the_compute_time_gets_den
     assert {next_plan(plan, fast).mode for _ in range(30)} == {FP32}
 
 
-def test_a_slow_link_explores_sparse_at_the_floor_then_sends_what_it_carries_while_the_step_computes():
+def test_a_slow_link_explores_sparse_at_a_few_percent_then_sends_what_it_carries_while_the_step_computes():
     plan = budget(floor=0.0005)
     next_plan(plan)
     # 10 MB/s and 2 ms of compute: 20 kB per step; 1 kB of it goes outside the budget
     measured = dict(compute=0.002, throughput=10e6, fp32=0.4, per_nnz=2.0, fixed=1000.0, magnitude=1.0)
-    assert next_plan(plan, report(**measured)) == Plan(SPARSE, 0.0005)  # sparse cost unknown: cheap steps
-    assert next_plan(plan, report(**measured)) == Plan(SPARSE, 0.0005)
+    exploring = Plan(SPARSE, CONFIG.explore_density)  # sparse cost unknown: cheap steps, not the floor's
+    assert next_plan(plan, report(**measured)) == exploring  # which would hold back nearly all
+    assert next_plan(plan, report(**measured)) == exploring
     chosen = next_plan(plan, report(**measured, sparse=0.003))
     assert chosen.mode == SPARSE and chosen.density == pytest.approx((20_000 - 1000) / (2.0 * N))
 
@@ -146,6 +148,7 @@ def test_where_a_dense_step_costs_a_few_sparse_ones_a_dense_step_follows_each_ex
 
 
 @pytest.mark.parametrize("setting, field", [({"explore_between": -1.0}, "explore_between"),
+                                            ({"explore_density": 0.5}, "explore_density"),
                                             ({"trial_pairs": 0}, "trial_pairs"),
                                             ({"max_sparse_density": 0.0}, "max_sparse_density"),
                                             ({"calibration_nnz": (10, 5)}, "calibration_nnz")])

@@ -1,6 +1,7 @@
 """The workloads beyond digits: gpt, a GPT over the standard library's source bytes — its size, its
-data, its causal attention, and AdamW training it — and cnn, a ResNet with batch normalisation;
-and the update rules every workload takes or refuses clearly."""
+data, its causal attention, and AdamW training it — and cnn, a ResNet with batch normalisation
+whose ranks keep their own statistics and average them to evaluate; and the update rules every
+workload takes or refuses clearly."""
 
 from types import SimpleNamespace
 
@@ -8,6 +9,9 @@ import pytest
 import torch
 
 from sparsecomm.errors import SparseCommError
+from sparsecomm.launch import run_local
+from sparsecomm.train.baselines import BASELINES
+from sparsecomm.train.runner import average_buffers, ddp_options
 from sparsecomm.train.update_rule import UpdateRule
 from sparsecomm.train.workloads import workload
 
@@ -131,3 +135,34 @@ def test_the_cnn_normalises_every_convolution_and_evaluates_with_running_statist
     first = cnn.evaluate(model)
     assert model.training and torch.equal(norms[0].running_mean, before)  # evaluation changes nothing
     assert first == cnn.evaluate(model) and 0 <= first.metric <= 100
+
+
+def test_each_workload_builds_its_ddp_rows_with_its_own_options():
+    cnn = ddp_options(workload("cnn"))  # statistics averaged at the end; the name as this PyTorch has it
+    assert cnn in ({"broadcast_buffers": False}, {"forward_sync_buffers": False})
+    assert ddp_options(workload("gpt")) == {"bucket_cap_mb": 2.0}
+    assert ddp_options(workload("digits")) == {}  # PyTorch's defaults
+
+
+def _statistics_kept_apart_then_averaged(rank: int, world: int) -> dict:
+    cnn = workload("cnn")
+    wrapped = {row: BASELINES[row].wrap(cnn.model(0), ddp_options(cnn))[0]
+               for row in ("torch-allreduce", "torch-powersgd-r2")}
+    model = wrapped["torch-allreduce"]
+    images, labels = next(iter(cnn.batches(rank, world, 1, 16, 0)))
+    cnn.loss(model, (images, labels)).backward()  # each rank's own images move its own statistics
+    norm = next(m for m in model.module.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    before = (norm.running_mean.clone(), norm.running_var.clone(), norm.num_batches_tracked.clone())
+    average_buffers(model)
+    return {"broadcast": [m.will_sync_module_buffers() for m in wrapped.values()], "before": before,
+            "after": (norm.running_mean, norm.running_var, norm.num_batches_tracked)}
+
+
+def test_a_cnn_row_keeps_each_ranks_statistics_and_evaluates_their_mean():
+    first, second = run_local(2, _statistics_kept_apart_then_averaged)
+    assert first["broadcast"] == second["broadcast"] == [False, False]  # PowerSGD's one bucket keeps it
+    assert not torch.equal(first["before"][0], second["before"][0])  # not broadcast: the ranks differ
+    for index in (0, 1):  # mean and variance: the ranks' mean, alike on both
+        torch.testing.assert_close(first["after"][index], (first["before"][index] + second["before"][index]) / 2)
+        assert torch.equal(first["after"][index], second["after"][index])
+    assert first["after"][2] == first["before"][2] == 1  # the step count is no statistic: left as it is

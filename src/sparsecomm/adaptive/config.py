@@ -81,12 +81,18 @@ class AdaptiveConfig:
     costs are not counted"""
     exploration_steps: int = 2
     """sparse steps before the sparse path's cost counts (the first is a warm-up)"""
+    explore_density: float = 0.03
+    """the density of the sparse steps sent while the sparse path's cost is unknown (the first
+    few; at least the step's least density): at the floor such a step would hold back nearly all
+    of a gradient at the start of training, where it is largest, for the feedback to deliver in
+    one burst steps later; a few percent is about where the later steps settle on the models
+    measured, and costs those few steps little on any link"""
     explore_between: float = 3.0
     """while the sparse path's cost is unknown, a sparse step is followed by a dense one where a
     dense step is predicted to cost at most this many sparse steps (their overhead counted as
-    none): there a dense step may well be the faster, and the gradient a sparse step at the least
-    density held back goes out one step later, not after several at the start of training, where
-    the gradient is largest; on a slower link the exploring steps run on end, as they always do at 0"""
+    none): there a dense step may well be the faster, and the gradient an exploring sparse step
+    held back goes out one step later, not after several at the start of training, where the
+    gradient is largest; on a slower link the exploring steps run on end, as they always do at 0"""
     explore_share: float = 0.02
     """a challenger is tried again once its trial's predicted extra cost is this share of the
     steps' time since its last trial"""
@@ -131,6 +137,8 @@ class AdaptiveConfig:
             raise SparseCommError("adaptive: trial_pairs must be >= 1 and pair_window >= 2 * trial_pairs")
         if not 0.0 < self.max_sparse_density <= 1.0:
             raise SparseCommError("adaptive: max_sparse_density must be in (0, 1]")
+        if not 0.0 <= self.explore_density <= self.max_sparse_density:
+            raise SparseCommError("adaptive: explore_density must be in [0, max_sparse_density] (0: the floor)")
         if self.explore_between < 0.0:
             raise SparseCommError("adaptive: explore_between must be >= 0 (0: exploring steps run on end)")
         if min(self.compute_window, self.throughput_window, self.cost_window, self.energy_every,

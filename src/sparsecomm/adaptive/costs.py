@@ -211,7 +211,7 @@ class Costs:
             costs[Mode.LOW_RANK] = (low_rank_cost * (1 + config.sparse_margin) + 1e-9, Plan(Mode.LOW_RANK))
             return costs
         if not self.sparse_overhead_s:  # exploring
-            density = self.sparse(self.least).density
+            density = self.sparse(config.explore_density).density
         elif self.preferred_density:
             density = self.sparse(statistics.median(self.preferred_density)).density
         else:

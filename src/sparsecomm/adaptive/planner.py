@@ -5,10 +5,10 @@ most gradient energy per second of step, or each matrix as a low-rank product �
 
 Every rank measures its step (`StepMeasurement`) and reports it (`Report`); every rank plans from
 the agreed reports alone (`Costs`, `Trials`), so every rank's plan is the same. The first step runs
-sparse at the least density (or low-rank) when the link was timed at start-up (`link_probe`), fp32
-otherwise (to measure it). The least density is the ``floor``, or during the ``warmup`` steps
-higher: it falls geometrically from `AdaptiveConfig.max_sparse_density` to the floor, as DGC eases
-sparsity in. A step is fp32 on every ``probe``-th step (to measure again), and, unless its
+sparse at `AdaptiveConfig.explore_density` (or low-rank) when the link was timed at start-up
+(`link_probe`), fp32 otherwise (to measure it). The least density is the ``floor``, or during the
+``warmup`` steps higher: it falls geometrically from `AdaptiveConfig.max_sparse_density` to the
+floor, as DGC eases sparsity in. A step is fp32 on every ``probe``-th step (to measure again), and, unless its
 compressed steps are low-rank ones, whenever the link carries the whole fp32 gradient within the
 compute time. fp16 is allowed while the largest magnitude sent leaves `AdaptiveConfig.fp16_headroom`
 of fp16's range. Where the pipeline has a device form and its sparsifier's ``device_route`` weighs
@@ -17,10 +17,10 @@ it where the gradients are (`Planner.device_weighed`), a sparse step may also go
 asks for low-rank steps (`Planner.low_rank_step`), they take the sparse steps' place, weighed
 against fp32 and fp16 by the same trials (their time unknown, the compute alone: a slow link tries
 them at once). Until sparse steps have been measured their fixed overhead counts as 0, so a link
-slower than the compute gets sparse steps at the least density — the first warms the sparse path up
-and is not counted — until their cost is known, cheaply where sparse does not pay. Where a dense
-step is predicted to cost at most a few sparse ones (`AdaptiveConfig.explore_between`), a dense step
-follows each of them at the floor: what one held back then goes out with the next step.
+slower than the compute gets sparse steps at the exploring density — the first warms the sparse
+path up and is not counted — until their cost is known, cheaply where sparse does not pay. Where a
+dense step is predicted to cost at most a few sparse ones (`AdaptiveConfig.explore_between`), a
+dense step follows each of them: what one held back then goes out with the next step.
 
 A user-set ``budget`` (bytes per step) replaces the measured one and the preferred density, and
 turns the probes off: bytes alone decide the mode (fp32, fp16 or sparse, whichever the budget
@@ -206,9 +206,9 @@ class Planner:
         # a user's byte budget holds from the first step; a measured one eases sparsity in
         costs.least = sparsifier.least_at(self.step, self.config.max_sparse_density) if not sparsifier.budget else 0.0
         if self.step == 0 and costs.throughput and not sparsifier.budget:
-            # the link probed at start-up, the compute not timed yet: sparse at the least density (or
-            # low-rank), cheap on any link, and a first sparse step warms the sparse path up
-            return Plan(Mode.LOW_RANK) if self.low_rank_step() else costs.sparse(costs.least)
+            # the link probed at start-up, the compute not timed yet: sparse at the exploring density
+            # (or low-rank), cheap on any link, and a first sparse step warms the sparse path up
+            return Plan(Mode.LOW_RANK) if self.low_rank_step() else costs.sparse(self.config.explore_density)
         dense_bytes = costs.dense_bytes()
         if costs.budget_numel == 0:
             if self.step == 0 and 0 < sparsifier.budget < dense_bytes / 2:
@@ -244,12 +244,14 @@ class Planner:
 
     def exploring(self, predicted: dict[Mode, tuple[float, Plan]]) -> Plan:
         """A step while the sparse path's cost is unknown: sparse, unless the step before was, at the
-        floor (a warm-up's density holds little back), and a dense step is predicted to cost at
-        most `AdaptiveConfig.explore_between` sparse ones."""
+        exploring density (`AdaptiveConfig.explore_density`; a warm-up's higher density holds
+        little back), and a dense step is predicted to cost at most
+        `AdaptiveConfig.explore_between` sparse ones."""
         sparse_cost, sparse = predicted[Mode.SPARSE]
         dense_cost, dense = min((predicted[mode] for mode in (Mode.FP32, Mode.FP16) if mode in predicted),
                                 key=lambda choice: choice[0])
-        held_back = not self.current.dense and self.current.density <= self.sparsifier.least
+        exploring = self.sparsifier.at_density(max(self.config.explore_density, self.sparsifier.least)).density
+        held_back = not self.current.dense and self.current.density <= exploring
         if held_back and dense_cost <= self.config.explore_between * sparse_cost:
             return dense
         return sparse

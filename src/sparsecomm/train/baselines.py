@@ -16,7 +16,7 @@ one bucket (``bucket_cap_mb`` large enough for the whole model).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,12 +61,13 @@ class Baseline:
             return f"{self.name} cannot run here: PyTorch's hook does not take sparse gradients"
         return None
 
-    def wrap(self, module: torch.nn.Module, bucket_mb: float | None = None
+    def wrap(self, module: torch.nn.Module, ddp_options: Mapping[str, Any] | None = None
              ) -> tuple[DistributedDataParallel, BytesMeter]:
-        """``module`` in DDP with this scheme's hook, and a meter of the bytes it sends; its buckets
-        of ``bucket_mb`` (None: PyTorch's default), unless the scheme needs one."""
+        """``module`` in DDP with this scheme's hook, and a meter of the bytes it sends; DDP built
+        with ``ddp_options`` (the workload's, `ddp_options`), its bucket size overridden where the
+        scheme needs one bucket."""
         numel = sum(p.numel() for p in module.parameters())
-        options: dict[str, Any] = {} if bucket_mb is None else {"bucket_cap_mb": bucket_mb}
+        options: dict[str, Any] = dict(ddp_options or {})
         if self.one_bucket:
             options["bucket_cap_mb"] = max(1.0, 2 * numel * 4 / 2**20)  # one bucket: PowerSGD's gloo workaround
         model = DistributedDataParallel(module, **options)

@@ -30,6 +30,9 @@ class Digits:
     regime = RESNET50_ON_1GBE
     ddp_bucket_mb: float | None = None
     """the size of the DDP buckets its rows train in (None: PyTorch's default)"""
+    ddp_broadcast_buffers = True
+    """whether DDP sends rank 0's buffers to every rank at each forward (PyTorch's default); where
+    not, each rank keeps its own and the ranks average them before evaluating (`average_buffers`)"""
 
     def __init__(self) -> None:
         try:

@@ -61,6 +61,8 @@ class StdlibGPT:
     """the rows `sparsecomm train` runs unless told (with dense and PyTorch's hooks): every preset would
     take a quarter of an hour on 2 CPU cores"""
     regime = BREAK_EVEN
+    ddp_broadcast_buffers = True
+    """whether DDP sends rank 0's buffers to every rank at each forward (it has none to send)"""
     EVALUATED_BYTES = 32_768
     """held-out bytes the metric is measured on (the same every evaluation)"""
     BLOCK = 4096

@@ -31,6 +31,8 @@ class StdlibLanguageModel:
     default_batch, default_steps = 32, 300
     ddp_bucket_mb: float | None = None
     """the size of the DDP buckets its rows train in (None: PyTorch's default)"""
+    ddp_broadcast_buffers = True
+    """whether DDP sends rank 0's buffers to every rank at each forward (it has none to send)"""
     default_presets = None
     regime = RESNET50_ON_1GBE
     CONTEXT, VOCAB, MAX_WORDS = 4, 5000, 400_000

@@ -4,11 +4,12 @@ started by torchrun, on the job's own ranks — and collects what the table, the
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -131,18 +132,42 @@ Reducer = GradientReducer | HierarchicalReducer | FSDPCompression | FlatFSDPComp
 """what a sparsecomm row reduces its gradients with"""
 
 
-def _wrapped(row: str, module: nn.Module, world: int, nodes: int, seed: int, bucket_mb: float | None = None
+def ddp_options(task: Workload) -> dict[str, Any]:
+    """What every DDP row of ``task`` is built with: its bucket size and whether DDP broadcasts
+    rank 0's buffers each forward, where the workload departs from PyTorch's defaults."""
+    options: dict[str, Any] = {}
+    if task.ddp_bucket_mb is not None:
+        options["bucket_cap_mb"] = task.ddp_bucket_mb
+    if not task.ddp_broadcast_buffers:  # PyTorch ≥ 2.13 names it forward_sync_buffers
+        accepted = inspect.signature(DistributedDataParallel.__init__).parameters
+        options["forward_sync_buffers" if "forward_sync_buffers" in accepted else "broadcast_buffers"] = False
+    return options
+
+
+def average_buffers(module: nn.Module) -> None:
+    """Each floating-point buffer (batch normalisation's running statistics) replaced by its mean
+    over the ranks, in one all_reduce: what a row evaluates where the ranks kept their own."""
+    buffers = [buffer for buffer in module.buffers() if buffer.is_floating_point()]
+    if not buffers or not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    flat = torch.cat([buffer.detach().reshape(-1).double() for buffer in buffers])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for buffer, mean in zip(buffers, flat.split([buffer.numel() for buffer in buffers]), strict=True):
+        buffer.copy_(mean.view_as(buffer))
+
+
+def _wrapped(row: str, module: nn.Module, world: int, nodes: int, seed: int, ddp: Mapping[str, Any] | None = None
              ) -> tuple[nn.Module, Reducer | None, BytesMeter | None]:
     """The row's model, and what counts its bytes: its reducer, or a meter for PyTorch's rows.
-    ``bucket_mb``: the size of its DDP buckets (None: PyTorch's default)."""
+    ``ddp``: what DDP is built with (`ddp_options`)."""
     baseline = BASELINES.get(row)
     if baseline is not None:
-        model, meter = baseline.wrap(module, bucket_mb)
+        model, meter = baseline.wrap(module, ddp)
         return model, None, meter
     if is_sharded(row):
         return sharded.build(row, module, nodes, seed)
-    model = DistributedDataParallel(module) if bucket_mb is None else DistributedDataParallel(module,
-                                                                                             bucket_cap_mb=bucket_mb)
+    model = DistributedDataParallel(module, **(ddp or {}))
     topology = Topology(world // nodes) if row.startswith(HIERARCHICAL) else None
     return model, register_ddp_hook(model, preset_of(row), seed=seed, topology=topology), None
 
@@ -154,7 +179,7 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
     of PyTorch's own schemes (`BASELINES`, `SHARDED_BASELINES`)."""
     device = worker_device(device_name, rank)
     compute_per_step = compute_seconds_per_step(task, batch, seed, device=device, rule=rule)
-    model, reducer, meter = _wrapped(row, task.model(seed).to(device), world, nodes, seed, task.ddp_bucket_mb)
+    model, reducer, meter = _wrapped(row, task.model(seed).to(device), world, nodes, seed, ddp_options(task))
     counted = meter if meter is not None else reducer.stats if reducer is not None else None
     assert counted is not None, "every row counts its bytes: a meter or a reducer's stats"
     optimizer, suited = rule.build(model, reducer)  # one update rule for every row
@@ -185,6 +210,8 @@ def worker(rank: int, world: int, task: Workload, row: str, steps: int, batch: i
     if on_link:
         dist.barrier()
         link_bytes = (bytes_sent_here() or 0) - link_start if rank % (world // nodes) == 0 else 0
+    if not task.ddp_broadcast_buffers:
+        average_buffers(model)
     evaluation = task.evaluate(getattr(model, "module", model))
     adaptive: dict[str, Any] = {}
     if reducer is None:
