@@ -250,7 +250,7 @@ class Planner:
         sparse_cost, sparse = predicted[Mode.SPARSE]
         dense_cost, dense = min((predicted[mode] for mode in (Mode.FP32, Mode.FP16) if mode in predicted),
                                 key=lambda choice: choice[0])
-        exploring = self.sparsifier.at_density(max(self.config.explore_density, self.sparsifier.least)).density
+        exploring = max(self.config.explore_density, self.sparsifier.least)
         held_back = not self.current.dense and self.current.density <= exploring
         if held_back and dense_cost <= self.config.explore_between * sparse_cost:
             return dense
