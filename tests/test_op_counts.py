@@ -1,5 +1,8 @@
 """`sparsecomm.bench.op_counts`: which of the profiler's trace events are copies between host and
-device, and their bytes (the counting of ops and syncs is exercised by the benches' and paths' tests)."""
+device, and their bytes, and which threads' syncs count (the counting of ops and syncs is exercised
+by the benches' and paths' tests)."""
+
+import threading
 
 import pytest
 import torch
@@ -38,3 +41,19 @@ def test_a_step_on_the_host_copies_nothing_between_host_and_device():
     values = torch.ones(1000)
     counted = count_ops(lambda: values.clone().cpu(), 2)
     assert counted.host_device_bytes == 0 and counted.ops >= 1
+
+
+def test_a_sync_in_a_callback_that_another_thread_runs_counts():
+    """A collective's future runs its callbacks on the thread that finishes it (gloo's), not the
+    caller's: a step whose completion reads a scalar there still reads the host once."""
+    values = torch.ones(3)
+
+    def step() -> None:
+        finished = torch.futures.Future()
+        read = finished.then(lambda _: values.sum().item())
+        worker = threading.Thread(target=finished.set_result, args=(None,))
+        worker.start()
+        worker.join()
+        read.wait()
+
+    assert count_ops(step, 2).syncs == 1

@@ -2,8 +2,9 @@
 host syncs (ops that make the host wait for the device on a GPU: a scalar read — ``.item()``,
 ``bool(tensor)`` — and ``nonzero``) and, on a GPU, the bytes copied between host and device (by
 tensor ops, and by gloo where it carries CUDA tensors through the host). Read from torch's
-profiler, which records the ops of every thread of the process — the caller's, the reducer's
-worker thread and the backward pass's — and, with CUDA's activity, the device's copies."""
+profiler, told to record the ops of every thread of the process — the caller's, the backward pass's,
+the reducer's worker thread and the collective's, where a finished future runs its callbacks — and,
+with CUDA's activity, the device's copies."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def count_ops(step: Callable[[], None], steps: int, device: torch.device | str =
     ``device``, host↔device bytes per step."""
     on_gpu = torch.device(device).type == "cuda"
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
-    with profile(activities=activities) as recorded:
+    with profile(activities=activities, **every_thread()) as recorded:
         for _ in range(steps):
             step()
         if on_gpu:
@@ -51,6 +52,16 @@ def count_ops(step: Callable[[], None], steps: int, device: torch.device | str =
         parent = event.cpu_parent
         ops += parent is None or not parent.name.startswith("aten::")  # a launch, not an op's own inner op
     return OpCounts(ops / steps, syncs / steps, copied_bytes(recorded) / steps if on_gpu else 0.0)
+
+
+def every_thread() -> dict[str, Any]:
+    """The profiler's option to record every thread: by default it records the calling thread and
+    the threads it hands work to (autograd's), not one that runs a collective's completion callbacks.
+    Empty where this torch lacks the option."""
+    try:
+        return {"experimental_config": torch._C._profiler._ExperimentalConfig(profile_all_threads=True)}
+    except (AttributeError, TypeError):
+        return {}
 
 
 def copied_bytes(recorded: profile) -> int:
